@@ -1,0 +1,29 @@
+# Two entry points: `make serve` (main job on the embedded tiny model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU build first so that pip does not pull a CUDA wheel on CPU machines.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/afd demo
+
+test: setup
+	$(PY) -m pytest -q -n 2 tests
+
+bench: setup
+	$(PY) benchmarks/bench_offline.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

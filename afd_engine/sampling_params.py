@@ -1,0 +1,65 @@
+"""Per-request sampling settings, validated once when a request is created."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from afd_engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token of one request.
+
+    temperature 0 means greedy. ``top_k`` 0 or -1 keeps every token, ``top_p`` 1.0 keeps the
+    whole distribution. ``seed`` makes a sampled request reproducible regardless of what else
+    is in the batch. Generation stops at ``max_new_tokens``, at the model's EOS (unless
+    ``ignore_eos``), at any of ``stop_token_ids`` or when the text ends with one of ``stop``.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and frozen into tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}", param=name)
+
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise bad("max_new_tokens", "must be an integer")
+        if self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "must be at least 1")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise bad("temperature", "must be a number")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "must be in [0, 100]")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise bad("top_k", "must be a positive integer, or 0 / -1 to disable")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", "must be a non-negative integer")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
