@@ -1,0 +1,31 @@
+"""Model registry: architecture name (config.json `architectures`) -> model class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from afd_engine.model_config import ModelConfig
+from afd_engine.models.deepseek import DeepseekForCausalLM
+from afd_engine.models.loader import load_weights
+
+MODEL_REGISTRY = {
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+}
+
+
+def load_model(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
+               expert_range: tuple[int, int] | None = None) -> DeepseekForCausalLM:
+    """Builds the model for `cfg.architecture` in `dtype` and loads its weights from `model_path`."""
+    with torch.device("meta"):  # no random init of weights that the checkpoint overwrites
+        model = MODEL_REGISTRY[cfg.architecture](cfg, expert_range)
+    model.to(dtype)
+    for layer in model.model.layers:  # the router's bias stays fp32, as the checkpoint stores it
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            gate.e_score_correction_bias = gate.e_score_correction_bias.float()
+    model.to_empty(device="cpu")
+    load_weights(model, model_path)
+    return model.eval().requires_grad_(False)

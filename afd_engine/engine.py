@@ -1,0 +1,201 @@
+"""The offline engine: `Engine(...).generate(...)`, and the step loop every front end drives."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+import torch
+from tqdm import tqdm
+
+from afd_engine.default_model import resolve_model_path
+from afd_engine.engine_args import EngineArgs
+from afd_engine.errors import InvalidRequestError, ModelLoadError
+from afd_engine.model_config import ModelConfig
+from afd_engine.models import load_model
+from afd_engine.runtime.kv_cache import KVPool, pages_for
+from afd_engine.runtime.model_runner import ModelRunner
+from afd_engine.runtime.request import Request, RequestOutput
+from afd_engine.runtime.sampler import Sampler, SamplingBatch
+from afd_engine.runtime.scheduler import Scheduler
+from afd_engine.runtime.stop_checker import StopChecker, trim_text
+from afd_engine.sampling_params import SamplingParams
+
+
+class Engine:
+    """Loads a checkpoint and serves requests in one process.
+
+    Keywords are EngineArgs fields (the CLI flags with underscores):
+    ``Engine(model_path=path, dtype="float32", kv_cache_memory_mb=64)``.
+    """
+
+    def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
+        args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
+        args.validate()
+        torch.set_num_threads(args.threads)
+        self.model_path = resolve_model_path(args.model_path)
+        self.args = args
+        self.config = ModelConfig.from_pretrained(self.model_path)
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.model = load_model(self.config, self.model_path, args.torch_dtype)
+        self.context_len = min(args.context_length or self.config.max_position_embeddings,
+                               self.config.max_position_embeddings)
+        self.pool = _make_pool(self.config, args, self.context_len)
+        self.scheduler = Scheduler(self.pool, args.max_num_batched_tokens, args.max_running_requests, self.context_len)
+        self.runner = ModelRunner(self.model, self.pool)
+        self.sampler = Sampler()
+        eos = set(self.config.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
+        self.stop_checker = StopChecker(self.tokenizer, eos)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seeds = random.Random(args.seed)
+
+    # -- request lifecycle -------------------------------------------------------------------
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+        """Queues one request; raises InvalidRequestError (and queues nothing) if it cannot run."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed)
+        self.scheduler.add(req)
+        self._requests[rid] = req
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        req.finish_reason = "abort"
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one forward step; returns the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        done = list(plan.finished)
+        if not plan.empty:
+            samplers, logits = self.runner.run(plan)
+            if samplers:
+                done += self._append_tokens(samplers, logits)
+        return [self._finish(req) for req in done]
+
+    def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
+        batch = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
+                                    [len(r.output_ids) for r in reqs], logits.shape[-1])
+        finished = []
+        for req, token in zip(reqs, self.sampler(logits, batch).tolist()):
+            req.output_ids.append(token)
+            reason, req.text_trim = self.stop_checker.check(req.output_ids, req.params)
+            if reason is None and req.total_len >= self.context_len:
+                reason = "length"
+            if reason is not None:
+                req.finish_reason = reason
+                finished.append(req)
+        return finished
+
+    def _finish(self, req: Request) -> RequestOutput:
+        self.scheduler.remove(req)
+        self._requests.pop(req.rid, None)
+        return self._output(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+        return RequestOutput(req.rid, req.prompt_ids, list(req.output_ids), trim_text(text, req.text_trim),
+                             req.finish_reason, req.error)
+
+    # -- offline batch API -------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str] | str | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in prompt order.
+
+        A request that cannot run (too long, empty) gets finish_reason "error" and its message;
+        the others are unaffected.
+        """
+        inputs = _inputs(prompts, prompt_token_ids)
+        params = _params(sampling_params, len(inputs))
+        results: dict[int, RequestOutput] = {}
+        index: dict[str, int] = {}
+        for i, (inp, p) in enumerate(zip(inputs, params)):
+            try:
+                rid = self.add_request(**inp, params=p)
+                index[rid] = i
+            except InvalidRequestError as exc:
+                results[i] = RequestOutput(f"invalid-{i}", inp.get("prompt_token_ids") or [], [], "", "error", str(exc))
+        bar = tqdm(total=len(index), desc="generate", disable=not use_tqdm)
+        while self.has_unfinished():
+            for out in self.step():
+                results[index[out.request_id]] = out
+                bar.update(1)
+        bar.close()
+        return [results[i] for i in range(len(inputs))]
+
+    def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", param="prompt")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string", param="prompt")
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.config.vocab_size for t in ids):
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {self.config.vocab_size})", param="prompt_token_ids"
+            )
+        return ids
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        for rid in list(self._requests):
+            self.abort(rid)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _load_tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except Exception as exc:  # transformers raises many kinds; all mean "no usable tokenizer"
+        raise ModelLoadError(f"cannot load the tokenizer from {str(model_path)!r}: {exc}") from exc
+
+
+def _make_pool(cfg: ModelConfig, args: EngineArgs, context_len: int) -> KVPool:
+    page_bytes = KVPool.bytes_per_page(cfg.num_layers, cfg.kv_cache_dim, args.page_size, args.torch_dtype)
+    num_pages = int(args.kv_cache_memory_mb * 2**20) // page_bytes
+    return KVPool(cfg.num_layers, cfg.kv_cache_dim, num_pages, args.page_size, args.max_running_requests,
+                  pages_for(context_len, args.page_size), args.torch_dtype)
+
+
+def _inputs(prompts, prompt_token_ids) -> list[dict]:
+    if (prompts is None) == (prompt_token_ids is None):
+        raise InvalidRequestError("give exactly one of prompts and prompt_token_ids", param="prompts")
+    if prompts is not None:
+        return [{"prompt": p} for p in ([prompts] if isinstance(prompts, str) else prompts)]
+    return [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+
+
+def _params(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts", param="sampling_params")
+    return params

@@ -1,0 +1,84 @@
+"""EngineArgs: every engine setting and its default, in one place, for the CLI and Python alike.
+
+`Engine(model_path=..., kv_cache_memory_mb=...)` and `afd ... --model-path ... --kv-cache-memory-mb`
+are the same setting: each field becomes a flag with underscores turned into dashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from afd_engine.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str | None = _opt(None, "Hugging Face checkpoint directory (default: the embedded tiny model)")
+    dtype: str = _opt("auto", "weights and activations: float32, bfloat16 or auto (float32 on CPU)",
+                      choices=("auto", "float32", "bfloat16"))
+    kv_cache_memory_mb: float = _opt(256.0, "memory budget of the paged KV cache, in MiB")
+    page_size: int = _opt(16, "tokens per KV cache page")
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step; longer prompts are prefilled in chunks")
+    max_running_requests: int = _opt(256, "most requests in the running batch at once")
+    context_length: int | None = _opt(None, "longest prompt + output (default: the model's max_position_embeddings)")
+    num_threads: int | None = _opt(None, "torch threads of this process (default: all cores)")
+    seed: int = _opt(0, "seed for requests that do not set their own")
+
+    def validate(self) -> None:
+        def need(ok: bool, flag: str, fix: str) -> None:
+            if not ok:
+                raise ConfigError(f"--{flag.replace('_', '-')}={getattr(self, flag)!r}: {fix}")
+
+        need(self.dtype in ("auto", *_DTYPES), "dtype", "use float32, bfloat16 or auto")
+        need(self.kv_cache_memory_mb > 0, "kv_cache_memory_mb", "must be positive")
+        need(self.page_size >= 1, "page_size", "must be at least 1")
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
+        need(self.max_running_requests >= 1, "max_running_requests", "must be at least 1")
+        need(self.context_length is None or self.context_length >= 2, "context_length", "must be at least 2")
+        need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be at least 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES["float32" if self.dtype == "auto" else self.dtype]
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or os.cpu_count() or 1
+
+    def replace(self, **changes) -> "EngineArgs":
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _flag_type(f.type)
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
+                                choices=f.metadata.get("choices"))
+
+    @staticmethod
+    def from_cli(ns: argparse.Namespace) -> "EngineArgs":
+        return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+
+    @staticmethod
+    def from_kwargs(**kwargs) -> "EngineArgs":
+        names = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return EngineArgs(**kwargs)
+
+
+def _flag_type(annotation: str):
+    return {"int": int, "float": float}.get(annotation.split(" |")[0], str)

@@ -1,0 +1,199 @@
+"""The model's shape, read from a Hugging Face `config.json` into one frozen object."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from afd_engine.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings; `kind` is "default" or "yarn"."""
+
+    kind: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleave: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model code needs from the checkpoint's config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    topk_method: str
+    scoring_func: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    fp8_block: tuple[int, int] | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values cached per token per layer: the latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def uses_bias_correction(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer_id >= self.first_k_dense_replace
+            and layer_id % self.moe_layer_freq == 0
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @staticmethod
+    def from_pretrained(model_path: str | Path) -> "ModelConfig":
+        path = Path(model_path)
+        if not path.is_dir():
+            raise ModelLoadError(f"model directory {str(path)!r} does not exist (pass --model-path to a local checkpoint)")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{str(path)!r} has no config.json; is it a Hugging Face checkpoint directory?")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from exc
+        return ModelConfig.from_dict(raw)
+
+    @staticmethod
+    def from_dict(raw: dict) -> "ModelConfig":
+        arch = _architecture(raw)
+        is_v3 = arch == "DeepseekV3ForCausalLM"
+        n_group = raw.get("n_group") or 1
+        topk_method = raw.get("topk_method") or ("noaux_tc" if is_v3 else "greedy")
+        quant = raw.get("quantization_config") or {}
+        fp8_block = tuple(quant.get("weight_block_size", (128, 128))) if quant.get("quant_method") == "fp8" else None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        cfg = ModelConfig(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+            num_layers=raw["num_hidden_layers"],
+            num_heads=raw["num_attention_heads"],
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=raw["kv_lora_rank"],
+            qk_nope_head_dim=raw["qk_nope_head_dim"],
+            qk_rope_head_dim=raw["qk_rope_head_dim"],
+            v_head_dim=raw["v_head_dim"],
+            n_routed_experts=raw.get("n_routed_experts") or 0,
+            n_shared_experts=raw.get("n_shared_experts") or 0,
+            num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
+            n_group=n_group,
+            topk_group=raw.get("topk_group") or n_group,
+            topk_method=topk_method,
+            scoring_func=raw.get("scoring_func") or ("sigmoid" if is_v3 else "softmax"),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", is_v3)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=raw.get("first_k_dense_replace") or 0,
+            moe_layer_freq=raw.get("moe_layer_freq") or 1,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            rope=_rope(raw),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            fp8_block=fp8_block,
+            raw=raw,
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.n_routed_experts:
+            if self.n_routed_experts % self.n_group:
+                raise ModelLoadError(f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}")
+            if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+                raise ModelLoadError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, n_routed_experts]")
+            if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+                raise ModelLoadError(f"unsupported topk_method {self.topk_method!r}")
+            if self.scoring_func not in ("softmax", "sigmoid"):
+                raise ModelLoadError(f"unsupported scoring_func {self.scoring_func!r}")
+        if self.rope.kind not in ("default", "yarn"):
+            raise ModelLoadError(f"unsupported rope scaling type {self.rope.kind!r} (supported: default, yarn)")
+
+
+def _architecture(raw: dict) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    named = ", ".join(archs) if archs else f"model_type={raw.get('model_type')!r}"
+    raise ModelLoadError(
+        f"unsupported architecture {named}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope(raw: dict) -> RopeConfig:
+    """Rope settings from `rope_scaling` (real checkpoints) or `rope_parameters` (newer transformers)."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    interleave = bool(raw.get("rope_interleave", True))
+    if kind == "default":
+        return RopeConfig(theta=theta, interleave=interleave)
+    max_pos = raw.get("max_position_embeddings", 4096)
+    original = params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings") or max_pos
+    factor = params.get("factor")
+    return RopeConfig(
+        kind=kind,
+        theta=theta,
+        factor=float(factor) if factor is not None else max_pos / original,
+        original_max_position=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+        interleave=interleave,
+    )

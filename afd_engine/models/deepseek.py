@@ -1,0 +1,226 @@
+"""DeepSeek-V2 / V3 for serving: MLA over a paged latent cache, MoE with shared experts.
+
+Module names mirror the checkpoint (`model.layers.N.self_attn.kv_a_proj_with_mqa`, ...), so
+weights load by name; the only exception is the routed experts, stacked into `w13`/`w2` by the
+loader's mapping table. Every forward works on one flat batch of tokens (see ForwardBatch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afd_engine.model_config import ModelConfig
+from afd_engine.models.rope import RotaryEmbedding, softmax_scale
+from afd_engine.runtime.forward_batch import ForwardBatch
+from kernels.mla import absorb_kv_b, mla_decode_attention, mla_extend_attention
+from kernels.moe import fused_moe
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU feed-forward: dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = _linear(hidden, inter), _linear(hidden, inter), _linear(inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """Router: scores every expert, picks top-k (optionally group-limited) in fp32."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if cfg.uses_bias_correction:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> topk_ids [T, K] int64, topk_weights [T, K] fp32."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        if cfg.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias
+            group_scores = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).topk(2, dim=-1)[0].sum(-1)
+            choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
+            ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+        elif cfg.topk_method == "group_limited_greedy":
+            group_scores = scores.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).amax(-1)
+            weights, ids = scores.masked_fill(~self._group_mask(group_scores), 0.0).topk(
+                cfg.num_experts_per_tok, dim=-1, sorted=False
+            )
+        else:
+            weights, ids = scores.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * cfg.routed_scaling_factor
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """group_scores [T, G] -> bool mask [T, E] of experts inside the top `topk_group` groups."""
+        cfg = self.cfg
+        top = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top, True)
+        return mask.repeat_interleave(cfg.n_routed_experts // cfg.n_group, dim=1)
+
+
+class RoutedExperts(nn.Module):
+    """The experts [first, first + count) of one layer, stacked for grouped compute."""
+
+    def __init__(self, cfg: ModelConfig, first: int, count: int) -> None:
+        super().__init__()
+        self.first, self.count = first, count
+        inter = cfg.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(count, 2 * inter, cfg.hidden_size))
+        self.w2 = nn.Parameter(torch.empty(count, cfg.hidden_size, inter))
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], global topk_ids [T, K], topk_weights [T, K] -> [T, H] partial sum over local experts."""
+        local = topk_ids - self.first
+        local = torch.where((local >= 0) & (local < self.count), local, -1)
+        return fused_moe(x, self.w13, self.w2, local, topk_weights)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int]) -> None:
+        super().__init__()
+        self.gate = Gate(cfg)
+        self.experts = RoutedExperts(cfg, expert_range[0], expert_range[1] - expert_range[0])
+        self.shared_experts = (
+            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.gate(x)
+        out = self.experts(x, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention; caches `kv_lora_rank + qk_rope_head_dim` values per token."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg, self.rotary = cfg, rotary
+        h, nh = cfg.hidden_size, cfg.num_heads
+        if cfg.q_lora_rank:
+            self.q_a_proj = _linear(h, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = _linear(cfg.q_lora_rank, nh * cfg.qk_head_dim)
+        else:
+            self.q_proj = _linear(h, nh * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = _linear(h, cfg.kv_cache_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = _linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = _linear(nh * cfg.v_head_dim, h)
+        self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
+        self.w_uk: torch.Tensor | None = None  # absorbed decode weights, set by prepare()
+        self.w_uv: torch.Tensor | None = None
+
+    def prepare(self) -> None:
+        """Derive the absorbed decode weights once the checkpoint is loaded."""
+        cfg = self.cfg
+        self.w_uk, self.w_uv = absorb_kv_b(self.kv_b_proj.weight.data, cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin, cache: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]; writes this step's latents into `cache` [slots, C + R]."""
+        cfg = self.cfg
+        T = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        q = q.view(T, cfg.num_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        cos, sin = cos_sin
+        q_pe = self.rotary.apply(q_pe, cos, sin)
+        cache[fb.out_slots] = torch.cat((self.kv_a_layernorm(latent), self.rotary.apply(k_pe, cos, sin)), dim=-1)
+        n_ext = fb.num_extend_tokens
+        out = x.new_empty(T, cfg.num_heads, cfg.v_head_dim)
+        if n_ext:
+            out[:n_ext] = self._extend(q_nope[:n_ext], q_pe[:n_ext], fb, cache)
+        if T > n_ext:
+            out[n_ext:] = mla_decode_attention(
+                q_nope[n_ext:], q_pe[n_ext:], cache, fb.dec_slots, fb.dec_kv_lens, self.w_uk, self.w_uv, self.scale
+            )
+        return self.o_proj(out.view(T, -1))
+
+    def _extend(self, q_nope, q_pe, fb: ForwardBatch, cache) -> torch.Tensor:
+        valid = fb.ext_valid  # [Be, Q]
+        pad_nope = q_nope.new_zeros(*valid.shape, *q_nope.shape[1:])
+        pad_pe = q_pe.new_zeros(*valid.shape, *q_pe.shape[1:])
+        pad_nope[valid], pad_pe[valid] = q_nope, q_pe
+        out = mla_extend_attention(
+            pad_nope, pad_pe, cache, fb.ext_slots, fb.ext_kv_lens, fb.ext_positions,
+            self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale,
+        )  # [Be, Q, H, Dv]
+        return out[valid]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, expert_range) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = MLAttention(cfg, rotary)
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        self.mlp = MoE(cfg, expert_range) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin, cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb, cos_sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, expert_range) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, expert_range) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The whole model in one process. `expert_range` limits which routed experts live here."""
+
+    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.expert_range = expert_range or (0, cfg.n_routed_experts)
+        self.model = DeepseekModel(cfg, self.expert_range)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+
+    def prepare(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.prepare()
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Runs one step; kv_cache [layers, slots, C + R]; returns fp32 logits [len(logit_rows), V]."""
+        x = self.model.embed_tokens(fb.input_ids)
+        cos_sin = self.model.rotary.cos_sin(fb.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, fb, cos_sin, kv_cache[layer.layer_id])
+        return self.lm_head(self.model.norm(x[logit_rows])).float()

@@ -1,0 +1,119 @@
+"""Loads Hugging Face safetensors checkpoints (sharded, FP8 block-quantized) into the model.
+
+Names are the checkpoint's own; the mapping table below only covers what the serving layout
+stores differently (stacked routed experts). Each process loads only the tensors its modules
+own, so an expert-parallel rank reads only its experts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from afd_engine.errors import ModelLoadError
+
+# checkpoint name -> (parameter name, which stacked slot); group(1) layer, group(2) expert.
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACK_SLOT = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def checkpoint_files(model_path: Path) -> list[Path]:
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_path / f for f in weight_map.values()})
+    else:
+        files = sorted(model_path.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.is_file()]
+    if not files or missing:
+        raise ModelLoadError(f"no safetensors weights in {str(model_path)!r}" + (f" (missing {missing})" if missing else ""))
+    return files
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [N, K] float8_e4m3fn, scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
+    n, k = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return weight.float() * scale
+
+
+def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
+    """Fills every parameter and buffer of `model` from the checkpoint; errors name what is missing."""
+    model_path = Path(model_path)
+    cfg = model.config
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    filled: Counter[str] = Counter()
+    first, last = model.expert_range
+    for file in checkpoint_files(model_path):
+        with safe_open(str(file), framework="pt") as f:
+            names = set(f.keys())
+            for name in names:
+                if name.endswith("_scale_inv") or _skip_layer(name, cfg.num_layers):
+                    continue
+                tensor = _read(f, name, names, cfg.fp8_block)
+                dest = _place(name, tensor, params, first, last)
+                if dest is not None:
+                    filled[dest] += 1
+    missing = sorted(n for n, p in params.items() if filled[n] != _pieces(n, p))
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ModelLoadError(f"checkpoint {str(model_path)!r} lacks weights the model needs: {shown}")
+    model.prepare()
+
+
+def _pieces(name: str, param: torch.Tensor) -> int:
+    """How many checkpoint tensors make up one parameter (stacked experts: one or two per expert)."""
+    if name.endswith("experts.w13"):
+        return 2 * param.shape[0]
+    return param.shape[0] if name.endswith("experts.w2") else 1
+
+
+def _skip_layer(name: str, num_layers: int) -> bool:
+    """Layers past num_hidden_layers are multi-token-prediction modules; not served."""
+    m = _LAYER.match(name)
+    return m is not None and int(m.group(1)) >= num_layers
+
+
+def _read(f, name: str, names: set[str], fp8_block) -> torch.Tensor:
+    tensor = f.get_tensor(name)
+    scale_name = name + "_scale_inv"
+    if scale_name in names:
+        if fp8_block is None:
+            raise ModelLoadError(f"{name} has a scale_inv but config.json declares no fp8 quantization_config")
+        return dequantize_fp8(tensor, f.get_tensor(scale_name), fp8_block)
+    return tensor
+
+
+def _place(name: str, tensor: torch.Tensor, params: dict, first: int, last: int) -> str | None:
+    """Copies one checkpoint tensor into its parameter; returns the parameter name (None: not ours)."""
+    m = _EXPERT.match(name)
+    if m:
+        layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+        if not first <= expert < last:
+            return None
+        stacked, half = _STACK_SLOT[proj]
+        dest = f"model.layers.{layer}.mlp.experts.{stacked}"
+        if dest not in params:
+            return None
+        param = params[dest].data[expert - first]
+        if half is not None:
+            rows = param.shape[0] // 2
+            param = param[half * rows:(half + 1) * rows]
+        _copy(param, tensor, name)
+        return dest
+    if name not in params:
+        return None
+    _copy(params[name].data, tensor, name)
+    return name
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ModelLoadError(f"weight {name} has shape {tuple(src.shape)}, the config implies {tuple(dst.shape)}")
+    dst.copy_(src)

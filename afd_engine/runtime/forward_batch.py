@@ -1,0 +1,103 @@
+"""The tensors one forward step needs, built once per step and shared by every layer.
+
+A step's tokens are flat: first the extend segment (prefill chunks, each sequence's new tokens
+back to back), then the decode segment (one token per sequence)::
+
+    tokens:  [ e0 e0 e0 | e1 e1 | d0 | d1 | d2 ]
+              extend (padded to [Be, Q] inside attention)  decode ([Bd])
+
+Extend sequences attend through the expanded (non-absorbed) MLA form, decode sequences through
+the absorbed form; both read the same paged latent cache through slot tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a step: `tokens` new tokens starting at position `start`."""
+
+    row: int  # row of the sequence in the page table
+    start: int  # tokens already in the cache (also the position of the first new token)
+    tokens: list[int]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64: cache slot each new token's latent is written to
+    num_extend_tokens: int
+    ext_valid: torch.Tensor  # [Be, Q] bool: real (not padding) query positions
+    ext_positions: torch.Tensor  # [Be, Q] int64
+    ext_slots: torch.Tensor  # [Be, L] int64
+    ext_kv_lens: torch.Tensor  # [Be]
+    dec_slots: torch.Tensor  # [Bd, L] int64
+    dec_kv_lens: torch.Tensor  # [Bd]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_extend_seqs(self) -> int:
+        return self.ext_valid.shape[0]
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return self.dec_kv_lens.shape[0]
+
+    @staticmethod
+    def build(extend: list[SeqChunk], decode: list[SeqChunk], page_table: torch.Tensor, page_size: int) -> "ForwardBatch":
+        """page_table [rows, max_pages] int64: page ids of each sequence (row) in order."""
+        ext = _segment(extend, page_table, page_size)
+        dec = _segment(decode, page_table, page_size)
+        ids = [t for c in extend for t in c.tokens] + [t for c in decode for t in c.tokens]
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.cat((ext.q_pos[ext.q_valid], dec.q_pos[dec.q_valid])),
+            out_slots=torch.cat((ext.q_slots[ext.q_valid], dec.q_slots[dec.q_valid])),
+            num_extend_tokens=int(ext.q_valid.sum()),
+            ext_valid=ext.q_valid,
+            ext_positions=ext.q_pos,
+            ext_slots=ext.slots,
+            ext_kv_lens=ext.kv_lens,
+            dec_slots=dec.slots,
+            dec_kv_lens=dec.kv_lens,
+        )
+
+
+@dataclass
+class _Segment:
+    q_valid: torch.Tensor  # [B, Q] bool
+    q_pos: torch.Tensor  # [B, Q]
+    q_slots: torch.Tensor  # [B, Q]
+    slots: torch.Tensor  # [B, L]
+    kv_lens: torch.Tensor  # [B]
+
+
+def _segment(chunks: list[SeqChunk], page_table: torch.Tensor, page_size: int) -> _Segment:
+    rows = torch.tensor([c.row for c in chunks], dtype=torch.int64)
+    starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
+    counts = torch.tensor([len(c.tokens) for c in chunks], dtype=torch.int64)
+    kv_lens = starts + counts
+    q_max = int(counts.max()) if chunks else 0
+    kv_max = int(kv_lens.max()) if chunks else 0
+    q_off = torch.arange(q_max)
+    q_valid = q_off[None, :] < counts[:, None]  # [B, Q]
+    q_pos = torch.where(q_valid, starts[:, None] + q_off[None, :], 0)
+    kv_pos = torch.arange(kv_max)[None, :].expand(len(chunks), kv_max)  # [B, L]
+    slots = _slots(page_table[rows], kv_pos, page_size)
+    slots = torch.where(kv_pos < kv_lens[:, None], slots, 0)
+    q_slots = slots.gather(1, q_pos) if q_max else q_pos
+    return _Segment(q_valid, q_pos, q_slots, slots, kv_lens)
+
+
+def _slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """pages [B, P], positions [B, L] -> flat cache slots [B, L]."""
+    page_idx = (positions // page_size).clamp(max=pages.shape[1] - 1)
+    return pages.gather(1, page_idx) * page_size + positions % page_size

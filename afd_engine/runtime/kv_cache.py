@@ -1,0 +1,82 @@
+"""The paged latent KV pool: cache memory, a page allocator and the per-sequence page table.
+
+MLA caches one latent vector per token per layer (`kv_lora_rank + qk_rope_head_dim` values),
+shared by all heads. Memory is cut into pages of `page_size` tokens; a sequence owns a list of
+pages, recorded in its row of the page table, and never touches a page it does not own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd_engine.errors import ConfigError
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class KVPool:
+    """Cache tensor [layers, num_pages * page_size, dim] plus page bookkeeping."""
+
+    def __init__(self, num_layers: int, dim: int, num_pages: int, page_size: int, max_seqs: int,
+                 max_pages_per_seq: int, dtype: torch.dtype) -> None:
+        if num_pages < 1:
+            raise ConfigError("the KV cache budget holds no page; raise --kv-cache-memory-mb or lower --page-size")
+        self.page_size, self.num_pages = page_size, num_pages
+        self.cache = torch.zeros(num_layers, num_pages * page_size, dim, dtype=dtype)
+        self.page_table = torch.zeros(max_seqs, max_pages_per_seq, dtype=torch.int64)
+        self._free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}  # row -> pages owned
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, dim: int, page_size: int, dtype: torch.dtype) -> int:
+        return num_layers * dim * page_size * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free_pages)
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def open_row(self) -> int:
+        row = self._free_rows.pop()
+        self._pages[row] = []
+        return row
+
+    def tokens_capacity(self, row: int) -> int:
+        return len(self._pages[row]) * self.page_size
+
+    def extra_pages_needed(self, row: int | None, total_tokens: int) -> int:
+        have = 0 if row is None else len(self._pages[row])
+        return max(0, pages_for(total_tokens, self.page_size) - have)
+
+    def grow(self, row: int, total_tokens: int) -> bool:
+        """Ensures `row` owns enough pages for `total_tokens`; False (and no change) if pages run out."""
+        need = self.extra_pages_needed(row, total_tokens)
+        if need > len(self._free_pages):
+            return False
+        owned = self._pages[row]
+        if len(owned) + need > self.page_table.shape[1]:
+            return False
+        for _ in range(need):
+            page = self._free_pages.pop()
+            self.page_table[row, len(owned)] = page
+            owned.append(page)
+        return True
+
+    def release(self, row: int) -> None:
+        """Returns a sequence's pages and its row."""
+        self._free_pages.extend(reversed(self._pages.pop(row)))
+        self._free_rows.append(row)

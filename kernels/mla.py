@@ -1,0 +1,90 @@
+"""MLA attention over a paged latent KV cache: torch reference implementations.
+
+The cache of one layer is a flat tensor ``[num_slots, kv_lora_rank + rope_dim]``: per token the
+normalised latent ``c_kv`` followed by the rotated shared key ``k_pe``. A request's tokens live in
+slots named by a slot table (built from its pages by the runtime); padding entries point at slot 0
+and are masked out.
+
+Two forms of the same attention:
+
+* extend (prefill, chunked prefill): the latent is expanded to per-head keys and values through
+  ``kv_b_proj`` and attended with a causal mask; cheap when queries are many.
+* decode (absorbed): ``W_UK`` is folded into the query and ``W_UV`` into the output, so attention
+  runs directly against the latent; no per-token expansion of the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_latent(cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cache [S, C + R], slots [B, L] -> latent [B, L, C], k_pe [B, L, R] (one gather)."""
+    kv = cache[slots]  # [B, L, C + R]
+    return kv[..., :kv_lora_rank], kv[..., kv_lora_rank:]
+
+
+def mla_extend_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_positions: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    v_head_dim: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of padded query blocks against their sequences' cached latents.
+
+    q_nope [B, Q, H, Dn], q_pe [B, Q, H, R]: queries, padded per sequence.
+    slots [B, L] int64: cache slots of each sequence's tokens 0..L-1 (padded).
+    kv_lens [B] int64; q_positions [B, Q] int64 (padding rows: 0).
+    w_kv_b [H * (Dn + Dv), C]: the kv_b_proj weight.
+    Returns [B, Q, H, Dv].
+    """
+    B, Q, H, Dn = q_nope.shape
+    latent, k_pe = gather_latent(cache, slots, w_kv_b.shape[1])  # [B, L, C], [B, L, R]
+    L = slots.shape[1]
+    kv = F.linear(latent, w_kv_b).view(B, L, H, Dn + v_head_dim)
+    k_nope, v = kv.split([Dn, v_head_dim], dim=-1)
+    k = torch.cat((k_nope, k_pe[:, :, None, :].expand(B, L, H, k_pe.shape[-1])), dim=-1)  # [B, L, H, Dqk]
+    q = torch.cat((q_nope, q_pe), dim=-1)  # [B, Q, H, Dqk]
+    key_pos = torch.arange(L, device=slots.device)
+    mask = (key_pos[None, None, :] <= q_positions[:, :, None]) & (key_pos[None, None, :] < kv_lens[:, None, None])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale
+    )  # [B, H, Q, Dv]
+    return out.transpose(1, 2)
+
+
+def absorb_kv_b(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
+    """Split kv_b_proj [H * (Dn + Dv), C] into W_UK [H, Dn, C] and W_UV [H, Dv, C] for decode."""
+    w = w_kv_b.view(num_heads, qk_nope_head_dim + v_head_dim, -1)
+    return w[:, :qk_nope_head_dim].contiguous(), w[:, qk_nope_head_dim:].contiguous()
+
+
+def mla_decode_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_lens: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its whole cached latent, in the absorbed form.
+
+    q_nope [B, H, Dn], q_pe [B, H, R]; slots [B, L]; kv_lens [B];
+    w_uk [H, Dn, C], w_uv [H, Dv, C]. Returns [B, H, Dv].
+    """
+    latent, k_pe = gather_latent(cache, slots, w_uk.shape[-1])  # [B, L, C], [B, L, R]
+    q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, H, C]
+    scores = torch.bmm(q_latent, latent.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))  # [B, H, L]
+    valid = torch.arange(slots.shape[1], device=slots.device)[None, :] < kv_lens[:, None]  # [B, L]
+    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
+    out_latent = torch.bmm(probs, latent)  # [B, H, C]
+    return torch.einsum("bhc,hvc->bhv", out_latent, w_uv)
