@@ -179,7 +179,10 @@ def _load_tokenizer(model_path):
 
 def _make_pool(cfg: ModelConfig, args: EngineArgs, context_len: int) -> KVPool:
     page_bytes = KVPool.bytes_per_page(cfg.num_layers, cfg.kv_cache_dim, args.page_size, args.torch_dtype)
-    num_pages = int(args.kv_cache_memory_mb * 2**20) // page_bytes
+    if args.max_total_tokens is not None:
+        num_pages = pages_for(args.max_total_tokens, args.page_size)
+    else:
+        num_pages = int(args.kv_cache_memory_mb * 2**20) // page_bytes
     return KVPool(cfg.num_layers, cfg.kv_cache_dim, num_pages, args.page_size, args.max_running_requests,
                   pages_for(context_len, args.page_size), args.torch_dtype)
 

@@ -28,6 +28,7 @@ class EngineArgs:
     dtype: str = _opt("auto", "weights and activations: float32, bfloat16 or auto (float32 on CPU)",
                       choices=("auto", "float32", "bfloat16"))
     kv_cache_memory_mb: float = _opt(256.0, "memory budget of the paged KV cache, in MiB")
+    max_total_tokens: int | None = _opt(None, "KV cache size in tokens; overrides --kv-cache-memory-mb")
     page_size: int = _opt(16, "tokens per KV cache page")
     max_num_batched_tokens: int = _opt(2048, "token budget of one step; longer prompts are prefilled in chunks")
     max_running_requests: int = _opt(256, "most requests in the running batch at once")
@@ -42,6 +43,7 @@ class EngineArgs:
 
         need(self.dtype in ("auto", *_DTYPES), "dtype", "use float32, bfloat16 or auto")
         need(self.kv_cache_memory_mb > 0, "kv_cache_memory_mb", "must be positive")
+        need(self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens", "must be positive")
         need(self.page_size >= 1, "page_size", "must be at least 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
         need(self.max_running_requests >= 1, "max_running_requests", "must be at least 1")

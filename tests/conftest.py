@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny checkpoints in the real Hugging Face format, made once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from afd_engine.tiny_model import make_tiny_model
+
+# Tests run two workers on two cores; one torch thread each keeps them from fighting.
+torch.set_num_threads(int(os.environ.get("AFD_TEST_THREADS", "1")))
+
+# name -> (arch, overrides): the configurations every parity test runs against.
+TINY_CONFIGS = {
+    "v3-yarn-qlora": ("deepseek_v3", {}),
+    "v3-dense0": ("deepseek_v3", {"first_k_dense_replace": 0}),
+    "v3-dense2-rope-params": ("deepseek_v3", {
+        "first_k_dense_replace": 2,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                            "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                            "mscale": 0.707, "mscale_all_dim": 1.0},
+    }),
+    "v2-lite": ("deepseek_v2", {}),
+    "v2-group-limited": ("deepseek_v2", {"q_lora_rank": 48, "topk_method": "group_limited_greedy",
+                                         "n_group": 4, "topk_group": 2, "first_k_dense_replace": 0}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    made: dict[tuple, str] = {}
+
+    def make(name: str, **kwargs) -> str:
+        key = (name, tuple(sorted(kwargs.items())))
+        if key not in made:
+            arch, overrides = TINY_CONFIGS[name]
+            out = tmp_path_factory.mktemp(name)
+            made[key] = str(make_tiny_model(out, arch=arch, seed=kwargs.pop("seed", 0), overrides=overrides, **kwargs))
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_v3(tiny_model_factory) -> str:
+    return tiny_model_factory("v3-yarn-qlora")

@@ -1,0 +1,106 @@
+"""The engine computes what transformers computes: logits and greedy tokens, in every runtime mode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from afd_engine import Engine, SamplingParams
+from afd_engine.runtime.forward_batch import ForwardBatch, SeqChunk
+from tests.conftest import TINY_CONFIGS
+from tests.hf_reference import assert_greedy_matches, hf_greedy, hf_logits
+
+PROMPT_LENS = (1, 2, 9, 33, 64, 100, 157, 200)
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def prompts(vocab: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def engine_logits(engine: Engine, ids: list[int], cached: int = 0) -> torch.Tensor:
+    """Logits of ids[cached:] after ids[:cached] was prefilled; the decode path when one token is left."""
+    pool = engine.pool
+    row = pool.open_row()
+    try:
+        assert pool.grow(row, len(ids))
+        if cached:
+            engine.model(ForwardBatch.build([SeqChunk(row, 0, ids[:cached])], [], pool.page_table, pool.page_size),
+                         pool.cache, torch.tensor([cached - 1]))
+        new = [SeqChunk(row, cached, ids[cached:])]
+        ext, dec = (new, []) if len(ids) - cached > 1 else ([], new)
+        fb = ForwardBatch.build(ext, dec, pool.page_table, pool.page_size)
+        return engine.model(fb, pool.cache, torch.arange(len(ids) - cached))
+    finally:
+        pool.release(row)
+
+
+def run_staggered(engine: Engine, batch: list[list[int]], params=GREEDY) -> list[list[int]]:
+    """Two requests join every third step, so prefills land while others decode."""
+    todo = list(enumerate(batch))
+    index, results, step = {}, {}, 0
+    while todo or engine.has_unfinished():
+        if step % 3 == 0:
+            for i, ids in todo[:2]:
+                index[engine.add_request(prompt_token_ids=ids, params=params)] = i
+            todo = todo[2:]
+        for out in engine.step():
+            results[index[out.request_id]] = out.token_ids
+        step += 1
+    return [results[i] for i in range(len(batch))]
+
+
+@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
+def case(request, tiny_model_factory):
+    path = tiny_model_factory(request.param)
+    engine = Engine(model_path=path, dtype="float32", num_threads=1)
+    batch = prompts(engine.config.vocab_size)
+    refs = [hf_greedy(path, ids, NEW_TOKENS) for ids in batch]
+    return request.param, path, engine, batch, refs
+
+
+def check_all(name, outs, batch, refs, label):
+    for ids, out, (ref, gaps) in zip(batch, outs, refs):
+        assert_greedy_matches(out, ref, gaps, f"{name} {label} prompt len {len(ids)}")
+
+
+def test_prefill_and_decode_logits_match(case):
+    name, path, engine, batch, _ = case
+    for ids in batch[2:]:
+        ref = hf_logits(path, ids)
+        assert (engine_logits(engine, ids) - ref).abs().max() <= 1e-4, f"{name} prefill, len {len(ids)}"
+        # the absorbed decode form for the last position, after a prefill of the rest
+        assert (engine_logits(engine, ids, cached=len(ids) - 1)[0] - ref[-1]).abs().max() <= 1e-4
+
+
+def test_greedy_batch_submitted_together(case):
+    name, _, engine, batch, refs = case
+    outs = engine.generate(prompt_token_ids=batch, sampling_params=GREEDY)
+    assert all(o.finish_reason == "length" for o in outs)
+    check_all(name, [o.token_ids for o in outs], batch, refs, "together")
+
+
+def test_greedy_staggered_arrival(case):
+    name, _, engine, batch, refs = case
+    check_all(name, run_staggered(engine, batch), batch, refs, "staggered")
+
+
+def test_greedy_with_small_prefill_chunks(case):
+    name, path, _, batch, refs = case
+    engine = Engine(model_path=path, dtype="float32", num_threads=1, max_num_batched_tokens=7)
+    check_all(name, run_staggered(engine, batch), batch, refs, "chunked")
+
+
+def test_greedy_with_kv_pool_too_small_for_all(case):
+    name, path, _, batch, refs = case
+    # 30 pages of 8 tokens: the longest request (200 + 32 tokens) fits alone, but the batch needs
+    # about 860 tokens at once, so requests wait and decodes preempt newer requests.
+    engine = Engine(model_path=path, dtype="float32", num_threads=1, page_size=8, max_total_tokens=240)
+    outs = run_staggered(engine, batch)
+    check_all(name, outs, batch, refs, "small pool")
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.pool.used_pages == 0
