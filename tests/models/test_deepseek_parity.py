@@ -5,11 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from afd_engine import Engine, SamplingParams
-from afd_engine.runtime.forward_batch import ForwardBatch, SeqChunk
 from tests.conftest import TINY_CONFIGS
+from tests.engine_helpers import engine_logits
 from tests.hf_reference import assert_greedy_matches, hf_greedy, hf_logits
 
 PROMPT_LENS = (1, 2, 9, 33, 64, 100, 157, 200)
@@ -20,23 +19,6 @@ GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=T
 def prompts(vocab: int, seed: int = 1) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
-
-
-def engine_logits(engine: Engine, ids: list[int], cached: int = 0) -> torch.Tensor:
-    """Logits of ids[cached:] after ids[:cached] was prefilled; the decode path when one token is left."""
-    pool = engine.pool
-    row = pool.open_row()
-    try:
-        assert pool.grow(row, len(ids))
-        if cached:
-            engine.model(ForwardBatch.build([SeqChunk(row, 0, ids[:cached])], [], pool.page_table, pool.page_size),
-                         pool.cache, torch.tensor([cached - 1]))
-        new = [SeqChunk(row, cached, ids[cached:])]
-        ext, dec = (new, []) if len(ids) - cached > 1 else ([], new)
-        fb = ForwardBatch.build(ext, dec, pool.page_table, pool.page_size)
-        return engine.model(fb, pool.cache, torch.arange(len(ids) - cached))
-    finally:
-        pool.release(row)
 
 
 def run_staggered(engine: Engine, batch: list[list[int]], params=GREEDY) -> list[list[int]]:

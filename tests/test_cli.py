@@ -1,0 +1,51 @@
+"""The `afd` command as users run it: real subprocesses, exit codes, no tracebacks on user errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "AFD_TEST_THREADS": "1"}
+
+
+def afd(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "afd_engine.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env or ENV)
+
+
+def test_generate_prints_the_completion(tiny_v3):
+    from afd_engine import Engine, SamplingParams
+
+    with Engine(model_path=tiny_v3, num_threads=1) as eng:
+        expected = eng.generate(prompts=["Hello world"],
+                                sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0))[0].text
+    res = afd("generate", "--model-path", tiny_v3, "--prompt", "Hello world", "--max-new-tokens", "8",
+              "--num-threads", "1")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == expected + "\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--model-path", "/no/such/dir", "--prompt", "hi"], "model directory '/no/such/dir' does not exist"),
+    (["generate", "--prompt", "hi", "--page-size", "0"], "--page-size=0: must be at least 1"),
+    (["generate", "--prompt", "hi", "--temperature", "-2"], "invalid sampling parameter temperature=-2.0"),
+    (["make-tiny-model", "/tmp/x", "--arch", "llama"], "supported: deepseek_v3, deepseek_v2"),
+])
+def test_user_errors_exit_2_without_traceback(args, message, tmp_path):
+    res = afd(*args, env={**ENV, "AFD_CACHE_DIR": str(tmp_path)})
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_make_tiny_model_then_generate(tmp_path):
+    res = afd("make-tiny-model", str(tmp_path / "m"), "--arch", "deepseek_v2", "--shards", "2")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
+    res = afd("generate", "--model-path", str(tmp_path / "m"), "--prompt", "a", "--prompt", "b",
+              "--max-new-tokens", "4", "--ignore-eos", "--num-threads", "1")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("(length)") == 2
