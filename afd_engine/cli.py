@@ -59,17 +59,19 @@ def _make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from afd_engine.engine_args import EngineArgs
+    from afd_engine.sampling_params import SamplingParams
 
     parser = argparse.ArgumentParser(prog="afd", description="AFD inference engine for MoE LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion offline and print it")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--sample-seed", type=int, default=None, help="seed of the sampled request")
+    defaults = SamplingParams()  # one source of defaults for the Python API and the CLI
+    gen.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    gen.add_argument("--temperature", type=float, default=defaults.temperature, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=defaults.top_p)
+    gen.add_argument("--top-k", type=int, default=defaults.top_k)
+    gen.add_argument("--sample-seed", type=int, default=defaults.seed, help="seed of the sampled request")
     gen.add_argument("--stop", action="append", help="stop string (repeat for several)")
     gen.add_argument("--ignore-eos", action="store_true")
     EngineArgs.add_cli_args(gen)

@@ -23,7 +23,7 @@ def test_generate_prints_the_completion(tiny_v3):
         expected = eng.generate(prompts=["Hello world"],
                                 sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0))[0].text
     res = afd("generate", "--model-path", tiny_v3, "--prompt", "Hello world", "--max-new-tokens", "8",
-              "--num-threads", "1")
+              "--temperature", "0", "--num-threads", "1")
     assert res.returncode == 0, res.stderr
     assert res.stdout == expected + "\n"
 
