@@ -192,10 +192,13 @@ def _run(args: argparse.Namespace, path: str) -> dict:
         }
 
     afd, hf = results["afd"], results["transformers"]
-    same = sum(a == b for a, b in zip(tokens["afd"], tokens["transformers"]))
-    first_diff = []
-    for a, b in zip(tokens["afd"], tokens["transformers"]):
-        first_diff.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+    eos = _eos_ids(path)
+    divergences = []
+    for i, (a, b) in enumerate(zip(tokens["afd"], tokens["transformers"])):
+        pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if pos is not None:
+            divergences.append({"sequence": i, "position": pos, "afd": a[pos], "transformers": b[pos],
+                                "afd_is_eos": a[pos] in eos})
     return {
         "config": {
             "model_path": args.model_path or "tiny deepseek_v3 seed 0 (temp dir)",
@@ -209,9 +212,20 @@ def _run(args: argparse.Namespace, path: str) -> dict:
         "ratio_output_tok_s": afd["output_tok_s"] / hf["output_tok_s"],
         "ratio_decode_tok_s": (afd["decode_tok_s"] / hf["decode_tok_s"]
                                if afd["decode_tok_s"] and hf["decode_tok_s"] else None),
-        "greedy_match": {"identical_sequences": same, "sequences": B,
-                         "first_divergence": first_diff},
+        "greedy_match": {
+            "identical_sequences": B - len(divergences), "sequences": B,
+            # transformers' min_new_tokens masks EOS out, our ignore_eos only keeps going: where EOS
+            # is the argmax we emit it and transformers takes the runner-up, so the rest differs.
+            "diverged_at_eos": sum(d["afd_is_eos"] for d in divergences),
+            "divergences": divergences,
+        },
+        "noisy": any(max(r["samples"]["total_s"]) > 1.5 * min(r["samples"]["total_s"]) for r in results.values()),
     }
+
+
+def _eos_ids(path: str) -> set[int]:
+    eos = json.loads((Path(path) / "config.json").read_text()).get("eos_token_id")
+    return set(eos) if isinstance(eos, list) else ({eos} - {None})
 
 
 def _hf_version() -> str:
@@ -223,8 +237,8 @@ def _hf_version() -> str:
 def report(res: dict) -> str:
     c = res["config"]
     lines = [
-        f"batch {c['batch_size']}, input {c['input_len']}, output {c['output_len']}, "
-        f"{c['dtype']}, {c['num_threads']} threads, best of {c['repeats']} (warmup {c['warmup']})",
+        (f"batch {c['batch_size']}, input {c['input_len']}, output {c['output_len']}, "
+         f"{c['dtype']}, {c['num_threads']} threads, best of {c['repeats']} (warmup {c['warmup']})"),
         f"{'side':<14}{'seconds':>10}{'prefill s':>11}{'output tok/s':>14}{'decode tok/s':>14}",
     ]
     for name, r in res["results"].items():
@@ -235,7 +249,11 @@ def report(res: dict) -> str:
     if res["ratio_decode_tok_s"] is not None:
         lines.append(f"ratio (afd / transformers) decode tok/s: {res['ratio_decode_tok_s']:.2f}x")
     g = res["greedy_match"]
-    lines.append(f"identical greedy sequences: {g['identical_sequences']}/{g['sequences']}")
+    lines.append(f"identical greedy sequences: {g['identical_sequences']}/{g['sequences']} "
+                 f"({g['diverged_at_eos']} of the {g['sequences'] - g['identical_sequences']} divergences are where "
+                 f"ours emitted EOS, which transformers' min_new_tokens forbids)")
+    if res["noisy"]:
+        lines.append("warning: repeats differ by more than 1.5x (machine busy?); rerun for stable numbers")
     lines.append(f"method: {res['method']}")
     return "\n".join(lines)
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 def gather_latent(cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cache [S, C + R], slots [B, L] -> latent [B, L, C], k_pe [B, L, R] (one gather)."""
-    kv = cache[slots]  # [B, L, C + R]
+    kv = cache.index_select(0, slots.flatten()).view(*slots.shape, cache.shape[-1])  # [B, L, C + R]
     return kv[..., :kv_lora_rank], kv[..., kv_lora_rank:]
 
 
@@ -70,21 +70,19 @@ def mla_decode_attention(
     q_pe: torch.Tensor,
     cache: torch.Tensor,
     slots: torch.Tensor,
-    kv_lens: torch.Tensor,
+    bias: torch.Tensor,
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence against its whole cached latent, in the absorbed form.
 
-    q_nope [B, H, Dn], q_pe [B, H, R]; slots [B, L]; kv_lens [B];
+    q_nope [B, H, Dn], q_pe [B, H, R]; slots [B, L]; bias [B, 1, L] fp32 (0 valid, -inf padding);
     w_uk [H, Dn, C], w_uv [H, Dv, C]. Returns [B, H, Dv].
     """
     latent, k_pe = gather_latent(cache, slots, w_uk.shape[-1])  # [B, L, C], [B, L, R]
-    q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, H, C]
-    scores = torch.bmm(q_latent, latent.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))  # [B, H, L]
-    valid = torch.arange(slots.shape[1], device=slots.device)[None, :] < kv_lens[:, None]  # [B, L]
-    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
+    scores = torch.baddbmm(torch.bmm(q_pe, k_pe.transpose(1, 2)), q_latent, latent.transpose(1, 2))  # [B, H, L]
+    probs = torch.softmax(scores.float() * scale + bias, dim=-1).to(latent.dtype)
     out_latent = torch.bmm(probs, latent)  # [B, H, C]
-    return torch.einsum("bhc,hvc->bhv", out_latent, w_uv)
+    return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]

@@ -25,9 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # normalise in fp32, scale in the activation dtype (as the reference does)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:
@@ -63,26 +62,25 @@ class Gate(nn.Module):
         if cfg.topk_method == "noaux_tc":
             choice = scores + self.e_score_correction_bias
             group_scores = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).topk(2, dim=-1)[0].sum(-1)
-            choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
+            choice = self._mask_groups(choice, group_scores, float("-inf"))
             ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
             weights = scores.gather(1, ids)
         elif cfg.topk_method == "group_limited_greedy":
             group_scores = scores.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).amax(-1)
-            weights, ids = scores.masked_fill(~self._group_mask(group_scores), 0.0).topk(
-                cfg.num_experts_per_tok, dim=-1, sorted=False
-            )
+            weights, ids = self._mask_groups(scores, group_scores, 0.0).topk(cfg.num_experts_per_tok, dim=-1, sorted=False)
         else:
             weights, ids = scores.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, weights * cfg.routed_scaling_factor
 
-    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
-        """group_scores [T, G] -> bool mask [T, E] of experts inside the top `topk_group` groups."""
+    def _mask_groups(self, scores: torch.Tensor, group_scores: torch.Tensor, fill: float) -> torch.Tensor:
+        """scores [T, E]: experts outside each token's top `topk_group` groups (group_scores [T, G]) get `fill`."""
         cfg = self.cfg
         top = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top, True)
-        return mask.repeat_interleave(cfg.n_routed_experts // cfg.n_group, dim=1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top, True)  # [T, G]
+        grouped = scores.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        return grouped.masked_fill(~keep[:, :, None], fill).view_as(scores)
 
 
 class RoutedExperts(nn.Module):
@@ -162,7 +160,7 @@ class MLAttention(nn.Module):
             out[:n_ext] = self._extend(q_nope[:n_ext], q_pe[:n_ext], fb, cache)
         if T > n_ext:
             out[n_ext:] = mla_decode_attention(
-                q_nope[n_ext:], q_pe[n_ext:], cache, fb.dec_slots, fb.dec_kv_lens, self.w_uk, self.w_uv, self.scale
+                q_nope[n_ext:], q_pe[n_ext:], cache, fb.dec_slots, fb.dec_bias, self.w_uk, self.w_uv, self.scale
             )
         return self.o_proj(out.view(T, -1))
 

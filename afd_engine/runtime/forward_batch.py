@@ -38,6 +38,7 @@ class ForwardBatch:
     ext_kv_lens: torch.Tensor  # [Be]
     dec_slots: torch.Tensor  # [Bd, L] int64
     dec_kv_lens: torch.Tensor  # [Bd]
+    dec_bias: torch.Tensor  # [Bd, 1, L] float32: 0 for cached tokens, -inf for padding
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +69,7 @@ class ForwardBatch:
             ext_kv_lens=ext.kv_lens,
             dec_slots=dec.slots,
             dec_kv_lens=dec.kv_lens,
+            dec_bias=torch.zeros(dec.slots.shape, dtype=torch.float32).masked_fill_(~dec.kv_valid, float("-inf"))[:, None],
         )
 
 
@@ -78,23 +80,25 @@ class _Segment:
     q_slots: torch.Tensor  # [B, Q]
     slots: torch.Tensor  # [B, L]
     kv_lens: torch.Tensor  # [B]
+    kv_valid: torch.Tensor  # [B, L] bool
 
 
 def _segment(chunks: list[SeqChunk], page_table: torch.Tensor, page_size: int) -> _Segment:
+    if not chunks:
+        none = torch.zeros(0, 0, dtype=torch.int64)
+        return _Segment(none.bool(), none, none, none, torch.zeros(0, dtype=torch.int64), none.bool())
     rows = torch.tensor([c.row for c in chunks], dtype=torch.int64)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
     counts = torch.tensor([len(c.tokens) for c in chunks], dtype=torch.int64)
     kv_lens = starts + counts
-    q_max = int(counts.max()) if chunks else 0
-    kv_max = int(kv_lens.max()) if chunks else 0
+    q_max, kv_max = max(len(c.tokens) for c in chunks), max(c.start + len(c.tokens) for c in chunks)
     q_off = torch.arange(q_max)
     q_valid = q_off[None, :] < counts[:, None]  # [B, Q]
     q_pos = torch.where(q_valid, starts[:, None] + q_off[None, :], 0)
     kv_pos = torch.arange(kv_max)[None, :].expand(len(chunks), kv_max)  # [B, L]
-    slots = _slots(page_table[rows], kv_pos, page_size)
-    slots = torch.where(kv_pos < kv_lens[:, None], slots, 0)
-    q_slots = slots.gather(1, q_pos) if q_max else q_pos
-    return _Segment(q_valid, q_pos, q_slots, slots, kv_lens)
+    kv_valid = kv_pos < kv_lens[:, None]
+    slots = torch.where(kv_valid, _slots(page_table[rows], kv_pos, page_size), 0)
+    return _Segment(q_valid, q_pos, slots.gather(1, q_pos), slots, kv_lens, kv_valid)
 
 
 def _slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
