@@ -81,21 +81,21 @@ def test_bfloat16_runs_close_to_the_fp32_reference(tiny_v3):
     assert (ours - ref).abs().median() < 0.02
 
 
+def checkpoint_without(src: str, dst: Path, dropped: str) -> str:
+    shutil.copytree(src, dst)
+    with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys() if n != dropped}
+    save_file(tensors, str(dst / "model.safetensors"))
+    return str(dst)
+
+
 def test_missing_weight_is_named(tmp_path, tiny_v3):
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_v3, broken)
-    with safe_open(str(broken / "model.safetensors"), framework="pt") as f:
-        tensors = {n: f.get_tensor(n) for n in f.keys() if n != "model.layers.2.self_attn.kv_b_proj.weight"}
-    save_file(tensors, str(broken / "model.safetensors"))
+    broken = checkpoint_without(tiny_v3, tmp_path / "broken", "model.layers.2.self_attn.kv_b_proj.weight")
     with pytest.raises(ModelLoadError, match=r"lacks weights the model needs: model\.layers\.2\.self_attn\.kv_b_proj"):
-        Engine(model_path=str(broken))
+        Engine(model_path=broken)
 
 
 def test_missing_expert_is_detected(tmp_path, tiny_v3):
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_v3, broken)
-    with safe_open(str(broken / "model.safetensors"), framework="pt") as f:
-        tensors = {n: f.get_tensor(n) for n in f.keys() if n != "model.layers.3.mlp.experts.5.up_proj.weight"}
-    save_file(tensors, str(broken / "model.safetensors"))
+    broken = checkpoint_without(tiny_v3, tmp_path / "broken", "model.layers.3.mlp.experts.5.up_proj.weight")
     with pytest.raises(ModelLoadError, match=r"model\.layers\.3\.mlp\.experts\.w13"):
-        Engine(model_path=str(broken))
+        Engine(model_path=broken)
