@@ -1,0 +1,62 @@
+"""What both sides of dispatch/combine share: settings, counted sends, routing-table helpers."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from comm.messages import CommError, Message, MsgKey
+from comm.stats import CommStats
+from comm.topology import Topology
+from comm.transport.base import Transport
+from comm.wire import WireFormat, nbytes
+
+MODES = ("two-stage", "direct")
+DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16}
+_KEEP_CALL_STATS = 256
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """mode: "two-stage" (AFD) or "direct" (one copy per (token, expert), the colocated baseline).
+    timeout: seconds a receive waits before raising CommTimeout."""
+
+    mode: str = "two-stage"
+    wire: WireFormat = WireFormat()
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise CommError(f"dispatch mode {self.mode!r}: use one of {', '.join(MODES)}")
+        if self.timeout <= 0:
+            raise CommError("the receive timeout must be positive")
+
+
+class Endpoint:
+    """A transport plus traffic counters: cumulative, and per (phase, key) for recent calls."""
+
+    def __init__(self, topo: Topology, endpoint: int, transport: Transport, config: CommConfig) -> None:
+        self.topo, self.endpoint, self.transport, self.config = topo, endpoint, transport, config
+        self.stats = CommStats()
+        self.call_stats: OrderedDict[tuple[str, MsgKey], CommStats] = OrderedDict()
+
+    def send(self, dst: int, phase: str, msg: Message, copies: int) -> None:
+        self.transport.send(dst, msg)
+        call = self.call_stats.setdefault((phase, msg.key), CommStats())
+        for s in (self.stats, call):
+            s.record(phase, self.topo.link(self.endpoint, dst), copies, nbytes(msg.tensors))
+        while len(self.call_stats) > _KEEP_CALL_STATS:
+            self.call_stats.popitem(last=False)
+
+    def recv(self, src: int, kind: str, key: MsgKey) -> Message:
+        return self.transport.recv(src, kind, key, self.config.timeout)
+
+
+def masked_rows(select: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """select [T, K] bool -> (rows [n] of tokens with any selected slot, ids [n, K] int32 with -1
+    where unselected, weights [n, K] fp32 with 0 where unselected)."""
+    rows = select.any(dim=1).nonzero().flatten()
+    keep = select[rows]
+    return rows, torch.where(keep, ids[rows], -1).to(torch.int32), torch.where(keep, weights[rows], 0.0).float()

@@ -1,0 +1,131 @@
+"""Who talks to whom: senders (attention ranks), F nodes of expert-owner ranks, and the expert map.
+
+Endpoint ids: in AFD, senders are endpoints 0..S-1 and owner rank r is endpoint S + r; in a
+colocated deployment every rank is both, so sender i and owner rank i are endpoint i.
+
+    senders (A ranks)        F node 0              F node 1
+    a0 a1 a2 a3     --->   [f0 f1]  (R = 2)     [f2 f3]
+    stage 1: a_i -> local rank (i mod R) of each F node its tokens need
+    stage 2: inside the node, to the rank that owns the expert
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from comm.messages import CommError
+
+INTER_NODE, INTRA_NODE, LOCAL = "inter_node", "intra_node", "local"
+
+
+class TopologyError(CommError):
+    pass
+
+
+@dataclass(frozen=True)
+class Topology:
+    num_senders: int
+    num_nodes: int
+    ranks_per_node: int
+    num_experts: int
+    # logical expert -> physical expert slot; slot p lives on owner rank p // experts_per_rank
+    expert_map: tuple[int, ...] | None = None
+    colocated: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, why: str) -> None:
+            if not ok:
+                raise TopologyError(f"invalid topology {self.describe()}: {why}")
+
+        need(self.num_senders >= 1, "needs at least one sender (attention rank)")
+        need(self.num_nodes >= 1 and self.ranks_per_node >= 1, "needs at least one F node with one rank")
+        need(self.num_experts >= 1, "needs at least one expert")
+        need(self.num_experts % self.num_owners == 0,
+             f"{self.num_experts} experts do not divide evenly over {self.num_owners} ranks "
+             f"({self.num_nodes} nodes x {self.ranks_per_node}); pick a rank count that divides {self.num_experts}")
+        need(not self.colocated or self.num_senders == self.num_owners,
+             f"a colocated deployment has one sender per rank: {self.num_senders} senders != {self.num_owners} ranks")
+        if self.expert_map is not None:
+            need(sorted(self.expert_map) == list(range(self.num_experts)),
+                 "expert_map must be a permutation of 0..num_experts-1 (one physical slot per logical expert)")
+
+    def describe(self) -> str:
+        kind = "colocated" if self.colocated else "afd"
+        return f"({kind}: {self.num_senders} senders, {self.num_nodes} nodes x {self.ranks_per_node} ranks, " \
+               f"{self.num_experts} experts)"
+
+    @property
+    def num_owners(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.num_owners
+
+    @cached_property
+    def physical_slot(self) -> torch.Tensor:
+        """[E] int64: logical expert -> physical slot."""
+        ids = range(self.num_experts) if self.expert_map is None else self.expert_map
+        return torch.tensor(list(ids), dtype=torch.int64)
+
+    @cached_property
+    def owner_of(self) -> torch.Tensor:
+        """[E] int64: logical expert -> owner rank."""
+        return self.physical_slot // self.experts_per_rank
+
+    @cached_property
+    def node_of_expert(self) -> torch.Tensor:
+        """[E] int64: logical expert -> F node."""
+        return self.owner_of // self.ranks_per_node
+
+    def local_index(self, rank: int) -> torch.Tensor:
+        """[E] int64: logical expert -> index among `rank`'s experts, or -1 if another rank owns it."""
+        return torch.where(self.owner_of == rank, self.physical_slot % self.experts_per_rank, -1)
+
+    def experts_of(self, rank: int) -> list[int]:
+        """Logical experts owned by `rank`, in local-index order."""
+        local = self.local_index(rank)
+        return sorted((int(e) for e in (local >= 0).nonzero().flatten()), key=lambda e: int(local[e]))
+
+    def node_of_rank(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def node_ranks(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def relay_rank(self, sender: int, node: int) -> int:
+        """Stage-1 target of `sender` on `node`: the node's local rank (sender mod R)."""
+        return node * self.ranks_per_node + sender % self.ranks_per_node
+
+    def senders_of_relay(self, rank: int) -> list[int]:
+        local = rank % self.ranks_per_node
+        return [i for i in range(self.num_senders) if i % self.ranks_per_node == local]
+
+    def sender_endpoint(self, sender: int) -> int:
+        return sender
+
+    def owner_endpoint(self, rank: int) -> int:
+        return rank if self.colocated else self.num_senders + rank
+
+    @property
+    def num_endpoints(self) -> int:
+        return self.num_senders if self.colocated else self.num_senders + self.num_owners
+
+    def node_of_endpoint(self, endpoint: int) -> str:
+        """A machine label: attention machines are apart from F nodes unless colocated."""
+        if self.colocated:
+            return f"n{self.node_of_rank(endpoint)}"
+        if endpoint < self.num_senders:
+            return f"a{endpoint}"  # each attention rank counts as its own machine: A -> F always crosses
+        return f"n{self.node_of_rank(endpoint - self.num_senders)}"
+
+    def link(self, src: int, dst: int) -> str:
+        if src == dst:
+            return LOCAL
+        return INTRA_NODE if self.node_of_endpoint(src) == self.node_of_endpoint(dst) else INTER_NODE

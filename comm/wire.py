@@ -1,0 +1,81 @@
+"""Wire formats of activations: as they are (fp32/bf16), or fp8 e4m3 with one fp32 scale per 128 values.
+
+Sizes are static helpers so that volumes can be computed without sending anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from comm.messages import CommError
+
+FP8_GROUP = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> q [T, H] float8_e4m3fn, scales [T, ceil(H/128)] fp32 with x ~= q * scale per group."""
+    T, H = x.shape
+    groups = -(-H // FP8_GROUP)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * FP8_GROUP - H)).view(T, groups, FP8_GROUP)
+    scales = (padded.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)  # [T, G]
+    q = (padded / scales[..., None]).to(torch.float8_e4m3fn).view(T, groups * FP8_GROUP)[:, :H]
+    return q.contiguous(), scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [T, H] fp8, scales [T, G] fp32 -> [T, H] in dtype."""
+    scale = scales.repeat_interleave(FP8_GROUP, dim=1)[:, : q.shape[1]]
+    return (q.float() * scale).to(dtype)
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """dispatch: "auto" (the activations' dtype), "fp32", "bf16" or "fp8"; combine: "fp32" or "bf16"."""
+
+    dispatch: str = "auto"
+    combine: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.dispatch not in ("auto", "fp8", *_DTYPES):
+            raise CommError(f"dispatch wire dtype {self.dispatch!r}: use auto, fp32, bf16 or fp8")
+        if self.combine not in _DTYPES:
+            raise CommError(f"combine wire dtype {self.combine!r}: use fp32 or bf16")
+
+    @property
+    def combine_dtype(self) -> torch.dtype:
+        return _DTYPES[self.combine]
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Activations [T, H] -> the tensors that travel (one, or fp8 values + scales)."""
+        if self.dispatch == "fp8":
+            return list(quantize_fp8(x))
+        if self.dispatch == "auto":
+            return [x.contiguous()]
+        return [x.to(_DTYPES[self.dispatch]).contiguous()]
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        if self.dispatch == "fp8":
+            return dequantize_fp8(parts[0], parts[1], dtype)
+        return parts[0].to(dtype)
+
+    @property
+    def num_parts(self) -> int:
+        return 2 if self.dispatch == "fp8" else 1
+
+    def hidden_bytes(self, hidden: int, activation_dtype: torch.dtype) -> int:
+        """Bytes one token's activations take on the wire in dispatch."""
+        if self.dispatch == "fp8":
+            return hidden + 4 * -(-hidden // FP8_GROUP)
+        dtype = activation_dtype if self.dispatch == "auto" else _DTYPES[self.dispatch]
+        return hidden * dtype.itemsize
+
+    def combine_bytes(self, hidden: int) -> int:
+        return hidden * self.combine_dtype.itemsize
+
+
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,145 @@
+"""Two-stage and direct dispatch/combine against the torch reference, with exact traffic counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comm.endpoint import CommConfig
+from comm.messages import CommTimeout, KeyMismatchError, MsgKey
+from comm.reference import reference_combine
+from comm.stats import CommStats
+from comm.topology import INTER_NODE, INTRA_NODE, Topology, TopologyError
+from comm.wire import WireFormat
+from tests.comm.harness import KEY, exact_expert, routing, run_inproc
+
+FP32 = WireFormat(dispatch="fp32", combine="fp32")
+TOPOLOGIES = {
+    "1 sender, 1 node x 1": (Topology(1, 1, 1, 8), [5], 2),
+    "3 senders, 2 nodes x 2": (Topology(3, 2, 2, 8), [7, 0, 3], 3),
+    "4 senders, 2 nodes x 3": (Topology(4, 2, 3, 12), [6, 9, 1, 4], 4),
+    "5 senders, 3 nodes x 2, remapped": (Topology(5, 3, 2, 12, expert_map=tuple(reversed(range(12)))), [4, 0, 8, 2, 5], 3),
+}
+
+
+@pytest.mark.parametrize("mode", ["two-stage", "direct"])
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+@pytest.mark.parametrize("case", ["random", "one-node", "spread"])
+def test_combine_equals_reference_exactly(mode, name, case):
+    topo, tokens, k = TOPOLOGIES[name]
+    k = min(k, topo.num_nodes) if case == "spread" else min(k, topo.num_experts // topo.num_nodes)
+    xs, ids, ws = routing(topo, tokens, k, seed=len(name), case=case)
+    outs, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)
+    for sender, (out, ref) in enumerate(zip(outs, reference_combine(xs, ids, ws, exact_expert))):
+        assert torch.equal(out[0], ref), f"sender {sender}"
+
+
+def test_every_sender_empty():
+    topo = Topology(3, 2, 2, 8)
+    xs, ids, ws = routing(topo, [0, 0, 0], 2, seed=0)
+    for mode in ("two-stage", "direct"):
+        outs, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)
+        assert [o[0].shape for o in outs] == [torch.Size([0, 16])] * 3
+
+
+def test_colocated_direct_with_several_micro_batches():
+    topo = Topology(4, 2, 2, 8, colocated=True)
+    xs, ids, ws = routing(topo, [5, 3, 0, 6], 3, seed=3)
+    keys = [MsgKey(1, layer, mb) for layer in range(2) for mb in range(2)]
+    outs, _ = run_inproc(topo, CommConfig("direct", FP32, timeout=10), xs, ids, ws, keys=keys)
+    ref = reference_combine(xs, ids, ws, exact_expert)
+    assert all(torch.equal(o, ref[i]) for i, per_key in enumerate(outs) for o in per_key)
+
+
+def _volumes(topo, ids, k, hidden, wire):
+    """Analytic (between-node dispatch copies, bytes per copy) for both modes."""
+    all_ids = torch.cat(ids)
+    nodes_hit = sum(len(set(topo.node_of_expert[row].tolist())) for row in all_ids)
+    hb = wire.hidden_bytes(hidden, torch.float32)
+    return {"two-stage": (nodes_hit, hb + 8 * k + 4), "direct": (all_ids.numel(), hb + 4 + 4)}
+
+
+@pytest.mark.parametrize("dispatch", ["fp32", "fp8"])
+def test_counters_equal_analytic_volumes(dispatch):
+    topo, tokens, k = Topology(4, 2, 3, 12), [6, 9, 0, 4], 4
+    xs, ids, ws = routing(topo, tokens, k, seed=11, hidden=256)
+    wire = WireFormat(dispatch=dispatch, combine="bf16")
+    for mode, (copies, per_copy) in _volumes(topo, ids, k, 256, wire).items():
+        _, eps = run_inproc(topo, CommConfig(mode, wire, timeout=10), xs, ids, ws)
+        stats = CommStats.total([e.stats for e in eps])
+        inter = stats.get("dispatch", INTER_NODE)
+        assert (inter.messages, inter.bytes) == (copies, copies * per_copy), mode
+        combine = stats.get("combine", INTER_NODE)
+        assert (combine.messages, combine.bytes) == (copies, copies * 256 * 2), mode
+        assert inter.transfers == topo.num_senders * (topo.num_nodes if mode == "two-stage" else topo.num_owners)
+        if mode == "two-stage":  # stage 2: one copy per (token, node, owner rank hit) except the relay itself
+            assert stats.get("dispatch", INTRA_NODE).messages == _stage2_copies(topo, ids)
+
+
+def _stage2_copies(topo, ids) -> int:
+    n = 0
+    for sender, rows in enumerate(ids):
+        for row in rows:
+            for rank in set(topo.owner_of[row].tolist()):
+                n += rank != topo.relay_rank(sender, topo.node_of_rank(rank))
+    return n
+
+
+def test_fp8_dispatch_is_close_and_smaller():
+    topo, tokens, k = Topology(3, 2, 2, 8), [5, 7, 2], 3
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(t, 256, generator=g) for t in tokens]
+    _, ids, ws = routing(topo, tokens, k, seed=5, hidden=256)
+    ref = reference_combine(xs, ids, ws, exact_expert)
+    sizes = {}
+    for dispatch in ("fp32", "fp8"):
+        outs, eps = run_inproc(topo, CommConfig("two-stage", WireFormat(dispatch, "fp32"), timeout=10), xs, ids, ws)
+        for o, r in zip(outs, ref):
+            rel = ((o[0] - r).norm() / r.norm()).item()
+            assert rel < (1e-6 if dispatch == "fp32" else 0.06), f"{dispatch}: relative error {rel}"
+        sizes[dispatch] = CommStats.total([e.stats for e in eps]).get("dispatch", INTER_NODE).bytes
+    copies = sum(len(set(topo.node_of_expert[r].tolist())) for i in ids for r in i)
+    assert sizes["fp32"] - sizes["fp8"] == copies * (256 * 4 - (256 + 4 * 2))
+
+
+def test_mismatched_key_is_a_clear_error():
+    topo = Topology(1, 1, 1, 4)
+    xs, ids, ws = routing(topo, [3], 2, seed=0)
+    from comm.attention_side import AttentionEndpoint
+    from comm.ffn_side import FfnEndpoint
+    from comm.transport.inproc import InProcessFabric
+
+    fabric = InProcessFabric()
+    a, f = fabric.endpoint(0), fabric.endpoint(1)
+    config = CommConfig("two-stage", FP32, timeout=2)
+    AttentionEndpoint(topo, 0, a, config).dispatch(xs[0], ids[0], ws[0], MsgKey(0, 0, 1))
+    owner = FfnEndpoint(topo, 0, f, config)
+    with pytest.raises(KeyMismatchError, match=r"expected dispatch \(step 0, layer 0, micro-batch 0\).*"
+                                               r"received dispatch \(step 0, layer 0, micro-batch 1\)"):
+        owner.recv_dispatch(KEY)
+    owner.close()
+
+
+def test_silent_peer_times_out():
+    topo = Topology(1, 1, 1, 4)
+    from comm.attention_side import AttentionEndpoint
+    from comm.transport.inproc import InProcessFabric
+
+    fabric = InProcessFabric()
+    a, _ = fabric.endpoint(0), fabric.endpoint(1)
+    sender = AttentionEndpoint(topo, 0, a, CommConfig("direct", FP32, timeout=0.5))
+    xs, ids, ws = routing(topo, [2], 1, seed=0)
+    handle = sender.dispatch(xs[0], ids[0], ws[0], KEY)
+    with pytest.raises(CommTimeout, match=r"waited 0.5 s for combine_direct \(step 0, layer 0, micro-batch 0\)"):
+        sender.combine(handle)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_senders": 2, "num_nodes": 2, "ranks_per_node": 3, "num_experts": 8}, "8 experts do not divide evenly over 6 ranks"),
+    ({"num_senders": 3, "num_nodes": 2, "ranks_per_node": 2, "num_experts": 8, "colocated": True}, "one sender per rank"),
+    ({"num_senders": 1, "num_nodes": 1, "ranks_per_node": 2, "num_experts": 4, "expert_map": (0, 0, 1, 2)}, "permutation"),
+    ({"num_senders": 0, "num_nodes": 1, "ranks_per_node": 1, "num_experts": 4}, "at least one sender"),
+])
+def test_invalid_topologies_are_refused(kwargs, message):
+    with pytest.raises(TopologyError, match=message):
+        Topology(**kwargs)
