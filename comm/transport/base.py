@@ -55,6 +55,11 @@ class Inbox:
             self._channels.setdefault((msg.src, msg.kind), deque()).append(msg)
             self._cond.notify_all()
 
+    def pending(self, src: int, kind: str) -> int:
+        """Messages from src of this kind received and not yet taken."""
+        with self._cond:
+            return len(self._channels.get((src, kind), ()))
+
     def fail(self, error: Exception) -> None:
         """Wakes every waiter with `error` (the transport closed or its receiver died)."""
         with self._cond:

@@ -143,3 +143,28 @@ def test_silent_peer_times_out():
 def test_invalid_topologies_are_refused(kwargs, message):
     with pytest.raises(TopologyError, match=message):
         Topology(**kwargs)
+
+
+def test_relay_forwards_one_senders_tokens_before_the_others_arrive():
+    import time
+
+    from comm.attention_side import AttentionEndpoint
+    from comm.ffn_side import FfnEndpoint
+    from comm.transport.inproc import InProcessFabric
+
+    topo = Topology(3, 1, 2, 4)  # relay rank 0 serves senders 0 and 2; rank 1 owns experts 2, 3
+    fabric = InProcessFabric()
+    eps = [fabric.endpoint(i) for i in range(topo.num_endpoints)]
+    config = CommConfig("two-stage", FP32, timeout=5)
+    relay = FfnEndpoint(topo, 0, eps[topo.owner_endpoint(0)], config)
+    x = torch.ones(2, 16)
+    ids, ws = torch.tensor([[0, 3], [2, 1]]), torch.ones(2, 2)
+    AttentionEndpoint(topo, 0, eps[0], config).dispatch(x, ids, ws, KEY)
+    relay.post_dispatch(KEY)
+    inbox = fabric.inboxes[topo.owner_endpoint(1)]
+    deadline = time.monotonic() + 5
+    while inbox.pending(topo.owner_endpoint(0), "forward") == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # sender 2 has not dispatched yet, and rank 1 already holds sender 0's tokens
+    assert inbox.pending(topo.owner_endpoint(0), "forward") == 1
+    relay.close()
