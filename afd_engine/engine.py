@@ -161,7 +161,7 @@ class Engine:
         for rid in list(self._requests):
             self.abort(rid)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -58,7 +58,7 @@ class EngineArgs:
     def threads(self) -> int:
         return self.num_threads or os.cpu_count() or 1
 
-    def replace(self, **changes) -> "EngineArgs":
+    def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)
 
     @staticmethod
@@ -70,11 +70,11 @@ class EngineArgs:
                                 choices=f.metadata.get("choices"))
 
     @staticmethod
-    def from_cli(ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli(ns: argparse.Namespace) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
 
     @staticmethod
-    def from_kwargs(**kwargs) -> "EngineArgs":
+    def from_kwargs(**kwargs) -> EngineArgs:
         names = {f.name for f in fields(EngineArgs)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

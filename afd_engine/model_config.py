@@ -89,7 +89,7 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @staticmethod
-    def from_pretrained(model_path: str | Path) -> "ModelConfig":
+    def from_pretrained(model_path: str | Path) -> ModelConfig:
         path = Path(model_path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist (pass --model-path to a local checkpoint)")
@@ -103,7 +103,7 @@ class ModelConfig:
         return ModelConfig.from_dict(raw)
 
     @staticmethod
-    def from_dict(raw: dict) -> "ModelConfig":
+    def from_dict(raw: dict) -> ModelConfig:
         arch = _architecture(raw)
         is_v3 = arch == "DeepseekV3ForCausalLM"
         n_group = raw.get("n_group") or 1

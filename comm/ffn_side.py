@@ -173,6 +173,8 @@ class FfnEndpoint(Endpoint):
         if job is not None and job.done() and job.exception() is not None:
             raise job.exception()
 
-    def close(self) -> None:
-        self._relay_out.shutdown(wait=False, cancel_futures=True)
-        self._relay_back.shutdown(wait=False, cancel_futures=True)
+    def close(self, drain: bool = True) -> None:
+        """Stops the relay threads; with `drain`, first lets queued relay work finish (each job is
+        bounded by the receive timeout), so results already computed still reach their senders."""
+        self._relay_out.shutdown(wait=drain, cancel_futures=not drain)
+        self._relay_back.shutdown(wait=drain, cancel_futures=not drain)

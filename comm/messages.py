@@ -60,7 +60,7 @@ class Message:
         return [self.header()] + [_raw(t) for t in self.tensors]
 
     @staticmethod
-    def decode(frames: list) -> "Message":
+    def decode(frames: list) -> Message:
         head = json.loads(bytes(frames[0]))
         tensors = [_tensor(buf, dtype, shape) for buf, (dtype, shape) in zip(frames[1:], head["tensors"])]
         return Message(head["kind"], MsgKey(*head["key"]), head["src"], tensors, head["meta"])
@@ -68,7 +68,7 @@ class Message:
 
 def _raw(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def _tensor(buf, dtype: str, shape: list[int]) -> torch.Tensor:

@@ -20,7 +20,7 @@ class Counter:
     transfers: int = 0
     bytes: int = 0
 
-    def add(self, other: "Counter") -> None:
+    def add(self, other: Counter) -> None:
         self.messages += other.messages
         self.transfers += other.transfers
         self.bytes += other.bytes
@@ -43,12 +43,12 @@ class CommStats:
     def get(self, phase: str, link: str) -> Counter:
         return self.counters.get((phase, link), Counter())
 
-    def merge(self, other: "CommStats") -> None:
+    def merge(self, other: CommStats) -> None:
         for k, c in other.counters.items():
             self.counters[k].add(c)
 
     @staticmethod
-    def total(stats: list["CommStats"]) -> "CommStats":
+    def total(stats: list[CommStats]) -> CommStats:
         out = CommStats()
         for s in stats:
             out.merge(s)

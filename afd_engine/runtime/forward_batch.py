@@ -53,7 +53,7 @@ class ForwardBatch:
         return self.dec_kv_lens.shape[0]
 
     @staticmethod
-    def build(extend: list[SeqChunk], decode: list[SeqChunk], page_table: torch.Tensor, page_size: int) -> "ForwardBatch":
+    def build(extend: list[SeqChunk], decode: list[SeqChunk], page_table: torch.Tensor, page_size: int) -> ForwardBatch:
         """page_table [rows, max_pages] int64: page ids of each sequence (row) in order."""
         ext = _segment(extend, page_table, page_size)
         dec = _segment(decode, page_table, page_size)

@@ -10,6 +10,7 @@ for the others.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -46,13 +47,14 @@ class Inbox:
 
     def __init__(self, endpoint: int) -> None:
         self.endpoint = endpoint
-        self._channels: dict[tuple[int, str], deque[Message]] = {}
+        self._channels: dict[tuple[int, str], deque[tuple[int, Message]]] = {}
+        self._arrivals = itertools.count()  # lets recv_any pick the earliest of several ready sources
         self._cond = threading.Condition()
         self._error: Exception | None = None
 
     def put(self, msg: Message) -> None:
         with self._cond:
-            self._channels.setdefault((msg.src, msg.kind), deque()).append(msg)
+            self._channels.setdefault((msg.src, msg.kind), deque()).append((next(self._arrivals), msg))
             self._cond.notify_all()
 
     def pending(self, src: int, kind: str) -> int:
@@ -71,10 +73,11 @@ class Inbox:
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                for src in srcs:
-                    channel = self._channels.get((src, kind))
-                    if channel:
-                        return check_key(channel.popleft(), key, kind)
+                heads = [c for c in (self._channels.get((src, kind)) for src in srcs) if c]
+                if heads:
+                    first = min(heads, key=lambda c: c[0][0])
+                    check_key(first[0][1], key, kind)  # a mismatch stays queued: the error is fatal anyway
+                    return first.popleft()[1]
                 if self._error is not None:
                     raise CommError(f"endpoint {self.endpoint}: {self._error}")
                 left = deadline - time.monotonic()

@@ -18,7 +18,7 @@ class InProcessFabric:
     def __init__(self) -> None:
         self.inboxes: dict[int, Inbox] = {}
 
-    def endpoint(self, endpoint: int) -> "InProcessTransport":
+    def endpoint(self, endpoint: int) -> InProcessTransport:
         self.inboxes.setdefault(endpoint, Inbox(endpoint))
         return InProcessTransport(self, endpoint)
 

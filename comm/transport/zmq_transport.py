@@ -1,0 +1,162 @@
+"""Cross-process transport over ZeroMQ (TCP between machines, or any ZMQ address).
+
+Every endpoint binds one PULL socket on its own address; a background thread reads
+multipart messages (the frames of `Message.encode()`), decodes them and files them into an
+`Inbox`. Sending goes through one PUSH socket per peer, connected lazily on first use and
+guarded by a lock (ZMQ sockets are not thread-safe). A send only hands the frames to ZMQ's
+I/O thread, so it never waits for the peer.
+
+Why ZeroMQ rather than torch.distributed + gloo for the CPU cross-process path:
+  * there is no global process group: nobody has to agree on a world size or a rendezvous up
+    front, endpoints are just addresses, and a process can join, leave or restart;
+  * peers may start in any order: a PUSH socket queues messages for a peer that is not up yet
+    and ZMQ reconnects (and re-delivers the queue) as soon as the peer binds;
+  * framing and timeouts are ours: a receive waits on our Inbox with a per-call timeout and
+    a clear error, where a gloo receive can only be given a timeout by tearing the pair down;
+  * it works between machines over plain TCP with no extra setup;
+  * ZMQ's background I/O threads make sends and receives asynchronous for free.
+torch.distributed (see torch_dist.py) is the path for GPUs, where NCCL brings RDMA/NVLink.
+
+Socket options, and why:
+  * SNDHWM/RCVHWM = `hwm` (default 100 000 messages): far above the number of messages the
+    engine ever has in flight, so the limit is never hit in normal operation. PUSH sockets never
+    drop at the HWM; we send with NOBLOCK so that reaching it raises CommError instead of
+    blocking the caller: the failure is loud, never a silent drop nor a hang.
+  * LINGER = `linger_ms` (default 1000): close() flushes what is still queued for at most 1 s,
+    then gives up, so closing can never hang on a dead peer.
+  * RECONNECT_IVL 50 ms (backing off to 500 ms): a peer that starts late is reached quickly.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterable
+
+import zmq
+
+from comm.messages import CommError, Message, MsgKey
+from comm.transport.base import Inbox, Transport
+
+_POLL_MS = 50  # how often the receiver thread checks whether it should stop
+
+
+class ZmqTransport(Transport):
+    """endpoint: this endpoint's id. addresses: endpoint id -> ZMQ address ("tcp://host:port");
+    this endpoint binds `bind_address` (default: its own entry) and connects to peers lazily."""
+
+    def __init__(self, endpoint: int, addresses: dict[int, str], *, bind_address: str | None = None,
+                 hwm: int = 100_000, linger_ms: int = 1000) -> None:
+        if endpoint not in addresses and bind_address is None:
+            raise CommError(f"endpoint {endpoint} has no address in {addresses}")
+        self.endpoint, self.addresses = endpoint, dict(addresses)
+        self._hwm, self._linger_ms = hwm, linger_ms
+        self._ctx = zmq.Context()
+        self._inbox = Inbox(endpoint)
+        self._senders: dict[int, zmq.Socket] = {}
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self._pull = self._bind(bind_address or addresses[endpoint])
+        self._receiver = threading.Thread(target=self._receive_loop, name=f"zmq-recv-{endpoint}", daemon=True)
+        self._receiver.start()
+
+    # -- sockets ---------------------------------------------------------------------------
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, self._linger_ms)
+        sock.setsockopt(zmq.SNDHWM, self._hwm)
+        sock.setsockopt(zmq.RCVHWM, self._hwm)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        return sock
+
+    def _bind(self, address: str) -> zmq.Socket:
+        sock = self._socket(zmq.PULL)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            self._ctx.term()
+            raise CommError(f"endpoint {self.endpoint} cannot bind {address}: {e}") from e
+        return sock
+
+    def _sender(self, dst: int) -> zmq.Socket:
+        """The PUSH socket to dst, connected on first use (call with the send lock held)."""
+        sock = self._senders.get(dst)
+        if sock is None:
+            if dst not in self.addresses:
+                raise CommError(f"endpoint {self.endpoint}: no address for endpoint {dst}")
+            sock = self._socket(zmq.PUSH)
+            sock.connect(self.addresses[dst])
+            self._senders[dst] = sock
+        return sock
+
+    # -- Transport -------------------------------------------------------------------------
+
+    def send(self, dst: int, msg: Message) -> None:
+        # copy=False: ZMQ keeps a reference to each frame's buffer (a view that holds the tensor)
+        # until its I/O thread has sent it; pyzmq still copies frames under 64 KiB, where that is
+        # cheaper than the bookkeeping.
+        frames = msg.encode()
+        with self._send_lock:
+            if self._closed:
+                raise CommError(f"endpoint {self.endpoint}: send to {dst} after close()")
+            try:
+                self._sender(dst).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again as e:
+                raise CommError(
+                    f"endpoint {self.endpoint}: {self._hwm} messages already queued for endpoint {dst} "
+                    f"({self.addresses[dst]}): the peer is down or not keeping up") from e
+
+    def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
+        return self._inbox.take([src], kind, key, timeout)
+
+    def recv_any(self, srcs: Iterable[int], kind: str, key: MsgKey, timeout: float) -> Message:
+        return self._inbox.take(srcs, kind, key, timeout)
+
+    def close(self) -> None:
+        """Fails pending receives, stops the receiver, closes the sockets (each lingers at most
+        `linger_ms` to flush queued sends). Idempotent."""
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.fail(CommError("transport closed"))
+            self._stop.set()
+            self._receiver.join()
+            for sock in [*self._senders.values(), self._pull]:
+                sock.close()
+            self._ctx.term()
+
+    # -- receiver thread -------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(_POLL_MS):
+                    self._receive_one()
+        except Exception as e:  # noqa: BLE001 - a bad message or a broken socket: wake every waiter
+            self._inbox.fail(CommError(f"receiver thread died: {e!r}"))
+
+    def _receive_one(self) -> None:
+        frames = self._pull.recv_multipart(copy=False)
+        self._inbox.put(Message.decode([frame.buffer for frame in frames]))
+
+
+def free_tcp_addresses(n: int, host: str = "127.0.0.1") -> list[str]:
+    """n distinct "tcp://host:port" addresses whose ports were free a moment ago (for tests).
+
+    All n sockets stay open until every port is picked, so the ports are distinct; another
+    process could still take one before it is bound again, which is fine for tests."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [f"tcp://{host}:{s.getsockname()[1]}" for s in socks]
+    finally:
+        for s in socks:
+            s.close()

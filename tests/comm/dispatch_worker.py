@@ -1,0 +1,43 @@
+"""Process body for the cross-process dispatch/combine test: one OS process per endpoint."""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from comm.attention_side import AttentionEndpoint
+from comm.endpoint import CommConfig
+from comm.ffn_side import FfnEndpoint
+from comm.topology import Topology
+from comm.transport.factory import make_transport
+from tests.comm.harness import owner_work, sender_work
+
+
+def run_endpoint(topo: Topology, config: CommConfig, endpoint: int, transport_kwargs: dict, inputs, keys, results) -> None:
+    """inputs: per sender (hidden, topk_ids, weights). Senders report their combine outputs."""
+    torch.set_num_threads(1)
+    transport = make_transport("zmq", endpoint, **transport_kwargs)
+    try:
+        out = None
+        is_sender = endpoint < topo.num_senders
+        if topo.colocated or not is_sender:
+            rank = endpoint if topo.colocated else endpoint - topo.num_senders
+            owner = FfnEndpoint(topo, rank, transport, config)
+        if is_sender:
+            sender = AttentionEndpoint(topo, endpoint, transport, config)
+            handles = [sender.dispatch(*inputs[endpoint], key) for key in keys]
+        if topo.colocated or not is_sender:
+            owner_work(owner, keys)
+            owner.close()
+        if is_sender:
+            out = [sender.combine(h) for h in handles]
+        stats = (owner if not is_sender else sender).stats.as_dict()
+        results.put(("ok", endpoint, out, stats))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        results.put(("error", endpoint, traceback.format_exc(), None))
+    finally:
+        transport.close()
+
+
+__all__ = ["run_endpoint", "sender_work"]

@@ -1,0 +1,61 @@
+"""Dispatch/combine between real OS processes over the ZeroMQ transport (TCP on loopback)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+
+import pytest
+import torch
+
+from comm.endpoint import CommConfig
+from comm.messages import MsgKey
+from comm.reference import reference_combine
+from comm.topology import Topology
+from comm.transport.zmq_transport import free_tcp_addresses
+from comm.wire import WireFormat
+from tests.comm.dispatch_worker import run_endpoint
+from tests.comm.harness import exact_expert, routing
+
+_SPAWN = mp.get_context("spawn")
+KEYS = [MsgKey(0, layer, mb) for layer in range(2) for mb in range(2)]
+
+
+def run_processes(topo: Topology, config: CommConfig, inputs) -> dict:
+    addresses = dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
+    results = _SPAWN.Queue()
+    procs = [_SPAWN.Process(target=run_endpoint, args=(topo, config, ep, {"addresses": addresses}, inputs, KEYS, results))
+             for ep in range(topo.num_endpoints)]
+    # start order must not matter: F ranks first here, senders last
+    for p in reversed(procs):
+        p.start()
+    reports = {}
+    try:
+        while len(reports) < len(procs):
+            status, ep, payload, stats = results.get(timeout=90)
+            assert status == "ok", f"endpoint {ep} failed:\n{payload}"
+            reports[ep] = (payload, stats)
+    except queue.Empty:
+        pytest.fail(f"no report from endpoints {sorted(set(range(len(procs))) - set(reports))}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return reports
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode, topo", [
+    ("two-stage", Topology(3, 2, 2, 8)),
+    ("direct", Topology(4, 2, 2, 8, colocated=True)),
+])
+def test_processes_match_reference_exactly(mode, topo):
+    tokens = [5, 0, 7, 3][: topo.num_senders]
+    xs, ids, ws = routing(topo, tokens, 3, seed=2)
+    reports = run_processes(topo, CommConfig(mode, WireFormat("fp32", "fp32"), timeout=30), list(zip(xs, ids, ws)))
+    ref = reference_combine(xs, ids, ws, exact_expert)
+    for sender in range(topo.num_senders):
+        outs, _ = reports[sender]
+        assert len(outs) == len(KEYS)
+        assert all(torch.equal(o, ref[sender]) for o in outs), f"sender {sender}"
