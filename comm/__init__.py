@@ -1,4 +1,14 @@
 """Dispatch/combine between attention ranks and expert owners (two-stage and direct).
 
-Usable without the rest of the engine. Not built yet: see the README's roadmap.
+Usable without the rest of the engine; see the README section "Dispatch/combine library".
 """
+
+from comm.attention_side import AttentionEndpoint, DispatchHandle
+from comm.endpoint import CommConfig
+from comm.ffn_side import ExpertBatch, FfnEndpoint
+from comm.messages import CommError, CommTimeout, KeyMismatchError, MsgKey
+from comm.topology import Topology, TopologyError
+from comm.wire import WireFormat
+
+__all__ = ["AttentionEndpoint", "CommConfig", "CommError", "CommTimeout", "DispatchHandle", "ExpertBatch",
+           "FfnEndpoint", "KeyMismatchError", "MsgKey", "Topology", "TopologyError", "WireFormat"]
