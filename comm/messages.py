@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd_engine.errors import AFDError
 
+class CommError(RuntimeError):
+    """A transport or protocol failure (timeout, mismatched message, closed peer).
 
-class CommError(AFDError):
-    """A transport or protocol failure (timeout, mismatched message, closed peer)."""
+    Its own base class: the comm library does not depend on the rest of the engine."""
 
 
 class CommTimeout(CommError):
