@@ -16,7 +16,7 @@ from afd_engine.model_config import ModelConfig
 from afd_engine.models import load_model
 from afd_engine.runtime.kv_cache import KVPool, pages_for
 from afd_engine.runtime.model_runner import ModelRunner
-from afd_engine.runtime.request import Request, RequestOutput
+from afd_engine.runtime.request import Request, RequestOutput, TokenLogprob, TokenUpdate
 from afd_engine.runtime.sampler import Sampler, SamplingBatch
 from afd_engine.runtime.scheduler import Scheduler
 from afd_engine.runtime.stop_checker import StopChecker, trim_text
@@ -80,19 +80,41 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one forward step; returns the requests that finished in it."""
+        return [self._output(req) for req in self._step()[1]]
+
+    def step_updates(self) -> list[TokenUpdate]:
+        """Runs one forward step; returns, per request touched, its new token and finish state
+        (what a streaming front end forwards)."""
+        sampled, finished = self._step()
+        done = {id(r) for r in finished}
+        updates = [self._update(r, [r.output_ids[-1]], id(r) in done) for r in sampled]
+        return updates + [self._update(r, [], True) for r in finished if r not in sampled]
+
+    def _update(self, req: Request, new: list[int], finished: bool) -> TokenUpdate:
+        return TokenUpdate(req.rid, new, req.logprobs[-len(new):] if req.logprobs is not None and new else None,
+                           req.finish_reason if finished else None, req.error, req.text_trim,
+                           len(req.prompt_ids), len(req.output_ids))
+
+    def _step(self) -> tuple[list[Request], list[Request]]:
+        """(requests that got a token, requests that finished) of one step."""
         plan = self.scheduler.schedule()
-        done = list(plan.finished)
+        done, sampled = list(plan.finished), []
         if not plan.empty:
-            samplers, logits = self.runner.run(plan)
-            if samplers:
-                done += self._append_tokens(samplers, logits)
-        return [self._finish(req) for req in done]
+            sampled, logits = self.runner.run(plan)
+            if sampled:
+                done += self._append_tokens(sampled, logits)
+        for req in done:
+            self.scheduler.remove(req)
+            self._requests.pop(req.rid, None)
+        return sampled, done
 
     def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
         batch = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
                                     [len(r.output_ids) for r in reqs], logits.shape[-1])
+        tokens = self.sampler(logits, batch)
+        _record_logprobs(reqs, logits, tokens)
         finished = []
-        for req, token in zip(reqs, self.sampler(logits, batch).tolist()):
+        for req, token in zip(reqs, tokens.tolist()):
             req.output_ids.append(token)
             reason, req.text_trim = self.stop_checker.check(req.output_ids, req.params)
             if reason is None and req.total_len >= self.context_len:
@@ -102,15 +124,10 @@ class Engine:
                 finished.append(req)
         return finished
 
-    def _finish(self, req: Request) -> RequestOutput:
-        self.scheduler.remove(req)
-        self._requests.pop(req.rid, None)
-        return self._output(req)
-
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
         return RequestOutput(req.rid, req.prompt_ids, list(req.output_ids), trim_text(text, req.text_trim),
-                             req.finish_reason, req.error)
+                             req.finish_reason, req.error, req.logprobs)
 
     # -- offline batch API -------------------------------------------------------------------
 
@@ -166,6 +183,21 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _record_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Appends each asking request's token logprob (and its top-k) in one pass over the batch."""
+    asking = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+    if not asking:
+        return
+    rows = torch.tensor(asking)
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [n, V]
+    chosen = logp.gather(1, tokens[rows, None])[:, 0].tolist()
+    k = max(reqs[i].params.logprobs for i in asking)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    for j, i in enumerate(asking):
+        n = reqs[i].params.logprobs
+        reqs[i].logprobs.append(TokenLogprob(chosen[j], top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
 
 
 def _load_tokenizer(model_path):

@@ -27,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the k most likely
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -59,6 +60,9 @@ class SamplingParams:
             raise bad("top_k", "must be a positive integer, or 0 / -1 to disable")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", "must be a non-negative integer")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from afd_engine import Engine, EngineArgs, SamplingParams
 from afd_engine.errors import ConfigError, InvalidRequestError, ModelLoadError
@@ -131,3 +132,27 @@ def test_bad_engine_settings_name_the_flag(tiny_v3):
     with pytest.raises(ConfigError, match="unknown engine setting"):
         Engine(model_path=tiny_v3, pagesize=16)
     assert EngineArgs().page_size == 16
+
+
+def test_logprobs_are_the_models_distribution(engine, tiny_v3):
+    from tests.hf_reference import hf_logits
+
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
+    out = engine.generate(prompt_token_ids=[[7, 8, 9]], sampling_params=params)[0]
+    assert len(out.logprobs) == 3
+    ref = torch.log_softmax(hf_logits(tiny_v3, [7, 8, 9])[-1], dim=-1)
+    first = out.logprobs[0]
+    assert first.top_ids[0] == out.token_ids[0] and len(first.top_ids) == 2
+    assert abs(first.logprob - ref[out.token_ids[0]].item()) < 1e-4
+    assert abs(first.top_logprobs[1] - ref.topk(2).values[1].item()) < 1e-4
+
+
+def test_step_updates_stream_every_token_then_finish(engine):
+    rid = engine.add_request(prompt_token_ids=[4, 5, 6], params=SamplingParams(max_new_tokens=4, temperature=0.0,
+                                                                                ignore_eos=True))
+    updates = []
+    while engine.has_unfinished():
+        updates += [u for u in engine.step_updates() if u.request_id == rid]
+    assert [len(u.token_ids) for u in updates] == [1, 1, 1, 1]
+    assert [u.finish_reason for u in updates] == [None, None, None, "length"]
+    assert updates[-1].num_prompt_tokens == 3 and updates[-1].num_output_tokens == 4

@@ -26,6 +26,11 @@ class Request:
     error: str | None = None
     text_trim: int | None = None  # stop-string cut, as a character index into the output text
     num_preemptions: int = 0
+    logprobs: list["TokenLogprob"] | None = None  # one per output token when params.logprobs is set
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def total_len(self) -> int:
@@ -51,6 +56,30 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the `k` most likely alternatives, from the model's
+    distribution before temperature and filtering."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class TokenUpdate:
+    """What one step did to one request: the new token (if any) and whether it finished."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    error: str | None = None
+    text_trim: int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """The result of one request. `finish_reason` is "stop", "length", "abort" or "error"."""
 
@@ -60,3 +89,4 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
