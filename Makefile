@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(VENV)/bin/afd demo
+	$(VENV)/bin/afd serve
 
 test: setup
 	$(PY) -m pytest -q -n 2 tests

@@ -51,6 +51,15 @@ def _demo(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from afd_engine import EngineArgs
+    from afd_engine.server.launch import ServerArgs, serve
+
+    server = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
+                        default_max_tokens=ns.default_max_tokens)
+    return serve(EngineArgs.from_cli(ns), server)
+
+
 def _make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
     from afd_engine.tiny_model import main_make_tiny_model
 
@@ -60,6 +69,7 @@ def _make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from afd_engine.engine_args import EngineArgs
     from afd_engine.sampling_params import SamplingParams
+    from afd_engine.server.launch import ServerArgs
 
     parser = argparse.ArgumentParser(prog="afd", description="AFD inference engine for MoE LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     EngineArgs.add_cli_args(gen)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv_defaults = ServerArgs()
+    srv.add_argument("--host", default=srv_defaults.host, help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=srv_defaults.port)
+    srv.add_argument("--api-key", default=srv_defaults.api_key, help="require this bearer token on /v1 routes")
+    srv.add_argument("--served-model-name", default=srv_defaults.served_model_name,
+                     help="model name in the API (default: the checkpoint directory's name)")
+    srv.add_argument("--default-max-tokens", type=int, default=srv_defaults.default_max_tokens,
+                     help="completion length when a request sets none")
+    EngineArgs.add_cli_args(srv)
+
     demo = sub.add_parser("demo", help="offline generation demo on the embedded tiny model")
     demo.add_argument("--max-new-tokens", type=int, default=32)
     EngineArgs.add_cli_args(demo)
@@ -91,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return _make_tiny(None, argv[1:])
     ns = build_parser().parse_args(argv)
     try:
-        return {"generate": _generate, "demo": _demo}[ns.command](ns)
+        return {"generate": _generate, "demo": _demo, "serve": _serve}[ns.command](ns)
     except AFDError as exc:
         print(f"afd {ns.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,99 @@
+"""Running the choices of one HTTP request through the engine, merged into one stream.
+
+An OpenAI request becomes one engine request per (prompt, choice). Their updates arrive
+interleaved; each is turned into a text delta by the choice's incremental detokenizer. When the
+consumer stops early (client gone, error), every still-running engine request is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from afd_engine.runtime.request import TokenLogprob, TokenUpdate
+from afd_engine.sampling_params import SamplingParams
+from afd_engine.server.detokenizer import IncrementalDetokenizer
+from afd_engine.server.engine_client import EngineClient
+from afd_engine.server.metrics import ServerMetrics
+
+
+@dataclass(eq=False)
+class Choice:
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    last_token_at: float | None = None
+
+    def absorb(self, update: TokenUpdate) -> str:
+        """Takes one update; returns the text that became safe to show."""
+        self.token_ids += update.token_ids
+        self.logprobs += update.logprobs or []
+        delta = self.detok.add(update.token_ids)
+        if update.finish_reason is not None:
+            self.finish_reason = "stop" if update.finish_reason == "stop" else update.finish_reason
+            delta += self.detok.finish(update.text_trim)
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+
+def make_choices(tokenizer, rid: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[Choice]:
+    """n choices per prompt, indexed prompt-major as OpenAI does."""
+    out = []
+    for p, ids in enumerate(prompts):
+        for c, sp in enumerate(params):
+            index = p * len(params) + c
+            detok = IncrementalDetokenizer(tokenizer, sp.skip_special_tokens, sp.stop)
+            out.append(Choice(index, f"{rid}-{index}", ids, sp, detok))
+    return out
+
+
+async def run_choices(client: EngineClient, choices: list[Choice], metrics: ServerMetrics,
+                      start: float) -> AsyncIterator[tuple[Choice, str, TokenUpdate]]:
+    """Yields (choice, text delta, update) as updates arrive from the engine."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for update in client.generate(choice.rid, choice.prompt_ids, choice.params):
+                queue.put_nowait((choice, update))
+        except Exception as exc:  # handed to the consumer, which raises it in the request's context
+            queue.put_nowait((choice, exc))
+        queue.put_nowait((choice, None))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        remaining = len(choices)
+        while remaining:
+            choice, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                _observe(metrics, choice, item, start)
+                yield choice, choice.absorb(item), item
+    finally:
+        for t in tasks:
+            t.cancel()  # a still-running choice is aborted in the engine by its generator
+
+
+def _observe(metrics: ServerMetrics, choice: Choice, update: TokenUpdate, start: float) -> None:
+    if not update.token_ids:
+        return
+    now = time.monotonic()
+    if choice.last_token_at is None:
+        metrics.ttft.observe(now - start)
+    else:
+        metrics.tpot.observe(now - choice.last_token_at)
+    choice.last_token_at = now
+    metrics.generation_tokens.inc(len(update.token_ids))

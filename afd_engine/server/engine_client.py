@@ -1,0 +1,101 @@
+"""The API server's side of the control plane: submit requests, stream their updates, abort.
+
+One background task reads the engine's messages and routes each update to its request's queue.
+A request whose consumer goes away (client disconnected, task cancelled) is aborted in the
+engine, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from afd_engine.errors import AFDError, InvalidRequestError
+from afd_engine.runtime.request import TokenUpdate
+from afd_engine.sampling_params import SamplingParams
+from afd_engine.server import ipc
+from afd_engine.server.engine_process import HEARTBEAT_S
+
+DEAD_AFTER_S = 5.0  # no message for this long: the engine is considered gone
+
+
+class EngineUnavailable(AFDError):
+    """The engine process died or stopped answering."""
+
+
+class EngineClient:
+    def __init__(self, requests_addr: str, outputs_addr: str, alive: Callable[[], bool] = lambda: True) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.bind(requests_addr)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(outputs_addr)
+        self.alive = alive
+        self.stats = ipc.EngineStats()
+        self.last_heard = time.monotonic()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive() and time.monotonic() - self.last_heard < DEAD_AFTER_S
+
+    async def _read(self) -> None:
+        while True:
+            msg = ipc.decode(await self.pull.recv())
+            self.last_heard = time.monotonic()
+            if isinstance(msg, ipc.StepOutput):
+                self.stats = msg.stats
+                for update in msg.updates:
+                    self._deliver(update.request_id, update)
+            elif isinstance(msg, ipc.Rejected):
+                self._deliver(msg.rid, msg)
+
+    def _deliver(self, rid: str, item) -> None:
+        queue = self._queues.get(rid)
+        if queue is not None:
+            queue.put_nowait(item)
+
+    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenUpdate]:
+        """Yields the request's updates until it finishes; raises InvalidRequestError if the engine
+        refused it and EngineUnavailable if the engine went away."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            await self.push.send(ipc.encode(ipc.AddRequest(rid, prompt_ids, params)))
+            while not finished:
+                item = await self._next(queue)
+                if isinstance(item, ipc.Rejected):
+                    finished = True
+                    raise InvalidRequestError(item.message, item.param)
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            del self._queues[rid]
+            if not finished:  # the consumer left early: free the engine's resources
+                self.push.send(ipc.encode(ipc.AbortRequest(rid)))
+
+    async def _next(self, queue: asyncio.Queue):
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), timeout=HEARTBEAT_S * 2)
+            except asyncio.TimeoutError:
+                if not self.healthy:
+                    raise EngineUnavailable("the engine process stopped answering") from None
+
+    async def shutdown(self) -> None:
+        await self.push.send(ipc.encode(ipc.Shutdown()))
+        if self._reader is not None:
+            self._reader.cancel()
+        self.push.close(linger=500)
+        self.pull.close(linger=0)

@@ -1,0 +1,75 @@
+"""Control-plane messages between the API server and the engine process (ZeroMQ, JSON frames).
+
+front end -> engine: AddRequest, AbortRequest, Shutdown
+engine -> front end: StepOutput (token updates of one step, and engine stats), Rejected
+Each message is a frozen dataclass; `encode`/`decode` are the only way on and off the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from afd_engine.runtime.request import TokenLogprob, TokenUpdate
+from afd_engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    updates: list[TokenUpdate] = field(default_factory=list)
+    stats: EngineStats = EngineStats()
+
+
+@dataclass(frozen=True)
+class Rejected:
+    rid: str
+    message: str
+    param: str | None = None
+
+
+_TYPES = {t.__name__: t for t in (AddRequest, AbortRequest, Shutdown, StepOutput, Rejected)}
+
+
+def encode(msg) -> bytes:
+    return json.dumps({"type": type(msg).__name__, "body": dataclasses.asdict(msg)}).encode()
+
+
+def decode(data: bytes):
+    raw = json.loads(data)
+    kind, body = raw["type"], raw["body"]
+    if kind == "AddRequest":
+        return AddRequest(body["rid"], body["prompt_ids"], SamplingParams(**body["params"]))
+    if kind == "StepOutput":
+        return StepOutput([_update(u) for u in body["updates"]], EngineStats(**body["stats"]))
+    return _TYPES[kind](**body)
+
+
+def _update(u: dict) -> TokenUpdate:
+    logprobs = None if u["logprobs"] is None else [TokenLogprob(**lp) for lp in u["logprobs"]]
+    return TokenUpdate(**{**u, "logprobs": logprobs})

@@ -1,0 +1,34 @@
+"""Prometheus metrics of the API server, in a registry of its own (no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from afd_engine.server.ipc import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("afd_requests", "HTTP generation requests by endpoint and outcome",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("afd_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("afd_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("afd_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("afd_time_per_output_token_seconds", "time between output tokens of a request",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("afd_num_requests_running", "requests in the engine's running batch", registry=r)
+        self.waiting = Gauge("afd_num_requests_waiting", "requests waiting for admission", registry=r)
+        self.kv_used = Gauge("afd_kv_pages_used", "KV cache pages in use", registry=r)
+        self.kv_total = Gauge("afd_kv_pages_total", "KV cache pages in the pool", registry=r)
+
+    def render(self, stats: EngineStats) -> bytes:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_used.set(stats.kv_pages_used)
+        self.kv_total.set(stats.kv_pages_total)
+        return generate_latest(self.registry)
