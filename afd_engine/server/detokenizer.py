@@ -79,7 +79,8 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """All text emitted so far (the concatenation of the returned deltas)."""
+        """All text emitted so far (the concatenation of the returned deltas). Joins the deltas
+        on access: meant for the end of a request, not for every step."""
         if len(self._chunks) > 1:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""

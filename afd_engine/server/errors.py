@@ -9,7 +9,7 @@ pydantic's list of dicts into one readable sentence naming the offending field.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from afd_engine.errors import InvalidRequestError
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None) -> dict:
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
     """The error object; also what a stream sends as its last event when it fails midway."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -27,8 +27,8 @@ def openai_error(
     status: int,
     message: str,
     type: str = "invalid_request_error",
-    param: Optional[str] = None,
-    code: Optional[str] = None,
+    param: str | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
     """A JSON error response in OpenAI's format."""
     return JSONResponse(status_code=status, content=error_body(message, type, param, code))
@@ -40,7 +40,7 @@ class APIError(Exception):
     :func:`install_exception_handlers` turns it into the response.
     """
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None) -> None:
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -51,7 +51,7 @@ class APIError(Exception):
 # --- Validation errors ------------------------------------------------------------------------
 
 
-def loc_to_param(loc: tuple) -> Optional[str]:
+def loc_to_param(loc: tuple) -> str | None:
     """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``; None for the body itself.
 
     FastAPI prefixes body errors with "body"; it is dropped, since clients know nothing of it.
@@ -76,16 +76,16 @@ def _describe_input(value: Any) -> str:
     return ""
 
 
-def _message_for(err: dict, param: Optional[str]) -> str:
+def _message_for(err: dict, param: str | None) -> str:
     kind = err.get("type", "")
     if kind == "json_invalid":
-        reason = str(err.get("ctx", {}).get("error", err.get("msg", ""))).rstrip(".")
+        reason = str((err.get("ctx") or {}).get("error", err.get("msg", ""))).rstrip(".")
         return f"We could not parse the JSON body of your request: {reason}."
     if kind == "missing":
         return f"Missing required parameter: '{param}'." if param else "The request body is missing."
     if kind == "extra_forbidden":
         return f"Unrecognized parameter: '{param}'."
-    msg = str(err.get("msg", "invalid value"))
+    msg = str(err.get("msg") or "invalid value").rstrip(".")
     if not param:
         # Only the body as a whole can fail without a field location (e.g. it is not an object).
         return f"Invalid request body: {msg}."
@@ -95,7 +95,7 @@ def _message_for(err: dict, param: Optional[str]) -> str:
     return f"Invalid value for '{param}': {msg}{suffix}."
 
 
-def validation_error_response(exc: Union[ValidationError, RequestValidationError]) -> JSONResponse:
+def validation_error_response(exc: ValidationError | RequestValidationError) -> JSONResponse:
     """A 400 naming the first offending field, e.g. param "max_tokens" and the message
     "Invalid value for 'max_tokens': Input should be a valid integer (got "5")."."""
     errors = exc.errors()

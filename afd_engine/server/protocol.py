@@ -23,13 +23,8 @@ Log-probabilities
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
-import math
-import time
-import uuid
-from collections.abc import Sequence
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -42,13 +37,12 @@ from pydantic import (
     StrictStr,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from afd_engine.errors import InvalidRequestError
 from afd_engine.sampling_params import SamplingParams
+
 
 # --------------------------------------------------------------------------------------------
 # Field types
@@ -96,11 +90,11 @@ def _stop_validator(max_items: int | None):
                 raise PydanticCustomError("stop_item", "each stop sequence must be a non-empty string")
         return list(items)
 
-    return PlainValidator(validate, json_schema_input_type=Optional[Union[str, list[str]]])
+    return PlainValidator(validate, json_schema_input_type=str | list[str] | None)
 
 
-OpenAIStop = Annotated[Optional[list[str]], _stop_validator(MAX_OPENAI_STOP)]
-NativeStop = Annotated[Optional[list[str]], _stop_validator(None)]
+OpenAIStop = Annotated[list[str] | None, _stop_validator(MAX_OPENAI_STOP)]
+NativeStop = Annotated[list[str] | None, _stop_validator(None)]
 
 
 class _NullMeansDefault(BaseModel):
@@ -158,8 +152,8 @@ def _validate_content(value: Any) -> str | None:
 
 
 MessageContent = Annotated[
-    Optional[str],
-    PlainValidator(_validate_content, json_schema_input_type=Optional[Union[str, list[TextContentPart]]]),
+    str | None,
+    PlainValidator(_validate_content, json_schema_input_type=str | list[TextContentPart] | None),
 ]
 
 
@@ -174,25 +168,12 @@ class ChatMessage(_NullMeansDefault):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: MessageContent = None
-    name: Optional[StrictStr] = None
+    name: StrictStr | None = None
 
 
 # --------------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------------
-
-
-def _has_logprobs_field() -> bool:
-    return "logprobs" in SamplingParams.__dataclass_fields__
-
-
-def _logprobs_kwargs(logprobs: int | None) -> dict:
-    """``{"logprobs": k}`` when requested; an error if this engine has no logprobs support."""
-    if logprobs is None:
-        return {}
-    if not _has_logprobs_field():
-        raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
-    return {"logprobs": logprobs}
 
 
 def sampling_params_for_choice(params: SamplingParams, index: int) -> SamplingParams:
@@ -212,17 +193,17 @@ class _OpenAISamplingRequest(_NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr
-    temperature: Optional[OpenAITemperature] = None
-    top_p: Optional[TopP] = None
-    top_k: Optional[TopK] = None
-    seed: Optional[Seed] = None
+    temperature: OpenAITemperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop: OpenAIStop = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
     stream: StrictBool = False
-    stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[Penalty] = None
-    frequency_penalty: Optional[Penalty] = None
-    user: Optional[StrictStr] = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: StrictStr | None = None
     ignore_eos: StrictBool = False  # extension
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -269,7 +250,7 @@ class _OpenAISamplingRequest(_NullMeansDefault):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
-        kwargs.update(_logprobs_kwargs(self._logprobs()))
+        kwargs["logprobs"] = self._logprobs()
         return SamplingParams(**kwargs)
 
     def choice_sampling_params(self, default_max_tokens: int) -> list[SamplingParams]:
@@ -282,10 +263,10 @@ class ChatCompletionRequest(_OpenAISamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Optional[PositiveInt] = None
-    max_completion_tokens: Optional[PositiveInt] = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool = False
-    top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=20)]] = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -315,7 +296,7 @@ class ChatCompletionRequest(_OpenAISamplingRequest):
         ]
 
 
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
 def _validate_prompt(value: Any) -> PromptInput:
@@ -351,8 +332,8 @@ class CompletionRequest(_OpenAISamplingRequest):
     """``POST /v1/completions`` (the legacy text completions API)."""
 
     prompt: Annotated[PromptInput, PlainValidator(_validate_prompt, json_schema_input_type=PromptInput)]
-    max_tokens: Optional[PositiveInt] = None
-    logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=5)]] = None
+    max_tokens: PositiveInt | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     echo: StrictBool = False
 
     @field_validator("echo")
@@ -393,17 +374,17 @@ class GenerateSamplingParams(_NullMeansDefault):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: Optional[PositiveInt] = None
-    temperature: Optional[Annotated[StrictFloat, Field(ge=0.0)]] = None  # upper bound: SamplingParams'
-    top_p: Optional[TopP] = None
-    top_k: Optional[TopK] = None
-    seed: Optional[Seed] = None
+    max_new_tokens: PositiveInt | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0.0)] | None = None  # upper bound: SamplingParams'
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop: NativeStop = None
-    stop_token_ids: Optional[list[NonNegativeInt]] = None
+    stop_token_ids: list[NonNegativeInt] | None = None
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=20)]] = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
 
 class GenerateRequest(_NullMeansDefault):
@@ -411,8 +392,8 @@ class GenerateRequest(_NullMeansDefault):
 
     model_config = ConfigDict(extra="ignore")
 
-    text: Optional[StrictStr] = None
-    input_ids: Optional[list[NonNegativeInt]] = Field(default=None, validate_default=True)
+    text: StrictStr | None = None
+    input_ids: list[NonNegativeInt] | None = Field(default=None, validate_default=True)
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: StrictBool = False
 
@@ -443,319 +424,11 @@ class GenerateRequest(_NullMeansDefault):
             value = getattr(sp, name)
             if value is not None:
                 kwargs[name] = value
-        kwargs.update(_logprobs_kwargs(sp.logprobs))
+        kwargs["logprobs"] = sp.logprobs
         return SamplingParams(**kwargs)
 
 
-# --------------------------------------------------------------------------------------------
-# Responses
-# --------------------------------------------------------------------------------------------
 
-
-def random_id(prefix: str) -> str:
-    """An OpenAI-style object id such as ``chatcmpl-<32 hex digits>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
-
-
-class TopLogprob(BaseModel):
-    """One alternative in the chat logprobs format."""
-
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class TokenLogprobEntry(BaseModel):
-    """One output token in the chat logprobs format, with its most likely alternatives."""
-
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    """``choices[i].logprobs`` of a chat completion (or of one chunk)."""
-
-    content: Optional[list[TokenLogprobEntry]] = None
-
-
-class CompletionLogprobs(BaseModel):
-    """``choices[i].logprobs`` of a legacy text completion (or of one chunk)."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: Optional[list[dict[str, float]]] = None
-    text_offset: list[int] = Field(default_factory=list)
-
-
-FinishReason = Optional[str]  # "stop" | "length" | "abort" | ...; null while a stream goes on
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: FinishReason = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    """A streamed message delta. Unset keys are left out (OpenAI sends ``{}`` at the end)."""
-
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        # Only the delta omits absent keys; everywhere else OpenAI writes explicit nulls.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage = Field(default_factory=DeltaMessage)
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: FinishReason = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One ``chat.completion.chunk``. With ``include_usage``, a last chunk has no choices and
-    carries ``usage``; in every other chunk ``usage`` is null."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice] = Field(default_factory=list)
-    usage: Optional[UsageInfo] = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: FinishReason = None
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class CompletionChunk(BaseModel):
-    """A streamed text completion: the same shape as the response (OpenAI's ``object`` is
-    ``text_completion`` for both), usage null except in the optional last usage chunk."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice] = Field(default_factory=list)
-    usage: Optional[UsageInfo] = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "afd-engine"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_event(payload: BaseModel) -> str:
-    """One server-sent event carrying ``payload`` as JSON, as OpenAI streams do."""
-    return f"data: {payload.model_dump_json()}\n\n"
-
-
-# --------------------------------------------------------------------------------------------
-# Log-probabilities
-# --------------------------------------------------------------------------------------------
-
-# JSON has no -inf, and OpenAI clients require a number; OpenAI itself reports -9999.0 for
-# tokens of (numerically) zero probability.
-_MIN_LOGPROB = -9999.0
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else (_MIN_LOGPROB if logprob < 0 or math.isnan(logprob) else 0.0)
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """The printable stand-in character of each byte in GPT-2 style byte-level BPE, inverted.
-
-    Bytes that are printable and not whitespace stand for themselves; the other 68 are mapped,
-    in byte order, to the code points from 256 upwards. Inverting the map turns a token's
-    vocabulary string back into its exact bytes, even when they are an incomplete UTF-8
-    character (which decoding the single token would turn into U+FFFD).
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in chars.items()}
-
-
-_BYTE_OF_CHAR = _byte_level_alphabet()
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenText:
-    """How one token id is shown in logprobs, and what it adds to the output text."""
-
-    token: str  # display text; "bytes:\\xe4\\xbd" for an incomplete UTF-8 piece, as OpenAI does
-    raw: bytes  # exact UTF-8 bytes of the token
-    in_text: bool  # False for a special token that the output text skips
-
-
-def _is_byte_level(tokenizer) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None)
-    return decoder is not None and "ByteLevel" in repr(decoder)
-
-
-class LogprobFormatter:
-    """Builds chat and completions logprobs from token ids, their logprobs and top-k alternatives.
-
-    One formatter per tokenizer (the server keeps one); each token's text is computed once and
-    cached, so formatting costs O(tokens * k) dictionary look-ups.
-    """
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self._byte_level = _is_byte_level(tokenizer)
-        self._special_ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
-        for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-            if getattr(added, "special", False):
-                self._special_ids.add(token_id)
-        self._cache: dict[int, TokenText] = {}
-
-    def token_text(self, token_id: int) -> TokenText:
-        entry = self._cache.get(token_id)
-        if entry is None:
-            entry = self._cache[token_id] = self._compute(token_id)
-        return entry
-
-    def _compute(self, token_id: int) -> TokenText:
-        in_text = not (self.skip_special_tokens and token_id in self._special_ids)
-        raw: bytes | None = None
-        if self._byte_level and token_id not in self._special_ids:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str) and all(c in _BYTE_OF_CHAR for c in piece):
-                raw = bytes(_BYTE_OF_CHAR[c] for c in piece)
-        if raw is None:
-            # Special/added tokens (written literally in the vocabulary) and other tokenizer
-            # kinds: the token decoded on its own.
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            return TokenText(token=text, raw=text.encode("utf-8"), in_text=in_text)
-        try:
-            token = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            token = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        return TokenText(token=token, raw=raw, in_text=in_text)
-
-    def chat_logprobs(
-        self,
-        token_ids: Sequence[int],
-        logprobs: Sequence[float],
-        top: Optional[Sequence[tuple[Sequence[int], Sequence[float]]]] = None,
-    ) -> ChatLogprobs:
-        """Chat format: per token {token, logprob, bytes, top_logprobs[{token, logprob, bytes}]}.
-
-        ``top[i]`` holds the ids and logprobs of the most likely tokens at position i; None
-        (or empty) gives an empty ``top_logprobs``, as OpenAI does for ``top_logprobs: 0``.
-        """
-        # Plain dicts validated once at the end: pydantic's Rust validator builds the nested models
-        # several times faster than one constructor call per entry would.
-        content = []
-        for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
-            t = self.token_text(token_id)
-            alternatives = []
-            if top is not None and i < len(top):
-                for alt_id, alt_lp in zip(*top[i]):
-                    a = self.token_text(alt_id)
-                    alternatives.append({"token": a.token, "logprob": _finite(alt_lp), "bytes": list(a.raw)})
-            content.append({"token": t.token, "logprob": _finite(lp), "bytes": list(t.raw), "top_logprobs": alternatives})
-        return ChatLogprobs.model_validate({"content": content})
-
-    def completion_logprobs(
-        self,
-        token_ids: Sequence[int],
-        logprobs: Sequence[float],
-        top: Optional[Sequence[tuple[Sequence[int], Sequence[float]]]] = None,
-        text_offset: int = 0,
-    ) -> CompletionLogprobs:
-        """Legacy completions format: parallel lists tokens / token_logprobs / top_logprobs /
-        text_offset.
-
-        As in OpenAI's API, each ``top_logprobs`` dict also contains the chosen token. Offsets
-        are character positions in the output text, starting at ``text_offset`` (pass the
-        length of the text streamed before this chunk). They are exact within one call; a
-        character whose bytes straddle two calls is counted in the later one.
-        """
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        offset = text_offset
-        out = CompletionLogprobs(top_logprobs=[] if top is not None else None)
-        for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
-            t = self.token_text(token_id)
-            out.tokens.append(t.token)
-            out.token_logprobs.append(_finite(lp))
-            out.text_offset.append(offset)
-            if t.in_text:
-                offset += len(decoder.decode(t.raw))
-            if out.top_logprobs is not None:
-                alternatives = {}
-                if i < len(top):
-                    for alt_id, alt_lp in zip(*top[i]):
-                        alternatives[self.token_text(alt_id).token] = _finite(alt_lp)
-                alternatives.setdefault(t.token, _finite(lp))
-                out.top_logprobs.append(alternatives)
-        return out
-
-    @staticmethod
-    def unpack(entries: Sequence[Any]) -> tuple[list[float], list[tuple[list[int], list[float]]]]:
-        """(logprobs, top) from the engine's per-token records (``.logprob``, ``.top_ids``,
-        ``.top_logprobs``, as in ``afd_engine.runtime.request.TokenLogprob``)."""
-        return [e.logprob for e in entries], [(e.top_ids, e.top_logprobs) for e in entries]
+from afd_engine.server.responses import *  # noqa: E402,F401,F403  (one import point for routes)
+from afd_engine.server.responses import random_id  # noqa: E402,F401
+from afd_engine.server.logprobs import LogprobFormatter  # noqa: E402,F401

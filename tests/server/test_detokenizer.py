@@ -109,9 +109,9 @@ def engine_trim(tokenizer, ids, stop, include=False):
     the first hit ends the request. Returns (ids generated up to the stop, trim)."""
     for n in range(1, len(ids) + 1):
         text = decode(tokenizer, ids[:n])
-        hits = [(text.find(s) + len(s), text.find(s), s) for s in stop if s in text]
+        hits = [(text.find(s) + len(s), text.find(s)) for s in stop if s in text]
         if hits:
-            end, start, s = min(hits)
+            end, start = min(hits)
             return ids[:n], (end if include else start)
     return ids, None
 

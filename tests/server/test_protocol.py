@@ -37,7 +37,6 @@ from afd_engine.server.protocol import (
     sse_event,
 )
 
-HAS_LOGPROBS = "logprobs" in SamplingParams.__dataclass_fields__
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}]}
 
 
@@ -239,7 +238,6 @@ def test_generate_sampling_params():
     assert GenerateRequest.model_validate({"text": "a"}).to_sampling_params(12).max_new_tokens == 12
 
 
-@pytest.mark.skipif(not HAS_LOGPROBS, reason="SamplingParams has no logprobs field")
 def test_logprobs_mapping():
     chat = ChatCompletionRequest.model_validate
     assert chat(CHAT).to_sampling_params(8).logprobs is None
@@ -249,13 +247,6 @@ def test_logprobs_mapping():
     assert comp({"model": "m", "prompt": "a"}).to_sampling_params(8).logprobs is None
     assert comp({"model": "m", "prompt": "a", "logprobs": 0}).to_sampling_params(8).logprobs == 0
     assert comp({"model": "m", "prompt": "a", "logprobs": 5}).to_sampling_params(8).logprobs == 5
-
-
-@pytest.mark.skipif(HAS_LOGPROBS, reason="SamplingParams has a logprobs field")
-def test_logprobs_unsupported():
-    with pytest.raises(InvalidRequestError) as info:
-        ChatCompletionRequest.model_validate({**CHAT, "logprobs": True}).to_sampling_params(8)
-    assert info.value.param == "logprobs"
 
 
 # --- error responses ---------------------------------------------------------------------------

@@ -1,0 +1,175 @@
+"""Response bodies of the OpenAI API subset we serve, with OpenAI's exact field names and nulls."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    Field,
+    model_serializer,
+)
+
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------
+
+
+def random_id(prefix: str) -> str:
+    """An OpenAI-style object id such as ``chatcmpl-<32 hex digits>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+class TopLogprob(BaseModel):
+    """One alternative in the chat logprobs format."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(BaseModel):
+    """One output token in the chat logprobs format, with its most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a chat completion (or of one chunk)."""
+
+    content: list[TokenLogprobEntry] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a legacy text completion (or of one chunk)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+FinishReason = str | None  # "stop" | "length" | "abort" | ...; null while a stream goes on
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A streamed message delta. Unset keys are left out (OpenAI sends ``{}`` at the end)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        # Only the delta omits absent keys; everywhere else OpenAI writes explicit nulls.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage = Field(default_factory=DeltaMessage)
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``chat.completion.chunk``. With ``include_usage``, a last chunk has no choices and
+    carries ``usage``; in every other chunk ``usage`` is null."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    """A streamed text completion: the same shape as the response (OpenAI's ``object`` is
+    ``text_completion`` for both), usage null except in the optional last usage chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "afd-engine"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel) -> str:
+    """One server-sent event carrying ``payload`` as JSON, as OpenAI streams do."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
