@@ -83,7 +83,7 @@ class EngineClient:
         finally:
             del self._queues[rid]
             if not finished:  # the consumer left early: free the engine's resources
-                self.push.send(ipc.encode(ipc.AbortRequest(rid)))
+                self._send_nowait(ipc.AbortRequest(rid))
 
     async def _next(self, queue: asyncio.Queue):
         while True:
@@ -93,8 +93,15 @@ class EngineClient:
                 if not self.healthy:
                     raise EngineUnavailable("the engine process stopped answering") from None
 
+    def _send_nowait(self, msg) -> None:
+        """Control messages that must never block (the engine may be gone)."""
+        try:
+            self.push.send(ipc.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
     async def shutdown(self) -> None:
-        await self.push.send(ipc.encode(ipc.Shutdown()))
+        self._send_nowait(ipc.Shutdown())
         if self._reader is not None:
             self._reader.cancel()
         self.push.close(linger=500)
