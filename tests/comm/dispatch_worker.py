@@ -31,7 +31,9 @@ def run_endpoint(topo: Topology, config: CommConfig, endpoint: int, transport_kw
             owner_work(owner, keys)
             owner.close()
         if is_sender:
-            out = [sender.combine(h) for h in handles]
+            # plain lists: tensors through a multiprocessing queue travel as shared-memory handles
+            # that die with this process
+            out = [sender.combine(h).tolist() for h in handles]
         stats = (owner if not is_sender else sender).stats.as_dict()
         results.put(("ok", endpoint, out, stats))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
