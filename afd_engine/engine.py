@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
 
 import torch
-from tqdm import tqdm
 
 from afd_engine.default_model import resolve_model_path
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import InvalidRequestError, ModelLoadError
 from afd_engine.model_config import ModelConfig
 from afd_engine.models import load_model
+from afd_engine.offline import GenerateMixin
 from afd_engine.runtime.kv_cache import KVPool, pages_for
 from afd_engine.runtime.model_runner import ModelRunner
 from afd_engine.runtime.request import Request, RequestOutput, TokenLogprob, TokenUpdate
@@ -23,14 +22,26 @@ from afd_engine.runtime.stop_checker import StopChecker, trim_text
 from afd_engine.sampling_params import SamplingParams
 
 
-class Engine:
+class Engine(GenerateMixin):
     """Loads a checkpoint and serves requests in one process.
 
     Keywords are EngineArgs fields (the CLI flags with underscores):
     ``Engine(model_path=path, dtype="float32", kv_cache_memory_mb=64)``.
     """
 
-    def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
+    def __new__(cls, args: EngineArgs | None = None, **kwargs):
+        mode = args.mode if args is not None and "mode" not in kwargs else kwargs.get("mode", "single")
+        if cls is Engine and mode != "single" and kwargs.get("runner_factory") is None:
+            # several ranks: the same API over worker processes (a worker itself passes its runner)
+            from afd_engine.distributed.engine import DistributedEngine
+
+            return DistributedEngine(args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, args: EngineArgs | None = None, *, expert_range: tuple[int, int] | None = None,
+                 runner_factory=None, **kwargs) -> None:
+        """`expert_range` and `runner_factory` are for worker processes of multi-rank modes:
+        which routed experts to load here, and what runs a step instead of the local ModelRunner."""
         args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
         args.validate()
         torch.set_num_threads(args.threads)
@@ -38,12 +49,12 @@ class Engine:
         self.args = args
         self.config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
-        self.model = load_model(self.config, self.model_path, args.torch_dtype)
+        self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_range)
         self.context_len = min(args.context_length or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
         self.pool = _make_pool(self.config, args, self.context_len)
         self.scheduler = Scheduler(self.pool, args.max_num_batched_tokens, args.max_running_requests, self.context_len)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = (runner_factory or ModelRunner)(self.model, self.pool)
         self.sampler = Sampler()
         eos = set(self.config.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         self.stop_checker = StopChecker(self.tokenizer, eos)
@@ -99,7 +110,7 @@ class Engine:
         """(requests that got a token, requests that finished) of one step."""
         plan = self.scheduler.schedule()
         done, sampled = list(plan.finished), []
-        if not plan.empty:
+        if self.runner.begin_step(plan):
             sampled, logits = self.runner.run(plan)
             if sampled:
                 done += self._append_tokens(sampled, logits)
@@ -129,35 +140,6 @@ class Engine:
         return RequestOutput(req.rid, req.prompt_ids, list(req.output_ids), trim_text(text, req.text_trim),
                              req.finish_reason, req.error, req.logprobs)
 
-    # -- offline batch API -------------------------------------------------------------------
-
-    def generate(self, prompts: Sequence[str] | str | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in prompt order.
-
-        A request that cannot run (too long, empty) gets finish_reason "error" and its message;
-        the others are unaffected.
-        """
-        inputs = _inputs(prompts, prompt_token_ids)
-        params = _params(sampling_params, len(inputs))
-        results: dict[int, RequestOutput] = {}
-        index: dict[str, int] = {}
-        for i, (inp, p) in enumerate(zip(inputs, params)):
-            try:
-                rid = self.add_request(**inp, params=p)
-                index[rid] = i
-            except InvalidRequestError as exc:
-                results[i] = RequestOutput(f"invalid-{i}", inp.get("prompt_token_ids") or [], [], "", "error", str(exc))
-        bar = tqdm(total=len(index), desc="generate", disable=not use_tqdm)
-        while self.has_unfinished():
-            for out in self.step():
-                results[index[out.request_id]] = out
-                bar.update(1)
-        bar.close()
-        return [results[i] for i in range(len(inputs))]
-
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", param="prompt")
@@ -177,6 +159,7 @@ class Engine:
     def close(self) -> None:
         for rid in list(self._requests):
             self.abort(rid)
+        self.runner.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -217,20 +200,3 @@ def _make_pool(cfg: ModelConfig, args: EngineArgs, context_len: int) -> KVPool:
         num_pages = int(args.kv_cache_memory_mb * 2**20) // page_bytes
     return KVPool(cfg.num_layers, cfg.kv_cache_dim, num_pages, args.page_size, args.max_running_requests,
                   pages_for(context_len, args.page_size), args.torch_dtype)
-
-
-def _inputs(prompts, prompt_token_ids) -> list[dict]:
-    if (prompts is None) == (prompt_token_ids is None):
-        raise InvalidRequestError("give exactly one of prompts and prompt_token_ids", param="prompts")
-    if prompts is not None:
-        return [{"prompt": p} for p in ([prompts] if isinstance(prompts, str) else prompts)]
-    return [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
-
-
-def _params(sampling_params, n: int) -> list[SamplingParams]:
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params or SamplingParams()] * n
-    params = list(sampling_params)
-    if len(params) != n:
-        raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts", param="sampling_params")
-    return params

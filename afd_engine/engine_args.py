@@ -35,6 +35,19 @@ class EngineArgs:
     context_length: int | None = _opt(None, "longest prompt + output (default: the model's max_position_embeddings)")
     num_threads: int | None = _opt(None, "torch threads of this process (default: all cores)")
     seed: int = _opt(0, "seed for requests that do not set their own")
+    mode: str = _opt("single", "single (one process), colocated (DP attention + EP on the same ranks) or afd "
+                     "(attention and routed experts on separate ranks)", choices=("single", "colocated", "afd"))
+    dp_size: int = _opt(1, "attention (data-parallel) ranks")
+    ffn_nodes: int = _opt(1, "afd: F nodes (machines of expert ranks)")
+    ffn_ranks_per_node: int = _opt(1, "afd: expert ranks per F node")
+    micro_batches: int | None = _opt(None, "micro-batches in flight per step (default: 3 for afd, 1 otherwise)")
+    dispatch: str | None = _opt(None, "two-stage or direct (default: two-stage for afd; colocated is direct)",
+                                choices=("two-stage", "direct"))
+    dispatch_dtype: str = _opt("auto", "dispatch wire format: auto (the activations' dtype), fp32, bf16 or fp8",
+                               choices=("auto", "fp32", "bf16", "fp8"))
+    combine_dtype: str = _opt("auto", "combine wire format: auto (the activations' dtype), fp32 or bf16",
+                              choices=("auto", "fp32", "bf16"))
+    comm_timeout: float = _opt(30.0, "seconds a rank waits for a peer before failing the step")
 
     def validate(self) -> None:
         def need(ok: bool, flag: str, fix: str) -> None:
@@ -49,10 +62,27 @@ class EngineArgs:
         need(self.max_running_requests >= 1, "max_running_requests", "must be at least 1")
         need(self.context_length is None or self.context_length >= 2, "context_length", "must be at least 2")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be at least 1")
+        need(self.mode in ("single", "colocated", "afd"), "mode", "use single, colocated or afd")
+        need(self.dp_size >= 1, "dp_size", "must be at least 1")
+        need(self.mode != "single" or self.dp_size == 1, "dp_size", "--mode single runs one rank; use --mode "
+             "colocated or afd for several")
+        need(self.ffn_nodes >= 1 and self.ffn_ranks_per_node >= 1, "ffn_nodes", "needs at least one node of one rank")
+        need(self.micro_batches is None or 1 <= self.micro_batches <= 8, "micro_batches", "must be in [1, 8]")
+        need(not (self.mode == "colocated" and self.dispatch == "two-stage"), "dispatch",
+             "the colocated baseline dispatches directly; two-stage needs --mode afd")
+        need(self.comm_timeout > 0, "comm_timeout", "must be positive")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES["float32" if self.dtype == "auto" else self.dtype]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches or (3 if self.mode == "afd" else 1)
+
+    @property
+    def dispatch_mode(self) -> str:
+        return self.dispatch or ("two-stage" if self.mode == "afd" else "direct")
 
     @property
     def threads(self) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from afd_engine.model_config import ModelConfig
-from afd_engine.models.deepseek import DeepseekForCausalLM
+from afd_engine.models.deepseek import DeepseekForCausalLM, ExpertShard
 from afd_engine.models.loader import load_weights
 
 MODEL_REGISTRY = {
@@ -29,3 +29,13 @@ def load_model(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
     model.to_empty(device="cpu")
     load_weights(model, model_path)
     return model.eval().requires_grad_(False)
+
+
+def load_expert_shard(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
+                      expert_range: tuple[int, int]) -> ExpertShard:
+    """Only the routed experts in `expert_range` of every MoE layer (an F rank's weights)."""
+    with torch.device("meta"):
+        shard = ExpertShard(cfg, expert_range)
+    shard.to(dtype).to_empty(device="cpu")
+    load_weights(shard, model_path)
+    return shard.eval().requires_grad_(False)

@@ -50,6 +50,7 @@ class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.group_size = cfg.n_routed_experts // cfg.n_group
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         if cfg.uses_bias_correction:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
@@ -61,12 +62,12 @@ class Gate(nn.Module):
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         if cfg.topk_method == "noaux_tc":
             choice = scores + self.e_score_correction_bias
-            group_scores = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).topk(2, dim=-1)[0].sum(-1)
+            group_scores = choice.view(len(x), cfg.n_group, self.group_size).topk(2, dim=-1)[0].sum(-1)
             choice = self._mask_groups(choice, group_scores, float("-inf"))
             ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
             weights = scores.gather(1, ids)
         elif cfg.topk_method == "group_limited_greedy":
-            group_scores = scores.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group).amax(-1)
+            group_scores = scores.view(len(x), cfg.n_group, self.group_size).amax(-1)
             weights, ids = self._mask_groups(scores, group_scores, 0.0).topk(cfg.num_experts_per_tok, dim=-1, sorted=False)
         else:
             weights, ids = scores.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)
@@ -79,7 +80,7 @@ class Gate(nn.Module):
         cfg = self.cfg
         top = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top, True)  # [T, G]
-        grouped = scores.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        grouped = scores.view(len(scores), cfg.n_group, self.group_size)
         return grouped.masked_fill(~keep[:, :, None], fill).view_as(scores)
 
 
@@ -162,7 +163,7 @@ class MLAttention(nn.Module):
             out[n_ext:] = mla_decode_attention(
                 q_nope[n_ext:], q_pe[n_ext:], cache, fb.dec_slots, fb.dec_bias, self.w_uk, self.w_uv, self.scale
             )
-        return self.o_proj(out.view(T, -1))
+        return self.o_proj(out.view(T, cfg.num_heads * cfg.v_head_dim))
 
     def _extend(self, q_nope, q_pe, fb: ForwardBatch, cache) -> torch.Tensor:
         valid = fb.ext_valid  # [Be, Q]
@@ -187,8 +188,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin, cache: torch.Tensor) -> torch.Tensor:
+        x, h = self.attention_part(x, fb, cos_sin, cache)
+        return x + self.mlp(h)
+
+    def attention_part(self, x: torch.Tensor, fb: ForwardBatch, cos_sin, cache: torch.Tensor):
+        """x [T, H] -> (residual stream after attention, the normalised MLP input), both [T, H]."""
         x = x + self.self_attn(self.input_layernorm(x), fb, cos_sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x, self.post_attention_layernorm(x)
 
 
 class DeepseekModel(nn.Module):
@@ -217,8 +223,43 @@ class DeepseekForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         """Runs one step; kv_cache [layers, slots, C + R]; returns fp32 logits [len(logit_rows), V]."""
-        x = self.model.embed_tokens(fb.input_ids)
-        cos_sin = self.model.rotary.cos_sin(fb.positions, x.dtype)
+        x, cos_sin = self.embed(fb)
         for layer in self.model.layers:
             x = layer(x, fb, cos_sin, kv_cache[layer.layer_id])
+        return self.logits(x, logit_rows)
+
+    def embed(self, fb: ForwardBatch):
+        x = self.model.embed_tokens(fb.input_ids)
+        return x, self.model.rotary.cos_sin(fb.positions, x.dtype)
+
+    def logits(self, x: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(x[logit_rows])).float()
+
+
+class _Holder(nn.Module):
+    """A named level of the module tree, so that expert shards keep the checkpoint's names."""
+
+
+class ExpertShard(nn.Module):
+    """Only the routed experts [first, first + count) of every MoE layer: what an F rank loads.
+
+    Parameter names are the full model's (`model.layers.3.mlp.experts.w13`), so the same loader
+    fills them and skips everything else in the checkpoint.
+    """
+
+    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int]) -> None:
+        super().__init__()
+        self.config, self.expert_range = cfg, expert_range
+        self.model = _Holder()
+        self.model.layers = nn.ModuleDict()
+        for layer_id in cfg.moe_layers:
+            holder = _Holder()
+            holder.mlp = _Holder()
+            holder.mlp.experts = RoutedExperts(cfg, expert_range[0], expert_range[1] - expert_range[0])
+            self.model.layers[str(layer_id)] = holder
+
+    def experts(self, layer_id: int) -> RoutedExperts:
+        return self.model.layers[str(layer_id)].mlp.experts
+
+    def prepare(self) -> None:
+        pass

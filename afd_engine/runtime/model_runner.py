@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from afd_engine.runtime.forward_batch import ForwardBatch, SeqChunk
@@ -10,28 +12,58 @@ from afd_engine.runtime.request import Request
 from afd_engine.runtime.scheduler import StepPlan
 
 
+@dataclass
+class StepInputs:
+    """A step's sequences in batch order (extend chunks, then decodes) and who samples."""
+
+    extend: list[SeqChunk]
+    decode: list[SeqChunk]
+    samples: list[bool]  # per sequence, in the same order: does it sample a token this step
+    samplers: list[Request]
+
+    @staticmethod
+    def of(plan: StepPlan) -> "StepInputs":
+        extend = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + n)) for r, n in plan.extend]
+        decode = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + 1)) for r in plan.decode]
+        # A request samples when this step completes its pending tokens: the last token of a
+        # finished prefill chunk, and every decode token.
+        samples = [n == r.pending for r, n in plan.extend] + [True] * len(plan.decode)
+        samplers = [r for (r, _), s in zip(plan.extend, samples) if s] + list(plan.decode)
+        return StepInputs(extend, decode, samples, samplers)
+
+
+def logit_rows(chunks: list[SeqChunk], samples: list[bool]) -> torch.Tensor:
+    """Rows (last token of each sampling sequence) in the flat token order of `chunks`."""
+    ends = torch.tensor([len(c.tokens) for c in chunks], dtype=torch.int64).cumsum(0) - 1
+    return ends[torch.tensor(samples, dtype=torch.bool)] if chunks else ends
+
+
+def commit(plan: StepPlan) -> None:
+    """The step's tokens are now in the cache."""
+    for req, n in plan.extend:
+        req.num_cached += n
+    for req in plan.decode:
+        req.num_cached += 1
+
+
 class ModelRunner:
+    """One process holds the whole model; a step runs whenever this engine has work."""
+
+    lockstep = False  # whether every step must be agreed with peer ranks
+
     def __init__(self, model: torch.nn.Module, pool: KVPool) -> None:
         self.model, self.pool = model, pool
 
-    def run(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor | None]:
+    def begin_step(self, plan: StepPlan) -> bool:
+        return not plan.empty
+
+    def run(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
         """Forwards the step; returns the requests that sample now and their logits [n, V] fp32."""
-        extend = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + n)) for r, n in plan.extend]
-        decode = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + 1)) for r in plan.decode]
-        fb = ForwardBatch.build(extend, decode, self.pool.page_table, self.pool.page_size)
-        # A request samples when this step completes its pending tokens: the last token of a
-        # finished prefill chunk, and every decode token.
-        samplers, rows, offset = [], [], 0
-        for req, n in plan.extend:
-            offset += n
-            if n == req.pending:
-                samplers.append(req)
-                rows.append(offset - 1)
-        samplers += plan.decode
-        rows += range(offset, offset + len(plan.decode))
-        logits = self.model(fb, self.pool.cache, torch.tensor(rows, dtype=torch.int64))
-        for req, n in plan.extend:
-            req.num_cached += n
-        for req in plan.decode:
-            req.num_cached += 1
-        return samplers, logits
+        inputs = StepInputs.of(plan)
+        fb = ForwardBatch.build(inputs.extend, inputs.decode, self.pool.page_table, self.pool.page_size)
+        logits = self.model(fb, self.pool.cache, logit_rows(inputs.extend + inputs.decode, inputs.samples))
+        commit(plan)
+        return inputs.samplers, logits
+
+    def close(self) -> None:
+        pass

@@ -7,6 +7,7 @@ GET /v1/models, GET /health, GET /metrics.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -16,13 +17,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from afd_engine.errors import AFDError
 from afd_engine.server import protocol as P
 from afd_engine.server.choices import Choice, make_choices, run_choices
 from afd_engine.server.engine_client import EngineClient, EngineUnavailable
+from afd_engine.server.engine_process import ControlAddrs
 from afd_engine.server.errors import APIError, install_exception_handlers, invalid_api_key, server_error
 from afd_engine.server.metrics import ServerMetrics
 
 DISCONNECT_POLL_S = 0.25
+log = logging.getLogger("afd.serve")
 
 
 @dataclass
@@ -36,8 +40,10 @@ class ServerState:
     logprob_format: P.LogprobFormatter
 
 
-def build_app(model_path: str, model_name: str, server_args, context_len: int, requests_addr: str,
-              outputs_addr: str, alive: Callable[[], bool] = lambda: True) -> FastAPI:
+def build_app(model_path: str, model_name: str, server_args, start_ranks: Callable[[], dict], addrs: ControlAddrs,
+              num_ranks: int = 1, alive: Callable[[], bool] = lambda: True) -> FastAPI:
+    """The app; at startup it binds the control sockets, then `start_ranks()` brings the engine up
+    (the port opens only once every rank is ready)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -45,10 +51,16 @@ def build_app(model_path: str, model_name: str, server_args, context_len: int, r
 
     @asynccontextmanager
     async def lifespan(_app):
-        client = EngineClient(requests_addr, outputs_addr, alive)
+        client = EngineClient(addrs, num_ranks, alive)
+        try:
+            info = start_ranks()
+        except AFDError as exc:
+            log.error("%s", exc)
+            raise
         client.start()
-        holder["s"] = ServerState(client, tokenizer, model_name, context_len, server_args.default_max_tokens,
+        holder["s"] = ServerState(client, tokenizer, model_name, info["context_len"], server_args.default_max_tokens,
                                   ServerMetrics(), P.LogprobFormatter(tokenizer))
+        _banner(server_args, model_name)
         yield
         await client.shutdown()
 
@@ -62,6 +74,16 @@ def build_app(model_path: str, model_name: str, server_args, context_len: int, r
 
     _routes(app, lambda: holder["s"])
     return app
+
+
+def _banner(server_args, name: str) -> None:
+    base = f"http://{server_args.host}:{server_args.port}"
+    auth = f' -H "Authorization: Bearer {server_args.api_key}"' if server_args.api_key else ""
+    if "random" in name:
+        log.warning("serving the embedded tiny model %s: RANDOM WEIGHTS, its text is noise", name)
+    log.info("ready; try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s "
+             "-d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
+             "\"max_tokens\": 16}'", base, auth, name)
 
 
 def _install_auth(app: FastAPI, api_key: str | None) -> None:

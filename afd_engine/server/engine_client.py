@@ -18,7 +18,7 @@ from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.runtime.request import TokenUpdate
 from afd_engine.sampling_params import SamplingParams
 from afd_engine.server import ipc
-from afd_engine.server.engine_process import HEARTBEAT_S
+from afd_engine.server.engine_process import HEARTBEAT_S, ControlAddrs
 
 DEAD_AFTER_S = 5.0  # no message for this long: the engine is considered gone
 
@@ -28,15 +28,18 @@ class EngineUnavailable(AFDError):
 
 
 class EngineClient:
-    def __init__(self, requests_addr: str, outputs_addr: str, alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, addrs: ControlAddrs, num_ranks: int = 1, alive: Callable[[], bool] = lambda: True) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.bind(requests_addr)
+        self.push = self.ctx.socket(zmq.PUSH)  # new requests, round-robin over the attention ranks
+        self.push.bind(addrs.requests)
+        self.pub = self.ctx.socket(zmq.PUB)  # aborts and shutdown, to every rank
+        self.pub.bind(addrs.broadcast)
         self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.bind(outputs_addr)
+        self.pull.bind(addrs.outputs)
         self.alive = alive
-        self.stats = ipc.EngineStats()
-        self.last_heard = time.monotonic()
+        self.rank_stats = {r: ipc.EngineStats() for r in range(num_ranks)}
+        now = time.monotonic()
+        self.last_heard = {r: now for r in range(num_ranks)}
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
 
@@ -45,14 +48,22 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
-        return self.alive() and time.monotonic() - self.last_heard < DEAD_AFTER_S
+        now = time.monotonic()
+        return self.alive() and all(now - t < DEAD_AFTER_S for t in self.last_heard.values())
+
+    @property
+    def stats(self) -> ipc.EngineStats:
+        """The deployment's counters: the sum over attention ranks."""
+        s = list(self.rank_stats.values())
+        return ipc.EngineStats(*(sum(getattr(x, f) for x in s) for f in ("running", "waiting", "kv_pages_used",
+                                                                       "kv_pages_total")))
 
     async def _read(self) -> None:
         while True:
             msg = ipc.decode(await self.pull.recv())
-            self.last_heard = time.monotonic()
             if isinstance(msg, ipc.StepOutput):
-                self.stats = msg.stats
+                self.last_heard[msg.rank] = time.monotonic()
+                self.rank_stats[msg.rank] = msg.stats
                 for update in msg.updates:
                     self._deliver(update.request_id, update)
             elif isinstance(msg, ipc.Rejected):
@@ -94,9 +105,9 @@ class EngineClient:
                     raise EngineUnavailable("the engine process stopped answering") from None
 
     def _send_nowait(self, msg) -> None:
-        """Control messages that must never block (the engine may be gone)."""
+        """Broadcast control messages; never blocks (ranks may be gone)."""
         try:
-            self.push.send(ipc.encode(msg), zmq.NOBLOCK)
+            self.pub.send(ipc.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
@@ -104,5 +115,6 @@ class EngineClient:
         self._send_nowait(ipc.Shutdown())
         if self._reader is not None:
             self._reader.cancel()
-        self.push.close(linger=500)
+        self.push.close(linger=0)
+        self.pub.close(linger=500)
         self.pull.close(linger=0)

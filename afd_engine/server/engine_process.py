@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import zmq
 
@@ -18,27 +19,46 @@ from afd_engine.errors import InvalidRequestError
 from afd_engine.server import ipc
 
 HEARTBEAT_S = 0.5
+LOCKSTEP_IDLE_MS = 5  # an idle lockstep rank checks for requests this often between agreement rounds
 log = logging.getLogger("afd.engine")
 
 
+@dataclass(frozen=True)
+class ControlAddrs:
+    """Where the front end listens: requests (round-robin over attention ranks), broadcasts
+    (aborts, shutdown) and outputs (from every rank)."""
+
+    requests: str
+    broadcast: str
+    outputs: str
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine, requests_addr: str, outputs_addr: str) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, addrs: ControlAddrs, rank: int = 0) -> None:
+        self.engine, self.rank = engine, rank
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.connect(requests_addr)
+        self.pull.connect(addrs.requests)
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(addrs.broadcast)
         self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(outputs_addr)
+        self.push.connect(addrs.outputs)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+        self.poller.register(self.sub, zmq.POLLIN)
         self.running = True
         self._last_sent = 0.0
 
     def run(self) -> None:
-        while self.running:
-            busy = self.engine.has_unfinished()
-            self._receive(timeout_ms=0 if busy else int(HEARTBEAT_S * 1000))
-            updates = self.engine.step_updates() if self.engine.has_unfinished() else []
+        lockstep = self.engine.runner.lockstep  # must take part in every step of its peers
+        idle_ms = LOCKSTEP_IDLE_MS if lockstep else int(HEARTBEAT_S * 1000)
+        while self.running and not getattr(self.engine.runner, "stopped", False):
+            self._receive(timeout_ms=0 if self.engine.has_unfinished() else idle_ms)
+            updates = self.engine.step_updates() if lockstep or self.engine.has_unfinished() else []
             if updates or time.monotonic() - self._last_sent >= HEARTBEAT_S:
-                self._send(ipc.StepOutput(updates, self.stats()))
+                self._send(ipc.StepOutput(updates, self.stats(), self.rank))
+        self.engine.close()
         self.close()
 
     def stats(self) -> ipc.EngineStats:
@@ -46,14 +66,13 @@ class EngineLoop:
         return ipc.EngineStats(len(s.running), len(s.waiting), pool.used_pages, pool.num_pages)
 
     def _receive(self, timeout_ms: int) -> None:
-        if not self.pull.poll(timeout_ms):
-            return
-        while True:
-            try:
-                msg = ipc.decode(self.pull.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            self._handle(msg)
+        for sock, _ in self.poller.poll(timeout_ms):
+            while True:
+                try:
+                    msg = ipc.decode(sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                self._handle(msg)
 
     def _handle(self, msg) -> None:
         if isinstance(msg, ipc.AddRequest):
@@ -61,10 +80,13 @@ class EngineLoop:
                 self.engine.add_request(prompt_token_ids=msg.prompt_ids, params=msg.params, request_id=msg.rid)
             except InvalidRequestError as exc:
                 self._send(ipc.Rejected(msg.rid, str(exc), exc.param))
-        elif isinstance(msg, ipc.AbortRequest):
+        elif isinstance(msg, ipc.AbortRequest):  # broadcast: only the owning rank knows the id
             self.engine.abort(msg.rid)
         elif isinstance(msg, ipc.Shutdown):
-            self.running = False
+            if self.engine.runner.lockstep:
+                self.engine.runner.want_stop = True  # all ranks stop in the same round
+            else:
+                self.running = False
 
     def _send(self, msg) -> None:
         self.push.send(ipc.encode(msg))
@@ -72,20 +94,22 @@ class EngineLoop:
 
     def close(self) -> None:
         self.pull.close(linger=0)
+        self.sub.close(linger=0)
         self.push.close(linger=1000)
         self.ctx.term()
 
 
-def run_engine_process(args: EngineArgs, requests_addr: str, outputs_addr: str, ready) -> None:
-    """Process entry point: builds the engine, reports readiness (or the error) through `ready`."""
+def run_engine_process(args: EngineArgs, addrs: ControlAddrs, ready, rank: int = 0, make_engine=None) -> None:
+    """Process entry point of an attention rank (or the single engine): builds the engine,
+    reports readiness (or the error) through `ready`, then serves until shut down."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        engine = Engine(args)
+        engine = make_engine() if make_engine is not None else Engine(args)
     except Exception as exc:  # any failure to start is reported to the parent, which exits
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
     ready.send({"ok": True, "model_path": str(engine.model_path), "context_len": engine.context_len,
                 "architecture": engine.config.architecture})
-    log.info("engine ready: %s, %d KV pages of %d tokens", engine.model_path, engine.pool.num_pages,
+    log.info("rank %d ready: %s, %d KV pages of %d tokens", rank, engine.model_path, engine.pool.num_pages,
              engine.pool.page_size)
-    EngineLoop(engine, requests_addr, outputs_addr).run()
+    EngineLoop(engine, addrs, rank).run()

@@ -44,6 +44,7 @@ class EngineStats:
 class StepOutput:
     updates: list[TokenUpdate] = field(default_factory=list)
     stats: EngineStats = EngineStats()
+    rank: int = 0  # the attention rank that sent it
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def decode(data: bytes):
     if kind == "AddRequest":
         return AddRequest(body["rid"], body["prompt_ids"], SamplingParams(**body["params"]))
     if kind == "StepOutput":
-        return StepOutput([_update(u) for u in body["updates"]], EngineStats(**body["stats"]))
+        return StepOutput([_update(u) for u in body["updates"]], EngineStats(**body["stats"]), body["rank"])
     return _TYPES[kind](**body)
 
 

@@ -1,0 +1,110 @@
+"""`Engine(mode="afd" | "colocated", ...)`: the offline API over a deployment of worker processes.
+
+The same calls as the in-process engine (`generate`, `add_request`, `step`, `abort`), sent to the
+attention ranks over the control plane that the HTTP server uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import zmq
+
+from afd_engine.distributed.launcher import Deployment
+from afd_engine.engine_args import EngineArgs
+from afd_engine.errors import AFDError, InvalidRequestError
+from afd_engine.offline import GenerateMixin
+from afd_engine.runtime.request import RequestOutput
+from afd_engine.runtime.stop_checker import trim_text
+from afd_engine.sampling_params import SamplingParams
+from afd_engine.server import ipc
+
+POLL_MS = 200
+
+
+class DeploymentDied(AFDError):
+    pass
+
+
+class DistributedEngine(GenerateMixin):
+    def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
+        from transformers import AutoTokenizer
+
+        args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
+        self.deployment = Deployment(args)
+        self.ctx = zmq.Context()
+        addrs = self.deployment.addrs
+        self.push, self.pub, self.pull = (self.ctx.socket(k) for k in (zmq.PUSH, zmq.PUB, zmq.PULL))
+        for sock, addr in ((self.push, addrs.requests), (self.pub, addrs.broadcast), (self.pull, addrs.outputs)):
+            sock.bind(addr)
+        info = self.deployment.start()
+        self.model_path, self.context_len = info["model_path"], info["context_len"]
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self._pending: dict[str, dict] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", param="prompt")
+        ids = list(self.tokenizer.encode(prompt)) if prompt is not None else list(prompt_token_ids)
+        rid = request_id or f"req-{next(self._ids)}"
+        params = params or SamplingParams()
+        self._pending[rid] = {"prompt": ids, "params": params, "tokens": [], "logprobs": []}
+        self.push.send(ipc.encode(ipc.AddRequest(rid, ids, params)))
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Waits for the ranks' next messages; returns the requests that finished."""
+        if not self.pull.poll(POLL_MS):
+            if not self.deployment.alive():
+                raise DeploymentDied("a rank of the deployment died")
+            return []
+        done = []
+        while True:
+            try:
+                msg = ipc.decode(self.pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return done
+            done += self._absorb(msg)
+
+    def _absorb(self, msg) -> list[RequestOutput]:
+        if isinstance(msg, ipc.Rejected):
+            req = self._pending.pop(msg.rid, None)
+            return [] if req is None else [RequestOutput(msg.rid, req["prompt"], [], "", "error", msg.message)]
+        out = []
+        for u in msg.updates:
+            req = self._pending.get(u.request_id)
+            if req is None:
+                continue
+            req["tokens"] += u.token_ids
+            req["logprobs"] += u.logprobs or []
+            if u.finish_reason is not None:
+                del self._pending[u.request_id]
+                out.append(self._output(u, req))
+        return out
+
+    def _output(self, u, req: dict) -> RequestOutput:
+        text = self.tokenizer.decode(req["tokens"], skip_special_tokens=req["params"].skip_special_tokens)
+        return RequestOutput(u.request_id, req["prompt"], req["tokens"], trim_text(text, u.text_trim), u.finish_reason,
+                             u.error, req["logprobs"] if req["params"].logprobs is not None else None)
+
+    def abort(self, request_id: str) -> None:
+        if self._pending.pop(request_id, None) is not None:
+            self.pub.send(ipc.encode(ipc.AbortRequest(request_id)))
+
+    def close(self) -> None:
+        self.pub.send(ipc.encode(ipc.Shutdown()))
+        self.deployment.stop()
+        for sock in (self.push, self.pub, self.pull):
+            sock.close(linger=0)
+        self.ctx.term()
+
+    def __enter__(self) -> "DistributedEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

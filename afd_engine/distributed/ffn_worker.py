@@ -1,0 +1,80 @@
+"""An F (expert) rank: headless, stateless; serves its experts for every attention rank, step by step.
+
+Per step it checks every attention rank's descriptor (same step id, else KeyMismatchError), then
+runs, for each MoE layer and micro-batch, receive -> experts -> combine. The stages follow the
+seed's F-side layout: per layer [recv] [mlp] [combine] plus N-2 empty stages, rows staggered by
+one (delays 0..N-1), so the receive of micro-batch m+1 is issued before the combine of m.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from afd_engine.distributed.attention_runner import STEP_LAYER
+from afd_engine.distributed.spec import DeploymentSpec
+from afd_engine.operations import YieldOperation, run_micro_batches
+from comm.ffn_side import FfnEndpoint
+from comm.messages import CommTimeout, MsgKey
+from comm.transport.base import Transport
+from kernels.moe import fused_moe
+
+log = logging.getLogger("afd.ffn")
+IDLE_WAIT_S = 3600.0  # a step descriptor may be long in coming when no request arrives
+
+
+class FfnWorker:
+    def __init__(self, shard, spec: DeploymentSpec, rank: int, transport: Transport) -> None:
+        self.shard, self.spec, self.rank, self.transport = shard, spec, rank, transport
+        topo = spec.topology
+        self.owner = FfnEndpoint(topo, rank, transport, spec.comm_config())
+        self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
+        self.n = spec.args.num_micro_batches
+        self.step_id = 0
+        self.ops = self._operations()
+
+    def run(self) -> None:
+        while self._next_step():
+            with torch.inference_mode():
+                run_micro_batches(self.ops, [{} for _ in range(self.n)], delays=list(range(self.n)))
+            self.step_id += 1
+        self.owner.close()
+
+    def _next_step(self) -> bool:
+        """Waits for every attention rank's descriptor of the next step; False on shutdown."""
+        key = MsgKey(self.step_id, STEP_LAYER, 0)
+        descriptors = []
+        for ep in self.senders:
+            while True:
+                try:
+                    descriptors.append(self.transport.recv(ep, "step", key, IDLE_WAIT_S))
+                    break
+                except CommTimeout:
+                    continue
+        return not any(d.meta["shutdown"] for d in descriptors)
+
+    def _operations(self) -> list:
+        ops = []
+        for layer_id in self.spec.moe_layers:
+            ops += [self._recv(layer_id), YieldOperation(), self._mlp(layer_id), YieldOperation(),
+                    self._send(layer_id)] + [YieldOperation()] * max(self.n - 1, 1)
+        return ops
+
+    def _recv(self, layer_id: int):
+        def recv(st) -> None:
+            st.set("batch", self.owner.recv_dispatch(MsgKey(self.step_id, layer_id, st.micro_batch)))
+        return recv
+
+    def _mlp(self, layer_id: int):
+        experts = self.shard.experts(layer_id)
+
+        def mlp(st) -> None:
+            batch = st.get("batch")
+            st.set("y", fused_moe(batch.hidden, experts.w13, experts.w2, batch.local_ids, batch.weights))
+        return mlp
+
+    def _send(self, layer_id: int):
+        def combine(st) -> None:
+            self.owner.send_combine(st.pop("batch"), st.pop("y"))
+        return combine

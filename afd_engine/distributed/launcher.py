@@ -1,0 +1,111 @@
+"""Starts every rank of a deployment on this machine and watches them.
+
+    front end (binds control sockets) <-ZMQ-> attention ranks 0..D-1 <-comm (ZMQ/TCP)-> expert ranks
+
+Every rank is its own OS process. The launcher waits until all report ready (or one reports an
+error, which stops the rest); afterwards `alive()` is false as soon as any rank has died. A
+deployment does not recover from a lost rank: the server reports unhealthy, fails the requests
+in flight and exits with a non-zero status (a supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+from pathlib import Path
+
+from afd_engine.default_model import resolve_model_path
+from afd_engine.distributed.spec import DeploymentSpec
+from afd_engine.engine_args import EngineArgs
+from afd_engine.errors import ConfigError
+from afd_engine.model_config import ModelConfig
+from afd_engine.server.engine_process import ControlAddrs, run_engine_process
+
+READY_TIMEOUT_S = 900
+
+
+class Deployment:
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        path = resolve_model_path(args.model_path)
+        cfg = ModelConfig.from_pretrained(path)
+        nprocs = 1 if args.mode == "single" else args.dp_size + (
+            args.ffn_nodes * args.ffn_ranks_per_node if args.mode == "afd" else 0)
+        self.args = args.replace(model_path=str(path), num_threads=args.num_threads or max(1, (os.cpu_count() or 1)
+                                                                                            // nprocs))
+        self.spec = DeploymentSpec.of(self.args, cfg) if args.mode != "single" else None
+        self.workdir = tempfile.mkdtemp(prefix="afd-")
+        self.addrs = ControlAddrs(*(f"ipc://{self.workdir}/{n}" for n in ("requests", "broadcast", "outputs")))
+        self.procs: list[mp.Process] = []
+        self.info: dict = {}
+
+    @property
+    def num_attention_ranks(self) -> int:
+        return self.args.dp_size if self.args.mode != "single" else 1
+
+    def start(self) -> dict:
+        """Starts all ranks; returns rank 0's info (model path, context length). The control
+        sockets must already be bound (the front end binds them)."""
+        ctx = mp.get_context("spawn")
+        pipes = [self._spawn(ctx, target, kwargs) for target, kwargs in self._ranks()]
+        try:
+            infos = [_wait_ready(conn, proc) for conn, proc in zip(pipes, self.procs)]
+        except BaseException:
+            self.stop()
+            raise
+        failed = [i["error"] for i in infos if not i["ok"]]
+        if failed:
+            self.stop()
+            raise ConfigError(f"the deployment failed to start: {failed[0]}")
+        self.info = next(i for i in infos if "model_path" in i)
+        return self.info
+
+    def _ranks(self):
+        from comm.transport.zmq_transport import free_tcp_addresses
+
+        """(process entry point, its keyword arguments but `ready`) per rank; expert ranks first."""
+        if self.args.mode == "single":
+            return [(run_engine_process, {"args": self.args, "addrs": self.addrs})]
+        from afd_engine.distributed.workers import run_attention_worker, run_ffn_worker
+
+        topo = self.spec.topology
+        comm = dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
+        ffn = [] if topo.colocated else [
+            (run_ffn_worker, {"args": self.args, "rank": r, "comm_addresses": comm}) for r in range(topo.num_owners)]
+        return ffn + [(run_attention_worker, {"args": self.args, "addrs": self.addrs, "rank": i, "comm_addresses": comm})
+                      for i in range(topo.num_senders)]
+
+    def _spawn(self, ctx, target, kwargs: dict):
+        parent, child = ctx.Pipe(duplex=False)
+        name = f"afd-{target.__name__.removeprefix('run_')}-{len(self.procs)}"
+        proc = ctx.Process(target=target, kwargs={**kwargs, "ready": child}, daemon=True, name=name)
+        proc.start()
+        self.procs.append(proc)
+        return parent
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for p in self.procs:
+            p.join(timeout=timeout / max(len(self.procs), 1))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+        for f in Path(self.workdir).glob("*"):
+            f.unlink(missing_ok=True)
+        os.rmdir(self.workdir)
+
+
+def _wait_ready(conn, proc) -> dict:
+    if not conn.poll(READY_TIMEOUT_S):
+        raise ConfigError(f"{proc.name} did not come up within {READY_TIMEOUT_S} s")
+    try:
+        return conn.recv()
+    except EOFError:
+        return {"ok": False, "error": f"{proc.name} exited with code {proc.exitcode} before it was ready"}

@@ -1,0 +1,56 @@
+"""Process entry points of the ranks of a deployment (module level, so that "spawn" can pickle them)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from afd_engine.distributed.attention_runner import PipelineRunner
+from afd_engine.distributed.ffn_worker import FfnWorker
+from afd_engine.distributed.spec import DeploymentSpec
+from afd_engine.engine import Engine
+from afd_engine.engine_args import EngineArgs
+from afd_engine.model_config import ModelConfig
+from afd_engine.models import load_expert_shard
+from afd_engine.server.engine_process import ControlAddrs, run_engine_process
+from comm.transport.zmq_transport import ZmqTransport
+
+
+def _attention_engine(args: EngineArgs, rank: int, comm_addresses: dict[int, str]) -> Engine:
+    spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(args.model_path))
+    topo = spec.topology
+    transport = ZmqTransport(topo.sender_endpoint(rank), comm_addresses)
+    experts = spec.expert_range(rank) if topo.colocated else (0, 0)  # AFD: no routed experts here
+
+    def runner(model, pool):
+        return PipelineRunner(model, pool, spec, rank, transport)
+
+    return Engine(args, expert_range=experts, runner_factory=runner)
+
+
+def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int,
+                         comm_addresses: dict[int, str]) -> None:
+    """An attention rank (in colocated mode also an expert rank): scheduler, KV pool, model."""
+    run_engine_process(args, addrs, ready, rank, functools.partial(_attention_engine, args, rank, comm_addresses))
+
+
+def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses: dict[int, str]) -> None:
+    """An expert rank of an AFD deployment: loads only its experts, serves every attention rank."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    try:
+        cfg = ModelConfig.from_pretrained(args.model_path)
+        spec = DeploymentSpec.of(args, cfg)
+        shard = load_expert_shard(cfg, args.model_path, args.torch_dtype, spec.expert_range(rank))
+        transport = ZmqTransport(spec.topology.owner_endpoint(rank), comm_addresses)
+    except Exception as exc:  # reported to the launcher, which stops the deployment
+        ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return
+    ready.send({"ok": True})
+    logging.getLogger("afd.ffn").info("expert rank %d ready: experts %s", rank, spec.expert_range(rank))
+    try:
+        FfnWorker(shard, spec, rank, transport).run()
+    finally:
+        transport.close()
