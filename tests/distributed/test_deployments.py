@@ -1,0 +1,89 @@
+"""AFD and colocated deployments (real OS processes, ZeroMQ between them) compute what the single
+process engine and transformers compute: token for token, with prefill and decode mixed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from afd_engine import Engine, SamplingParams
+from tests.hf_reference import assert_greedy_matches, hf_greedy
+
+NEW = 12
+GREEDY = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+PROMPT_LENS = (1, 3, 9, 17, 30, 45, 64, 100)
+
+DEPLOYMENTS = {
+    "colocated dp2 mb1": dict(mode="colocated", dp_size=2, micro_batches=1),
+    "colocated dp2 mb2": dict(mode="colocated", dp_size=2, micro_batches=2),
+    "afd 1A 1x1 mb1 two-stage": dict(mode="afd", dp_size=1, micro_batches=1),
+    "afd 2A 1x2 mb2 direct": dict(mode="afd", dp_size=2, ffn_ranks_per_node=2, micro_batches=2, dispatch="direct"),
+    "afd 2A 2x1 mb3 two-stage": dict(mode="afd", dp_size=2, ffn_nodes=2, micro_batches=3),
+    "afd 2A 2x2 mb4 two-stage": dict(mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, micro_batches=4),
+    "afd 2A 2x2 mb3 direct": dict(mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, dispatch="direct"),
+}
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(5, vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def staggered(engine, batch, params=GREEDY) -> list[list[int]]:
+    """Two requests join every other step, so prefills land while others decode."""
+    todo, index, results, step = list(enumerate(batch)), {}, {}, 0
+    while todo or engine.has_unfinished():
+        if step % 2 == 0:
+            for i, ids in todo[:2]:
+                index[engine.add_request(prompt_token_ids=ids, params=params)] = i
+            todo = todo[2:]
+        for out in engine.step():
+            assert out.error is None, out.error
+            results[index[out.request_id]] = out.token_ids
+        step += 1
+    return [results[i] for i in range(len(batch))]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_v3):
+    with Engine(model_path=tiny_v3, num_threads=1) as single:
+        batch = prompts(single.config.vocab_size)
+        return batch, [o.token_ids for o in single.generate(prompt_token_ids=batch, sampling_params=GREEDY)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(DEPLOYMENTS))
+def test_deployment_matches_single_engine_and_transformers(name, tiny_v3, reference):
+    batch, single = reference
+    with Engine(model_path=tiny_v3, comm_timeout=30, dispatch_dtype="fp32", **DEPLOYMENTS[name]) as engine:
+        outs = staggered(engine, batch)
+    assert outs == single, name
+    for ids, out in zip(batch[::3], outs[::3]):  # transformers is slow: a sample of the prompts
+        assert_greedy_matches(out, *hf_greedy(tiny_v3, ids, NEW), f"{name} prompt len {len(ids)}")
+
+
+@pytest.mark.timeout(300)
+def test_fp8_dispatch_logprobs_within_tolerance(tiny_v3, reference):
+    batch, _ = reference
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, logprobs=5)
+    with Engine(model_path=tiny_v3, num_threads=1) as single:
+        ref = single.generate(prompt_token_ids=batch, sampling_params=params)
+    with Engine(model_path=tiny_v3, mode="afd", dp_size=2, ffn_nodes=2, dispatch_dtype="fp8") as engine:
+        outs = engine.generate(prompt_token_ids=batch, sampling_params=params)
+    for r, o in zip(ref, outs):
+        diff = torch.tensor(o.logprobs[0].top_logprobs) - torch.tensor(r.logprobs[0].top_logprobs)
+        assert diff.abs().max() < 0.05, f"fp8 top-5 logprobs differ by {diff.abs().max():.3f}"
+
+
+def test_invalid_topologies_are_refused_at_start(tiny_v3):
+    from afd_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"16 routed experts, which do not divide over 3 expert ranks; choose "
+                                          r"--ffn-nodes x --ffn-ranks-per-node that divides 16"):
+        Engine(model_path=tiny_v3, mode="afd", ffn_nodes=3)
+    with pytest.raises(ConfigError, match=r"--micro-batches=9: must be in \[1, 8\]"):
+        Engine(model_path=tiny_v3, mode="afd", micro_batches=9)
+    with pytest.raises(ConfigError, match="two-stage needs --mode afd"):
+        Engine(model_path=tiny_v3, mode="colocated", dp_size=2, dispatch="two-stage")
