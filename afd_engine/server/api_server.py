@@ -7,6 +7,7 @@ GET /v1/models, GET /health, GET /metrics.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,7 +23,7 @@ from afd_engine.server import protocol as P
 from afd_engine.server.choices import Choice, make_choices, run_choices
 from afd_engine.server.engine_client import EngineClient, EngineUnavailable
 from afd_engine.server.engine_process import ControlAddrs
-from afd_engine.server.errors import APIError, install_exception_handlers, invalid_api_key, server_error
+from afd_engine.server.errors import APIError, error_body, install_exception_handlers, invalid_api_key, server_error
 from afd_engine.server.metrics import ServerMetrics
 
 DISCONNECT_POLL_S = 0.25
@@ -194,8 +195,15 @@ async def _until_done_or_disconnect(request: Request, work: Awaitable):
 
 
 async def _sse(events: AsyncIterator) -> AsyncIterator[str]:
-    async for event in events:
-        yield event if isinstance(event, str) else P.sse_event(event)
+    """Server-sent events; a failure midway (the engine died) ends the stream with an OpenAI
+    error event, which clients raise as an error instead of seeing a silent cut."""
+    try:
+        async for event in events:
+            yield event if isinstance(event, str) else P.sse_event(event)
+    except AFDError as exc:
+        log.error("stream failed: %s", exc)
+        body = error_body(f"the engine is unavailable: {exc}", type="server_error")
+        yield f"data: {json.dumps(body)}\n\n"
     yield P.SSE_DONE
 
 
@@ -277,8 +285,6 @@ def _generate_response(s: ServerState, choices: list[Choice]) -> dict:
 
 
 async def _generate_events(s: ServerState, body, choices: list[Choice], stream) -> AsyncIterator:
-    import json
-
     async for c, delta, update in stream:
         yield "data: " + json.dumps({"text": delta, "output_ids": update.token_ids,
                                      "finish_reason": c.finish_reason if update.finish_reason else None}) + "\n\n"

@@ -1,0 +1,70 @@
+"""`afd serve` in AFD and colocated modes, driven by the official openai client; failure of a rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from afd_engine import Engine, SamplingParams
+from tests.server.conftest import Server
+from tests.server.test_engine_death import children
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read()
+    except OSError:
+        return ""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [
+    ("--mode", "afd", "--dp-size", "2", "--ffn-nodes", "2", "--ffn-ranks-per-node", "2", "--micro-batches", "3",
+     "--dispatch", "two-stage"),
+    ("--mode", "colocated", "--dp-size", "2", "--micro-batches", "2"),
+])
+def test_openai_client_against_a_deployment(tiny_v3, flags):
+    with Engine(model_path=tiny_v3, num_threads=1) as single:
+        ref = single.generate(prompts=["Hello deployment", "Second prompt"],
+                              sampling_params=SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    srv = Server(tiny_v3, *flags)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model="tiny", prompt=["Hello deployment", "Second prompt"], max_tokens=10,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert [c.text for c in out.choices] == [r.text for r in ref]
+        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=6, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        assert chunks[-1].usage.completion_tokens == 6
+        assert srv.metric("afd_kv_pages_used") == 0
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(300)
+def test_killing_an_expert_rank_fails_the_stream_quickly_and_the_server_exits(tiny_v3):
+    srv = Server(tiny_v3, "--mode", "afd", "--dp-size", "1", "--ffn-nodes", "1", "--ffn-ranks-per-node", "2",
+                 "--micro-batches", "2")
+    try:
+        ffn = [p for p in children(srv.proc.pid) if "spawn" in cmdline(p)]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "long"}],
+                                                max_tokens=400, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+        next(iter(stream))
+        # the expert ranks start first: the lowest spawned pids
+        os.kill(sorted(ffn)[0], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(openai.APIError, match="the engine is unavailable"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 30
+        assert srv.proc.wait(timeout=30) == 1  # a deployment that lost a rank exits non-zero
+    finally:
+        srv.stop()
