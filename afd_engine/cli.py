@@ -60,10 +60,45 @@ def _serve(ns: argparse.Namespace) -> int:
     return serve(EngineArgs.from_cli(ns), server)
 
 
+def _launch(ns: argparse.Namespace) -> int:
+    """One role of a deployment spread over machines; peers meet at --dist-init-addr."""
+    import logging
+
+    from afd_engine import EngineArgs
+    from afd_engine.distributed.launcher import Deployment
+    from afd_engine.distributed.rendezvous import RendezvousSpec, local_ip_towards
+    from afd_engine.server.launch import ServerArgs, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = EngineArgs.from_cli(ns)
+    host_ip = ns.host_ip or local_ip_towards(ns.dist_init_addr)
+    rdv = RendezvousSpec(ns.dist_init_addr, host_ip, ns.rendezvous_timeout)
+    deployment = Deployment(args, role=ns.role, node_rank=ns.node_rank, rendezvous=rdv)
+    if ns.role == "attention":
+        server = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
+                            default_max_tokens=ns.default_max_tokens)
+        return serve(args, server, deployment)
+    try:
+        deployment.start()
+        return deployment.wait()
+    finally:
+        deployment.stop()
+
+
 def _make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
     from afd_engine.tiny_model import main_make_tiny_model
 
     return main_make_tiny_model(rest)
+
+
+def _server_flags(parser: argparse.ArgumentParser, defaults) -> None:
+    parser.add_argument("--host", default=defaults.host, help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument("--api-key", default=defaults.api_key, help="require this bearer token on /v1 routes")
+    parser.add_argument("--served-model-name", default=defaults.served_model_name,
+                        help="model name in the API (default: the checkpoint directory's name)")
+    parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens,
+                        help="completion length when a request sets none")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,16 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     EngineArgs.add_cli_args(gen)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (any mode, all ranks on this machine)")
     srv_defaults = ServerArgs()
-    srv.add_argument("--host", default=srv_defaults.host, help="address to bind (default: loopback only)")
-    srv.add_argument("--port", type=int, default=srv_defaults.port)
-    srv.add_argument("--api-key", default=srv_defaults.api_key, help="require this bearer token on /v1 routes")
-    srv.add_argument("--served-model-name", default=srv_defaults.served_model_name,
-                     help="model name in the API (default: the checkpoint directory's name)")
-    srv.add_argument("--default-max-tokens", type=int, default=srv_defaults.default_max_tokens,
-                     help="completion length when a request sets none")
+    _server_flags(srv, srv_defaults)
     EngineArgs.add_cli_args(srv)
+
+    launch = sub.add_parser("launch", help="start one role (attention or ffn) of a multi-machine AFD deployment")
+    launch.add_argument("--role", required=True, choices=("attention", "ffn"))
+    launch.add_argument("--node-rank", type=int, default=0, help="ffn: which F node this machine is")
+    launch.add_argument("--dist-init-addr", required=True, help="HOST:PORT of the rendezvous (the attention node)")
+    launch.add_argument("--host-ip", default=None, help="address peers reach this machine at (default: the "
+                        "route towards --dist-init-addr)")
+    launch.add_argument("--rendezvous-timeout", type=float, default=300.0, help="seconds to wait for all ranks")
+    _server_flags(launch, srv_defaults)
+    EngineArgs.add_cli_args(launch)
 
     demo = sub.add_parser("demo", help="offline generation demo on the embedded tiny model")
     demo.add_argument("--max-new-tokens", type=int, default=32)
@@ -112,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return _make_tiny(None, argv[1:])
     ns = build_parser().parse_args(argv)
     try:
-        return {"generate": _generate, "demo": _demo, "serve": _serve}[ns.command](ns)
+        return {"generate": _generate, "demo": _demo, "serve": _serve, "launch": _launch}[ns.command](ns)
     except AFDError as exc:
         print(f"afd {ns.command}: error: {exc}", file=sys.stderr)
         return 2

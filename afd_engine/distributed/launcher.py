@@ -20,14 +20,23 @@ from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
+from afd_engine.distributed.rendezvous import RendezvousServer, RendezvousSpec
 from afd_engine.server.engine_process import ControlAddrs, run_engine_process
 
 READY_TIMEOUT_S = 900
 
 
 class Deployment:
-    def __init__(self, args: EngineArgs) -> None:
+    """role "all": every rank on this machine. "attention": the attention ranks (and the front
+    end, which hosts the rendezvous); "ffn": the expert ranks of F node `node_rank`. Roles on
+    different machines find each other through `rendezvous`."""
+
+    def __init__(self, args: EngineArgs, role: str = "all", node_rank: int = 0,
+                 rendezvous: RendezvousSpec | None = None) -> None:
         args.validate()
+        if role != "all" and (args.mode != "afd" or rendezvous is None):
+            raise ConfigError("launching by role needs --mode afd and --dist-init-addr")
+        self.role, self.node_rank, self.rendezvous = role, node_rank, rendezvous
         path = resolve_model_path(args.model_path)
         cfg = ModelConfig.from_pretrained(path)
         nprocs = 1 if args.mode == "single" else args.dp_size + (
@@ -40,6 +49,12 @@ class Deployment:
         self.procs: list[mp.Process] = []
         self.info: dict = {}
 
+    def wait(self) -> int:
+        """Blocks until the local ranks exit: 0 when all ended cleanly, 1 otherwise."""
+        for p in self.procs:
+            p.join()
+        return 0 if all(p.exitcode == 0 for p in self.procs) else 1
+
     @property
     def num_attention_ranks(self) -> int:
         return self.args.dp_size if self.args.mode != "single" else 1
@@ -48,6 +63,10 @@ class Deployment:
         """Starts all ranks; returns rank 0's info (model path, context length). The control
         sockets must already be bound (the front end binds them)."""
         ctx = mp.get_context("spawn")
+        if self.role == "attention":  # the rendezvous lives with the front end
+            host, port = self.rendezvous.address.rsplit(":", 1)
+            self._rendezvous = RendezvousServer(f"{host}:{port}", self.spec.topology.num_endpoints,
+                                                self.rendezvous.timeout).start()
         pipes = [self._spawn(ctx, target, kwargs) for target, kwargs in self._ranks()]
         try:
             infos = [_wait_ready(conn, proc) for conn, proc in zip(pipes, self.procs)]
@@ -58,7 +77,7 @@ class Deployment:
         if failed:
             self.stop()
             raise ConfigError(f"the deployment failed to start: {failed[0]}")
-        self.info = next(i for i in infos if "model_path" in i)
+        self.info = next((i for i in infos if "model_path" in i), {"model_path": self.args.model_path})
         return self.info
 
     def _ranks(self):
@@ -70,11 +89,13 @@ class Deployment:
         from afd_engine.distributed.workers import run_attention_worker, run_ffn_worker
 
         topo = self.spec.topology
-        comm = dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
-        ffn = [] if topo.colocated else [
-            (run_ffn_worker, {"args": self.args, "rank": r, "comm_addresses": comm}) for r in range(topo.num_owners)]
+        comm = self.rendezvous or dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
+        ffn_ranks = [] if topo.colocated or self.role == "attention" else (
+            topo.node_ranks(self.node_rank) if self.role == "ffn" else range(topo.num_owners))
+        ffn = [(run_ffn_worker, {"args": self.args, "rank": r, "comm_addresses": comm}) for r in ffn_ranks]
+        attn = [] if self.role == "ffn" else range(topo.num_senders)
         return ffn + [(run_attention_worker, {"args": self.args, "addrs": self.addrs, "rank": i, "comm_addresses": comm})
-                      for i in range(topo.num_senders)]
+                      for i in attn]
 
     def _spawn(self, ctx, target, kwargs: dict):
         parent, child = ctx.Pipe(duplex=False)

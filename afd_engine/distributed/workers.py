@@ -9,6 +9,7 @@ import torch
 
 from afd_engine.distributed.attention_runner import PipelineRunner
 from afd_engine.distributed.ffn_worker import FfnWorker
+from afd_engine.distributed.rendezvous import RendezvousSpec, register
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine
 from afd_engine.engine_args import EngineArgs
@@ -18,10 +19,15 @@ from afd_engine.server.engine_process import ControlAddrs, run_engine_process
 from comm.transport.zmq_transport import ZmqTransport
 
 
-def _attention_engine(args: EngineArgs, rank: int, comm_addresses: dict[int, str]) -> Engine:
+def _transport(endpoint: int, comm: dict[int, str] | RendezvousSpec) -> ZmqTransport:
+    """The data-plane transport: addresses given (one machine) or found at the rendezvous."""
+    return ZmqTransport(endpoint, comm if isinstance(comm, dict) else register(comm, endpoint))
+
+
+def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(args.model_path))
     topo = spec.topology
-    transport = ZmqTransport(topo.sender_endpoint(rank), comm_addresses)
+    transport = _transport(topo.sender_endpoint(rank), comm_addresses)
     experts = spec.expert_range(rank) if topo.colocated else (0, 0)  # AFD: no routed experts here
 
     def runner(model, pool):
@@ -30,13 +36,12 @@ def _attention_engine(args: EngineArgs, rank: int, comm_addresses: dict[int, str
     return Engine(args, expert_range=experts, runner_factory=runner)
 
 
-def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int,
-                         comm_addresses: dict[int, str]) -> None:
+def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int, comm_addresses) -> None:
     """An attention rank (in colocated mode also an expert rank): scheduler, KV pool, model."""
     run_engine_process(args, addrs, ready, rank, functools.partial(_attention_engine, args, rank, comm_addresses))
 
 
-def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses: dict[int, str]) -> None:
+def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses) -> None:
     """An expert rank of an AFD deployment: loads only its experts, serves every attention rank."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -44,7 +49,7 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses: dict[int,
         cfg = ModelConfig.from_pretrained(args.model_path)
         spec = DeploymentSpec.of(args, cfg)
         shard = load_expert_shard(cfg, args.model_path, args.torch_dtype, spec.expert_range(rank))
-        transport = ZmqTransport(spec.topology.owner_endpoint(rank), comm_addresses)
+        transport = _transport(spec.topology.owner_endpoint(rank), comm_addresses)
     except Exception as exc:  # reported to the launcher, which stops the deployment
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

@@ -31,11 +31,11 @@ class ServerArgs:
     default_max_tokens: int = 256
 
 
-def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+def serve(engine_args: EngineArgs, server_args: ServerArgs, deployment: Deployment | None = None) -> int:
     """Runs until interrupted (exit 0) or until a rank dies (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine_args.validate()
-    deployment = Deployment(engine_args)
+    deployment = deployment or Deployment(engine_args)
     try:
         return _run_http(deployment, server_args)
     finally:

@@ -1,0 +1,67 @@
+"""`afd launch` by role: an attention role and F roles as separate commands, meeting at a rendezvous."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from afd_engine import Engine, SamplingParams
+from tests.server.conftest import free_port
+
+TOPO = ["--mode", "afd", "--dp-size", "2", "--ffn-nodes", "2", "--ffn-ranks-per-node", "1", "--micro-batches", "2",
+        "--served-model-name", "tiny", "--num-threads", "1"]
+
+
+def afd(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "afd_engine.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ})
+
+
+@pytest.mark.timeout(300)
+def test_roles_started_in_any_order_serve_together(tiny_v3):
+    rdv, port = f"127.0.0.1:{free_port()}", free_port()
+    common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, *TOPO]
+    procs = [afd("launch", "--role", "ffn", "--node-rank", "1", *common)]
+    time.sleep(2)  # an F node first, the attention role later, the last F node last
+    procs.append(afd("launch", "--role", "attention", "--port", str(port), *common))
+    time.sleep(2)
+    procs.append(afd("launch", "--role", "ffn", "--node-rank", "0", *common))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="across machines", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        with Engine(model_path=tiny_v3, num_threads=1) as single:
+            ref = single.generate(prompts=["across machines"],
+                                  sampling_params=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+        assert out.choices[0].text == ref[0].text
+        procs[1].terminate()  # the attention role stops: the F roles are told and exit cleanly
+        assert procs[1].wait(timeout=60) in (0, -15)  # uvicorn re-raises SIGTERM after its graceful shutdown
+        assert procs[0].wait(timeout=60) == 0 and procs[2].wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.timeout(120)
+def test_missing_peers_time_out_with_a_clear_message(tiny_v3):
+    rdv = f"127.0.0.1:{free_port()}"
+    proc = afd("launch", "--role", "ffn", "--node-rank", "0", "--dist-init-addr", rdv, "--rendezvous-timeout", "3",
+               "--model-path", tiny_v3, *TOPO)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode != 0
+    assert f"got no answer from the rendezvous at {rdv} within 3 s" in out
