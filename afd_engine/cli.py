@@ -6,7 +6,8 @@ import argparse
 import sys
 import time
 
-from afd_engine.errors import AFDError
+from afd_engine.deploy_config import apply_config
+from afd_engine.errors import AFDError, ConfigError
 
 DEMO_PROMPTS = (
     "The quick brown fox",
@@ -71,6 +72,11 @@ def _launch(ns: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = EngineArgs.from_cli(ns)
+    if ns.nnodes is not None and ns.nnodes != 1 + args.ffn_nodes:
+        raise ConfigError(f"--nnodes={ns.nnodes} but one attention machine + --ffn-nodes={args.ffn_nodes} "
+                          f"makes {1 + args.ffn_nodes}; make them agree")
+    if not 0 <= ns.node_rank < args.ffn_nodes:
+        raise ConfigError(f"--node-rank={ns.node_rank} must be in [0, --ffn-nodes={args.ffn_nodes})")
     host_ip = ns.host_ip or local_ip_towards(ns.dist_init_addr)
     rdv = RendezvousSpec(ns.dist_init_addr, host_ip, ns.rendezvous_timeout)
     deployment = Deployment(args, role=ns.role, node_rank=ns.node_rank, rendezvous=rdv)
@@ -120,37 +126,50 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeat for several)")
     gen.add_argument("--ignore-eos", action="store_true")
     EngineArgs.add_cli_args(gen)
+    gen.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (any mode, all ranks on this machine)")
     srv_defaults = ServerArgs()
     _server_flags(srv, srv_defaults)
     EngineArgs.add_cli_args(srv)
+    srv.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
 
     launch = sub.add_parser("launch", help="start one role (attention or ffn) of a multi-machine AFD deployment")
     launch.add_argument("--role", required=True, choices=("attention", "ffn"))
     launch.add_argument("--node-rank", type=int, default=0, help="ffn: which F node this machine is")
+    launch.add_argument("--nnodes", type=int, default=None, help="machines in the deployment, as a check "
+                        "(one attention machine + --ffn-nodes)")
     launch.add_argument("--dist-init-addr", required=True, help="HOST:PORT of the rendezvous (the attention node)")
     launch.add_argument("--host-ip", default=None, help="address peers reach this machine at (default: the "
                         "route towards --dist-init-addr)")
     launch.add_argument("--rendezvous-timeout", type=float, default=300.0, help="seconds to wait for all ranks")
     _server_flags(launch, srv_defaults)
     EngineArgs.add_cli_args(launch)
+    launch.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
 
     demo = sub.add_parser("demo", help="offline generation demo on the embedded tiny model")
     demo.add_argument("--max-new-tokens", type=int, default=32)
     EngineArgs.add_cli_args(demo)
+    demo.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
 
     sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (see its --help)",
                    add_help=False)
     return parser
 
 
+def _defaults(parser: argparse.ArgumentParser, command: str) -> dict:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return {a.dest: a.default for a in sub._actions}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-tiny-model"]:
         return _make_tiny(None, argv[1:])
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     try:
+        apply_config(ns, _defaults(parser, ns.command))
         return {"generate": _generate, "demo": _demo, "serve": _serve, "launch": _launch}[ns.command](ns)
     except AFDError as exc:
         print(f"afd {ns.command}: error: {exc}", file=sys.stderr)

@@ -40,6 +40,8 @@ class EngineArgs:
     dp_size: int = _opt(1, "attention (data-parallel) ranks")
     ffn_nodes: int = _opt(1, "afd: F nodes (machines of expert ranks)")
     ffn_ranks_per_node: int = _opt(1, "afd: expert ranks per F node")
+    ep_size: int | None = _opt(None, "expert-parallel ranks, as a check (afd: ffn-nodes x ffn-ranks-per-node; "
+                               "colocated: dp-size)")
     micro_batches: int | None = _opt(None, "micro-batches in flight per step (default: 3 for afd, 1 otherwise)")
     dispatch: str | None = _opt(None, "two-stage or direct (default: two-stage for afd; colocated is direct)",
                                 choices=("two-stage", "direct"))

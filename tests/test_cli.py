@@ -49,3 +49,16 @@ def test_make_tiny_model_then_generate(tmp_path):
               "--max-new-tokens", "4", "--ignore-eos", "--num-threads", "1")
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("(length)") == 2
+
+
+def test_deployment_from_yaml_and_bad_yaml(tiny_v3, tmp_path):
+    res = afd("generate", "--config", "configs/colocated_dp2.yaml", "--model-path", tiny_v3, "--prompt", "hello",
+              "--max-new-tokens", "6", "--temperature", "0")
+    single = afd("generate", "--model-path", tiny_v3, "--prompt", "hello", "--max-new-tokens", "6",
+                 "--temperature", "0", "--num-threads", "1")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == single.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dp_sise: 2\n")
+    res = afd("generate", "--config", str(bad), "--prompt", "hi")
+    assert res.returncode == 2 and "unknown setting(s) dp_sise" in res.stderr

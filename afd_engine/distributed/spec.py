@@ -35,6 +35,9 @@ class DeploymentSpec:
             fix = ("--ffn-nodes x --ffn-ranks-per-node" if a.mode == "afd" else "--dp-size")
             raise ConfigError(f"the model has {self.num_experts} routed experts, which do not divide over {ranks} "
                               f"expert ranks; choose {fix} that divides {self.num_experts}")
+        if a.ep_size is not None and a.ep_size != ranks:
+            how = "--ffn-nodes x --ffn-ranks-per-node" if a.mode == "afd" else "--dp-size"
+            raise ConfigError(f"--ep-size={a.ep_size} but {how} gives {ranks} expert ranks; make them agree")
         if a.mode == "colocated" and a.dp_size % a.ffn_nodes:
             raise ConfigError(f"--dp-size={a.dp_size} ranks do not split evenly over --ffn-nodes={a.ffn_nodes} nodes")
 

@@ -87,3 +87,10 @@ def test_invalid_topologies_are_refused_at_start(tiny_v3):
         Engine(model_path=tiny_v3, mode="afd", micro_batches=9)
     with pytest.raises(ConfigError, match="two-stage needs --mode afd"):
         Engine(model_path=tiny_v3, mode="colocated", dp_size=2, dispatch="two-stage")
+
+
+def test_sglang_style_checks_name_the_fix(tiny_v3):
+    from afd_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--ep-size=8 but --ffn-nodes x --ffn-ranks-per-node gives 4 expert ranks"):
+        Engine(model_path=tiny_v3, mode="afd", ffn_nodes=2, ffn_ranks_per_node=2, ep_size=8)

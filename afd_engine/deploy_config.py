@@ -1,0 +1,40 @@
+"""Deployments described in YAML (see configs/*.yaml): EngineArgs fields by name.
+
+Keys use the flag names with underscores or dashes (`dp_size` or `dp-size`). Flags given on the
+command line win over the file; the file wins over the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from pathlib import Path
+
+import yaml
+
+from afd_engine.engine_args import EngineArgs
+from afd_engine.errors import ConfigError
+
+
+def load_config(path: str | Path, allowed: set[str]) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"deployment config {str(path)!r} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(raw).__name__}")
+    values = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}")
+    return values
+
+
+def apply_config(ns: argparse.Namespace, parser_defaults: dict) -> None:
+    """Fills the namespace from `ns.config` wherever the command line left a default."""
+    if not getattr(ns, "config", None):
+        return
+    names = {f.name for f in fields(EngineArgs)} | (set(vars(ns)) - {"command", "config"})
+    for key, value in load_config(ns.config, names).items():
+        if getattr(ns, key, None) == parser_defaults.get(key):
+            setattr(ns, key, value)
