@@ -48,25 +48,27 @@ def staggered(engine, batch, params=GREEDY) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_v3):
+    """The prompts, the single-process engine's tokens, and transformers' (tokens, top-2 gaps)."""
     with Engine(model_path=tiny_v3, num_threads=1) as single:
         batch = prompts(single.config.vocab_size)
-        return batch, [o.token_ids for o in single.generate(prompt_token_ids=batch, sampling_params=GREEDY)]
+        ours = [o.token_ids for o in single.generate(prompt_token_ids=batch, sampling_params=GREEDY)]
+    return batch, ours, [hf_greedy(tiny_v3, ids, NEW) for ids in batch]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(DEPLOYMENTS))
 def test_deployment_matches_single_engine_and_transformers(name, tiny_v3, reference):
-    batch, single = reference
+    batch, single, hf = reference
     with Engine(model_path=tiny_v3, comm_timeout=30, dispatch_dtype="fp32", **DEPLOYMENTS[name]) as engine:
         outs = staggered(engine, batch)
     assert outs == single, name
-    for ids, out in zip(batch[::3], outs[::3]):  # transformers is slow: a sample of the prompts
-        assert_greedy_matches(out, *hf_greedy(tiny_v3, ids, NEW), f"{name} prompt len {len(ids)}")
+    for ids, out, (ref, gaps) in zip(batch, outs, hf):
+        assert_greedy_matches(out, ref, gaps, f"{name} prompt len {len(ids)}")
 
 
 @pytest.mark.timeout(300)
 def test_fp8_dispatch_logprobs_within_tolerance(tiny_v3, reference):
-    batch, _ = reference
+    batch = reference[0]
     params = SamplingParams(max_new_tokens=1, temperature=0.0, logprobs=5)
     with Engine(model_path=tiny_v3, num_threads=1) as single:
         ref = single.generate(prompt_token_ids=batch, sampling_params=params)
