@@ -262,4 +262,4 @@ class ExpertShard(nn.Module):
         return self.model.layers[str(layer_id)].mlp.experts
 
     def prepare(self) -> None:
-        pass
+        """Nothing to derive after loading (the attention model absorbs its decode weights here)."""

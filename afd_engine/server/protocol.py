@@ -228,10 +228,12 @@ class _OpenAISamplingRequest(_NullMeansDefault):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _max_tokens(self) -> int | None:
-        raise NotImplementedError
+        """The requested completion length; each endpoint names it its own way."""
+        return getattr(self, "max_tokens", None)
 
     def _logprobs(self) -> int | None:
-        raise NotImplementedError
+        """Top-logprob count for the engine (None: none); chat and completions spell it differently."""
+        return None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine parameters of the first choice; unset fields take the engine defaults.
