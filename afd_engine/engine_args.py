@@ -50,6 +50,10 @@ class EngineArgs:
     combine_dtype: str = _opt("auto", "combine wire format: auto (the activations' dtype), fp32 or bf16",
                               choices=("auto", "fp32", "bf16"))
     comm_timeout: float = _opt(30.0, "seconds a rank waits for a peer before failing the step")
+    record_timeline: str | None = _opt(None, "write per-operation timing events of every rank to PATH.<role><rank>.jsonl")
+    inject_attention_delay_ms: float = _opt(0.0, "experiments: extra compute per MoE layer and micro-batch on A")
+    inject_ffn_delay_ms: float = _opt(0.0, "experiments: extra compute per MoE layer and micro-batch on F")
+    inject_link_delay_ms: float = _opt(0.0, "experiments: latency added to every data-plane message")
 
     def validate(self) -> None:
         def need(ok: bool, flag: str, fix: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from afd_engine.distributed.spec import DeploymentSpec
+from afd_engine.distributed.timeline import Timeline, pause
 from afd_engine.operations import YieldOperation, run_micro_batches, split_micro_batches
 from afd_engine.runtime.forward_batch import ForwardBatch
 from afd_engine.runtime.kv_cache import KVPool
@@ -48,6 +49,7 @@ class PipelineRunner(ModelRunner):
         self.n = spec.args.num_micro_batches
         self.step_id = self.sync_id = 0
         self.want_stop = self.stopped = False  # shutdown is agreed in a lockstep round, like a step
+        self.timeline = Timeline(spec.args.record_timeline, "a", rank)
         self.ops = self._operations()
 
     # -- lockstep --------------------------------------------------------------------------
@@ -75,6 +77,7 @@ class PipelineRunner(ModelRunner):
         self._announce([int(m["fb"].num_tokens) for m in micro])
         outs = run_micro_batches(self.ops, micro, delays=[0] * self.n)
         commit(plan)
+        self.timeline.end_step(self.step_id)
         self.step_id += 1
         return inputs.samplers, torch.cat(outs) if outs else torch.empty(0)
 
@@ -129,8 +132,11 @@ class PipelineRunner(ModelRunner):
         mlp = layer.mlp
 
         def attention_gate_dispatch(st) -> None:
-            x, h = layer.attention_part(st.pop("x"), st.get("fb"), st.get("cos_sin"), self.pool.cache[layer.layer_id])
-            topk_ids, topk_weights = mlp.gate(h)
+            with self.timeline.span("attention", st.micro_batch, layer.layer_id):
+                x, h = layer.attention_part(st.pop("x"), st.get("fb"), st.get("cos_sin"),
+                                            self.pool.cache[layer.layer_id])
+                topk_ids, topk_weights = mlp.gate(h)
+                pause(self.spec.args.inject_attention_delay_ms)
             st.set("handle", self.sender.dispatch(h, topk_ids, topk_weights, self._key(layer.layer_id, st)))
             st.set("shared", mlp.shared_experts(h) if mlp.shared_experts is not None else None)
             st.set("residual", x)
@@ -147,7 +153,9 @@ class PipelineRunner(ModelRunner):
 
     def _combine(self, layer_id: int):
         def combine(st) -> None:
-            routed, shared = self.sender.combine(st.pop("handle")), st.pop("shared")
+            with self.timeline.span("wait", st.micro_batch, layer_id):
+                routed = self.sender.combine(st.pop("handle"))
+            shared = st.pop("shared")
             st.set("x", st.pop("residual") + (routed if shared is None else routed + shared))
         return combine
 

@@ -2,8 +2,9 @@
 
 Per step it checks every attention rank's descriptor (same step id, else KeyMismatchError), then
 runs, for each MoE layer and micro-batch, receive -> experts -> combine. The stages follow the
-seed's F-side layout: per layer [recv] [mlp] [combine] plus N-2 empty stages, rows staggered by
-one (delays 0..N-1), so the receive of micro-batch m+1 is issued before the combine of m.
+seed's F-side layout: per layer [post receive] [wait + mlp] [combine] plus N-2 empty stages, rows
+staggered by one (delays 0..N-1), so the receive of micro-batch m+1 is posted (relaying starts in
+the background) before the combine of m, and never holds that combine back.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from afd_engine.distributed.attention_runner import STEP_LAYER
 from afd_engine.distributed.spec import DeploymentSpec
+from afd_engine.distributed.timeline import Timeline, pause
 from afd_engine.operations import YieldOperation, run_micro_batches
 from comm.ffn_side import FfnEndpoint
 from comm.messages import CommTimeout, MsgKey
@@ -32,12 +34,14 @@ class FfnWorker:
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.n = spec.args.num_micro_batches
         self.step_id = 0
+        self.timeline = Timeline(spec.args.record_timeline, "f", rank)
         self.ops = self._operations()
 
     def run(self) -> None:
         while self._next_step():
             with torch.inference_mode():
                 run_micro_batches(self.ops, [{} for _ in range(self.n)], delays=list(range(self.n)))
+            self.timeline.end_step(self.step_id)
             self.step_id += 1
         self.owner.close()
 
@@ -62,16 +66,20 @@ class FfnWorker:
         return ops
 
     def _recv(self, layer_id: int):
-        def recv(st) -> None:
-            st.set("batch", self.owner.recv_dispatch(MsgKey(self.step_id, layer_id, st.micro_batch)))
-        return recv
+        def post_recv(st) -> None:  # posts the receive (relaying starts); never blocks
+            self.owner.post_dispatch(MsgKey(self.step_id, layer_id, st.micro_batch))
+        return post_recv
 
     def _mlp(self, layer_id: int):
         experts = self.shard.experts(layer_id)
 
-        def mlp(st) -> None:
-            batch = st.get("batch")
-            st.set("y", fused_moe(batch.hidden, experts.w13, experts.w2, batch.local_ids, batch.weights))
+        def mlp(st) -> None:  # the MLP waits for its dispatch, then computes
+            with self.timeline.span("recv", st.micro_batch, layer_id):
+                batch = self.owner.recv_dispatch(MsgKey(self.step_id, layer_id, st.micro_batch))
+            st.set("batch", batch)
+            with self.timeline.span("ffn", st.micro_batch, layer_id):
+                st.set("y", fused_moe(batch.hidden, experts.w13, experts.w2, batch.local_ids, batch.weights))
+                pause(self.spec.args.inject_ffn_delay_ms)
         return mlp
 
     def _send(self, layer_id: int):

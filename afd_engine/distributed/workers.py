@@ -19,15 +19,16 @@ from afd_engine.server.engine_process import ControlAddrs, run_engine_process
 from comm.transport.zmq_transport import ZmqTransport
 
 
-def _transport(endpoint: int, comm: dict[int, str] | RendezvousSpec) -> ZmqTransport:
+def _transport(endpoint: int, comm: dict[int, str] | RendezvousSpec, args: EngineArgs) -> ZmqTransport:
     """The data-plane transport: addresses given (one machine) or found at the rendezvous."""
-    return ZmqTransport(endpoint, comm if isinstance(comm, dict) else register(comm, endpoint))
+    return ZmqTransport(endpoint, comm if isinstance(comm, dict) else register(comm, endpoint),
+                        link_delay_s=args.inject_link_delay_ms / 1000)
 
 
 def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(args.model_path))
     topo = spec.topology
-    transport = _transport(topo.sender_endpoint(rank), comm_addresses)
+    transport = _transport(topo.sender_endpoint(rank), comm_addresses, args)
     experts = spec.expert_range(rank) if topo.colocated else (0, 0)  # AFD: no routed experts here
 
     def runner(model, pool):
@@ -49,7 +50,7 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses) -> None:
         cfg = ModelConfig.from_pretrained(args.model_path)
         spec = DeploymentSpec.of(args, cfg)
         shard = load_expert_shard(cfg, args.model_path, args.torch_dtype, spec.expert_range(rank))
-        transport = _transport(spec.topology.owner_endpoint(rank), comm_addresses)
+        transport = _transport(spec.topology.owner_endpoint(rank), comm_addresses, args)
     except Exception as exc:  # reported to the launcher, which stops the deployment
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

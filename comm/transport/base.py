@@ -87,3 +87,38 @@ class Inbox:
                         f"endpoint(s) {srcs} and nothing came: is the peer alive and at the same step?"
                     )
                 self._cond.wait(left)
+
+
+class DelayedInbox(Inbox):
+    """An inbox whose messages become visible `delay_s` after arrival: an injected link latency
+    for pipeline experiments. One delivery thread keeps arrival order (per-message timers would
+    not)."""
+
+    def __init__(self, endpoint: int, delay_s: float) -> None:
+        super().__init__(endpoint)
+        self.delay_s = delay_s
+        self._due: deque[tuple[float, Message]] = deque()
+        self._due_cond = threading.Condition()
+        threading.Thread(target=self._deliver, daemon=True, name=f"link-delay-{endpoint}").start()
+
+    def put(self, msg: Message) -> None:
+        with self._due_cond:
+            self._due.append((time.monotonic() + self.delay_s, msg))
+            self._due_cond.notify()
+
+    def _deliver(self) -> None:
+        while True:
+            with self._due_cond:
+                while not self._due:
+                    self._due_cond.wait()
+                due, msg = self._due[0]
+                wait = due - time.monotonic()
+                if wait > 0:
+                    self._due_cond.wait(wait)
+                    continue
+                self._due.popleft()
+            super().put(msg)
+
+
+def make_inbox(endpoint: int, delay_s: float = 0.0) -> Inbox:
+    return DelayedInbox(endpoint, delay_s) if delay_s > 0 else Inbox(endpoint)

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 import zmq
 
 from comm.messages import CommError, Message, MsgKey
-from comm.transport.base import Inbox, Transport
+from comm.transport.base import Transport, make_inbox
 
 _POLL_MS = 50  # how often the receiver thread checks whether it should stop
 
@@ -46,13 +46,13 @@ class ZmqTransport(Transport):
     this endpoint binds `bind_address` (default: its own entry) and connects to peers lazily."""
 
     def __init__(self, endpoint: int, addresses: dict[int, str], *, bind_address: str | None = None,
-                 hwm: int = 100_000, linger_ms: int = 1000) -> None:
+                 hwm: int = 100_000, linger_ms: int = 1000, link_delay_s: float = 0.0) -> None:
         if endpoint not in addresses and bind_address is None:
             raise CommError(f"endpoint {endpoint} has no address in {addresses}")
         self.endpoint, self.addresses = endpoint, dict(addresses)
         self._hwm, self._linger_ms = hwm, linger_ms
         self._ctx = zmq.Context()
-        self._inbox = Inbox(endpoint)
+        self._inbox = make_inbox(endpoint, link_delay_s)  # a delay only in pipeline experiments
         self._senders: dict[int, zmq.Socket] = {}
         self._send_lock = threading.Lock()
         self._stop = threading.Event()

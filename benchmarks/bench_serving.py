@@ -1,0 +1,525 @@
+#!/usr/bin/env python
+"""Online serving benchmark: a load generator for a running server's HTTP API.
+
+It follows the conventions (flag and metric names) of SGLang's ``bench_serving`` so that numbers
+can be compared side by side, but is written for this engine: every request streams, uses
+temperature 0 and ``ignore_eos`` so the server generates exactly the requested number of tokens.
+
+Backends:
+  * ``chat``: ``POST /v1/chat/completions`` (one user message);
+  * ``completions``: ``POST /v1/completions`` (text or a token-id list prompt);
+  * ``native``: ``POST /generate`` with ``input_ids`` (or ``text``), streamed SSE.
+
+Datasets (nothing is downloaded):
+  * ``random-ids``: random token ids (never the special ids 0..4). Chat cannot send token ids
+    without a tokenizer, so chat gets random words instead;
+  * ``random``: random English words (lengths are in words; the server tokenizes them);
+  * ``sharegpt``: the first human turn of each conversation of a local ShareGPT JSON file,
+    with the following gpt reply's word count as output length (or ``--sharegpt-output-len``).
+
+Per-request measurements (client side, ``time.perf_counter``):
+  * TTFT: from sending the request to the first chunk carrying content (chat/completions: a
+    non-empty text delta; native: non-empty ``output_ids``);
+  * ITL: the gaps between successive content chunks;
+  * E2E latency: from sending to the end of the stream;
+  * TPOT: (latency - TTFT) / (output tokens - 1), for requests with more than one output token;
+  * output tokens: ``usage.completion_tokens`` of the last streamed chunk (chat/completions,
+    ``stream_options.include_usage``) or the number of ``output_ids`` received (native);
+  * prompt tokens: ``usage.prompt_tokens`` (chat/completions) or ``len(input_ids)`` (native; with a
+    text prompt, native only knows the word count, flagged as ``input_tokens_estimated``).
+
+Run from the repository root against a running ``afd serve``:
+``python benchmarks/bench_serving.py --backend completions --num-prompts 64``.
+Other scripts can ``await run_benchmark(args)`` (args: a Namespace from ``parse_args`` or a dict
+of overrides) and get the metrics dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+NUM_SPECIAL_IDS = 5  # ids 0..4 are bos, eos, pad, User, Assistant in the tiny tokenizer (and rarely text elsewhere)
+MAX_ERRORS_SHOWN = 5
+
+# Common English words: prompts that tokenize like ordinary text, without needing a tokenizer here.
+_WORDS_TEXT = (
+    "the of and to in is was for on that with as by at from his her which this be are or an had not "
+    "but have were they one all their there been has more when who will would can if no time out up "
+    "about into only other new some could these two may first then do any like my now over such our "
+    "man me even most made after also did many before must through back years where much your way well "
+    "down should because each just those people how too little state good very make world still own see "
+    "men work long get here between both life being under never day same another know while last might "
+    "us great old year off come since against go came right used take three house water number city"
+)
+WORDS = _WORDS_TEXT.split()
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--model", default=None, help="model name (default: the first id of GET /v1/models)")
+    p.add_argument("--backend", default="completions", choices=("chat", "completions", "native"))
+    p.add_argument("--dataset-name", default="random-ids", choices=("random-ids", "random", "sharegpt"))
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --dataset-name sharegpt)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="output length of every ShareGPT request (default: the gpt reply's word count)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--random-input-len", type=int, default=32)
+    p.add_argument("--random-output-len", type=int, default=32)
+    p.add_argument("--random-range-ratio", type=float, default=1.0,
+                   help="lengths are uniform in [ratio*len, len]; 1.0 = fixed lengths")
+    p.add_argument("--random-vocab-size", type=int, default=512,
+                   help="random-ids are drawn from [5, this); 512 is valid for the tiny model and any larger vocab")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrival rate in requests/s (default inf: all requests at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=1, help="seed of the prompts and of the arrival times")
+    p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests sent before the benchmark")
+    p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
+    p.add_argument("--output-file", default=None, help="append one JSONL record (metrics and settings)")
+    p.add_argument("--output-details", action="store_true",
+                   help="also write per-request TTFTs, ITLs, latencies and errors to --output-file")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def validate_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "random_input_len", "random_output_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        p.error("--random-range-ratio must be in [0, 1]")
+    if args.random_vocab_size <= NUM_SPECIAL_IDS:
+        p.error(f"--random-vocab-size must be more than {NUM_SPECIAL_IDS}")
+    if not args.request_rate > 0:
+        p.error("--request-rate must be positive (inf: all at once)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be at least 1")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        p.error("--dataset-name sharegpt needs --dataset-path (a local file; nothing is downloaded)")
+    if args.warmup_requests < 0:
+        p.error("--warmup-requests must be >= 0")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    validate_args(p, args)
+    return args
+
+
+def _as_namespace(args: argparse.Namespace | Mapping[str, Any]) -> argparse.Namespace:
+    """Callers may pass a dict of overrides; everything else takes the command-line defaults."""
+    if isinstance(args, argparse.Namespace):
+        return args
+    p = build_parser()
+    ns = p.parse_args([])
+    unknown = set(args) - set(vars(ns))
+    if unknown:
+        raise ValueError(f"unknown benchmark settings: {sorted(unknown)}")
+    for key, value in args.items():
+        setattr(ns, key, value)
+    validate_args(p, ns)
+    return ns
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One benchmark request: a text or token-id prompt and the number of tokens to generate."""
+
+    prompt: str | list[int]
+    prompt_len: int  # exact for token ids; the word count for text
+    output_len: int
+
+
+def _lengths(rng: random.Random, n: int, length: int, ratio: float) -> list[int]:
+    low = max(1, int(length * ratio))
+    return [rng.randint(low, length) for _ in range(n)]
+
+
+def random_requests(args: argparse.Namespace, as_ids: bool) -> list[Request]:
+    rng = random.Random(args.seed)
+    in_lens = _lengths(rng, args.num_prompts, args.random_input_len, args.random_range_ratio)
+    out_lens = _lengths(rng, args.num_prompts, args.random_output_len, args.random_range_ratio)
+    reqs = []
+    for in_len, out_len in zip(in_lens, out_lens):
+        if as_ids:
+            prompt: str | list[int] = [rng.randrange(NUM_SPECIAL_IDS, args.random_vocab_size) for _ in range(in_len)]
+        else:
+            prompt = " ".join(rng.choice(WORDS) for _ in range(in_len))
+        reqs.append(Request(prompt, in_len, out_len))
+    return reqs
+
+
+def sharegpt_requests(args: argparse.Namespace) -> list[Request]:
+    """The first (human, gpt) pair of each conversation, shuffled with the seed."""
+    with open(args.dataset_path, encoding="utf-8") as f:
+        data = json.load(f)
+    pairs = []
+    for item in data:
+        turns = item.get("conversations") or item.get("conversation") or []
+        if len(turns) >= 2 and turns[0].get("value") and turns[1].get("value"):
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    random.Random(args.seed).shuffle(pairs)
+    if len(pairs) < args.num_prompts:
+        raise ValueError(f"{args.dataset_path} has {len(pairs)} usable conversations, fewer than --num-prompts")
+    reqs = []
+    for question, answer in pairs[:args.num_prompts]:
+        out_len = args.sharegpt_output_len or max(1, len(answer.split()))
+        reqs.append(Request(question, len(question.split()), out_len))
+    return reqs
+
+
+def make_requests(args: argparse.Namespace) -> list[Request]:
+    if args.dataset_name == "sharegpt":
+        return sharegpt_requests(args)
+    # Chat has no way to send token ids, so random-ids falls back to random words there.
+    as_ids = args.dataset_name == "random-ids" and args.backend != "chat"
+    return random_requests(args, as_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# One request
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """What one request measured; times in seconds."""
+
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_exact: bool = False
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens <= 1:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def build_payload(args: argparse.Namespace, model: str, req: Request) -> tuple[str, dict]:
+    """The endpoint path and JSON body of one streamed request."""
+    if args.backend == "native":
+        key = "text" if isinstance(req.prompt, str) else "input_ids"
+        return "/generate", {key: req.prompt, "stream": True, "sampling_params": {
+            "max_new_tokens": req.output_len, "temperature": args.temperature, "ignore_eos": True}}
+    body = {"model": model, "max_tokens": req.output_len, "temperature": args.temperature, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if args.backend == "chat":
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": req.prompt}]}
+    return "/v1/completions", {**body, "prompt": req.prompt}
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The payloads of the ``data:`` lines of a server-sent event stream."""
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+def chunk_content(backend: str, chunk: dict) -> tuple[bool, int]:
+    """(whether this chunk carries generated content, the number of token ids it carries (native))."""
+    if backend == "native":
+        n = len(chunk.get("output_ids") or ())
+        return n > 0, n
+    choices = chunk.get("choices") or []
+    if not choices:
+        return False, 0
+    if backend == "chat":
+        return bool((choices[0].get("delta") or {}).get("content")), 0
+    return bool(choices[0].get("text")), 0
+
+
+async def send_request(client: httpx.AsyncClient, args: argparse.Namespace, model: str, req: Request) -> Result:
+    """Streams one request and times it; any failure is recorded in the result, never raised."""
+    path, payload = build_payload(args, model, req)
+    res = Result(prompt_tokens=len(req.prompt) if isinstance(req.prompt, list) else req.prompt_len,
+                 prompt_tokens_exact=isinstance(req.prompt, list))
+    start = time.perf_counter()
+    last = None  # time of the previous content chunk
+    done = False
+    try:
+        async with client.stream("POST", path, json=payload) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                res.error = f"HTTP {response.status_code}: {text[:500]}"
+                return res
+            async for data in sse_data(response):
+                if data == "[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
+                    return res
+                has_content, n_ids = chunk_content(args.backend, chunk)
+                res.output_tokens += n_ids
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.prompt_tokens_exact = True
+                if has_content:
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.latency = time.perf_counter() - start
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    if not done:
+        res.error = "the stream ended without [DONE]"
+    elif last is None:
+        # Every token decoded to nothing (e.g. special tokens): the first "token" the client could
+        # see is the end of the stream.
+        res.ttft = res.latency
+        res.success = True
+    else:
+        res.success = True
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# The load
+# ---------------------------------------------------------------------------------------------
+
+
+def arrival_delays(n: int, rate: float, seed: int) -> list[float]:
+    """Gaps before each request: exponential (a Poisson process) at `rate`, or none when inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    return list(rng.exponential(1.0 / rate, size=n))
+
+
+async def fetch_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: str,
+                   requests: list[Request]) -> tuple[list[Result], float]:
+    """Sends all requests on the arrival schedule, at most --max-concurrency at a time.
+
+    Returns the results (in request order) and the benchmark duration: from the first request
+    being sent to the last one finishing.
+    """
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = None
+    if not args.disable_tqdm:
+        from tqdm import tqdm
+        bar = tqdm(total=len(requests), file=sys.stderr)
+
+    async def one(req: Request) -> Result:
+        # The arrival time is fixed by the schedule; the semaphore only delays the send, as a
+        # client-side connection limit would.
+        if sem is None:
+            res = await send_request(client, args, model, req)
+        else:
+            async with sem:
+                res = await send_request(client, args, model, req)
+        if bar is not None:
+            bar.update(1)
+        return res
+
+    start = time.perf_counter()
+    tasks = []
+    for req, delay in zip(requests, arrival_delays(len(requests), args.request_rate, args.seed)):
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(req)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return list(results), duration
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+    """mean/median/std/p99 of `values_s` (seconds), in ms; zeros when there are none."""
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    if ms.size == 0:
+        return {f"{k}_{name}_ms": 0.0 for k in ("mean", "median", "std", "p99")}
+    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+            f"std_{name}_ms": float(ms.std()), f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def meets_slo(res: Result, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """A successful request within every SLO given (a 1-token request has no TPOT to violate)."""
+    if not res.success:
+        return False
+    if slo_ttft_ms is not None and res.ttft * 1000.0 > slo_ttft_ms:
+        return False
+    tpot = res.tpot
+    return not (slo_tpot_ms is not None and tpot is not None and tpot * 1000.0 > slo_tpot_ms)
+
+
+def compute_metrics(results: list[Result], duration: float, args: argparse.Namespace) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    n_in = sum(r.prompt_tokens for r in ok)
+    n_out = sum(r.output_tokens for r in ok)
+    m: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration": duration,
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
+        "input_tokens_estimated": any(not r.prompt_tokens_exact for r in ok),
+        "request_throughput": len(ok) / duration,
+        "input_throughput": n_in / duration,
+        "output_throughput": n_out / duration,
+        "total_throughput": (n_in + n_out) / duration,
+        # Little's law: the average number of requests in flight.
+        "concurrency": sum(r.latency for r in ok) / duration,
+    }
+    m.update(_stats("ttft", [r.ttft for r in ok]))
+    m.update(_stats("itl", [gap for r in ok for gap in r.itl]))
+    m.update(_stats("tpot", [r.tpot for r in ok if r.tpot is not None]))
+    m.update(_stats("e2e_latency", [r.latency for r in ok]))
+    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+        good = sum(meets_slo(r, args.slo_ttft_ms, args.slo_tpot_ms) for r in results)
+        m["goodput"] = good / duration
+    else:
+        m["goodput"] = None
+    m["errors"] = [r.error for r in results if not r.success][:MAX_ERRORS_SHOWN]
+    return m
+
+
+def format_table(m: dict[str, Any], args: argparse.Namespace) -> str:
+    """SGLang-style result table."""
+    rows: list[tuple[str, Any]] = [
+        ("Backend", args.backend),
+        ("Traffic request rate", args.request_rate),
+        ("Max request concurrency", args.max_concurrency if args.max_concurrency else "not set"),
+        ("Successful requests", m["completed"]),
+        ("Failed requests", m["failed"]),
+        ("Benchmark duration (s)", m["duration"]),
+        ("Total input tokens" + (" (estimated)" if m["input_tokens_estimated"] else ""), m["total_input_tokens"]),
+        ("Total generated tokens", m["total_output_tokens"]),
+        ("Request throughput (req/s)", m["request_throughput"]),
+        ("Input token throughput (tok/s)", m["input_throughput"]),
+        ("Output token throughput (tok/s)", m["output_throughput"]),
+        ("Total token throughput (tok/s)", m["total_throughput"]),
+        ("Concurrency", m["concurrency"]),
+    ]
+    if m["goodput"] is not None:
+        rows.append(("Goodput (req/s)", m["goodput"]))
+    sections = [("Time to First Token", "ttft", "TTFT"), ("Inter-Token Latency", "itl", "ITL"),
+                ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
+                ("End-to-End Latency", "e2e_latency", "E2E Latency")]
+    lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
+    lines += [_row(k, v) for k, v in rows]
+    for title, key, label in sections:
+        lines.append("{s:{c}^60}".format(s=title, c="-"))
+        for stat, word in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            lines.append(_row(f"{word} {label} (ms)", m[f"{stat}_{key}_ms"]))
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def _row(name: str, value: Any) -> str:
+    text = f"{value:.2f}" if isinstance(value, float) and not math.isinf(value) else str(value)
+    return f"{name:<44}{text:>16}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    s = {k: v for k, v in vars(args).items()}
+    s["model"] = model
+    # JSON has no infinity; keep the record parseable by strict readers.
+    s["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate
+    return s
+
+
+def write_record(path: str, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+async def run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
+    """Runs one benchmark and returns its metrics (plus "settings"); also prints the table and
+    appends the record to --output-file when set. Failed requests are counted, not raised."""
+    args = _as_namespace(args)
+    requests = make_requests(args)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # trust_env=False: a proxy from the environment would sit in the timed path.
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.request_timeout),
+                                 limits=limits, trust_env=False) as client:
+        model = args.model or await fetch_model(client)
+        for i in range(args.warmup_requests):
+            warm = await send_request(client, args, model, requests[i % len(requests)])
+            if not warm.success:
+                raise RuntimeError(f"warmup request failed: {warm.error}")
+        results, duration = await run_load(client, args, model, requests)
+    metrics = compute_metrics(results, duration, args)
+    metrics["settings"] = _settings(args, model)
+    print(format_table(metrics, args), flush=True)
+    for err in metrics["errors"]:
+        print(f"error: {err}", file=sys.stderr)
+    if args.output_file:
+        record = dict(metrics, timestamp=time.time())
+        if args.output_details:
+            record.update(ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+                          latencies=[r.latency for r in results], output_lens=[r.output_tokens for r in results],
+                          all_errors=[r.error for r in results])
+        write_record(args.output_file, record)
+    metrics["results"] = [asdict(r) for r in results]  # for callers; not in the JSONL record
+    return metrics
+
+
+def main(argv=None) -> int:
+    """Exit code 0 when every request succeeded, 1 otherwise."""
+    args = parse_args(argv)
+    metrics = asyncio.run(run_benchmark(args))
+    if metrics["failed"]:
+        print(f"{metrics['failed']} of {args.num_prompts} requests failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

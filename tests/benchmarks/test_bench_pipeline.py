@@ -1,0 +1,19 @@
+"""bench_pipeline runs the real AFD pipeline with injected delays and draws its timeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_quick_run_records_a_timeline_and_busy_fractions(tmp_path):
+    out, png = tmp_path / "pipe.json", tmp_path / "pipe.png"
+    res = subprocess.run([sys.executable, "benchmarks/bench_pipeline.py", "--quick", "--json", str(out),
+                          "--png", str(png)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["micro_batches"] for r in results] == [2, 3]
+    assert all(0 < r["a_busy"] <= 1 and r["decode_steps"] >= 1 for r in results)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "A busy" in res.stdout
