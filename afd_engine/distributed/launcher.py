@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
-from pathlib import Path
 
 from afd_engine.default_model import resolve_model_path
 from afd_engine.distributed.spec import DeploymentSpec
@@ -118,9 +118,7 @@ class Deployment:
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()
-        for f in Path(self.workdir).glob("*"):
-            f.unlink(missing_ok=True)
-        os.rmdir(self.workdir)
+        shutil.rmtree(self.workdir, ignore_errors=True)  # stop() may run twice (failed start, then exit)
 
 
 def _wait_ready(conn, proc) -> dict:

@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from afd_engine.default_model import DEFAULT_MODEL_NAME
 from afd_engine.distributed.launcher import Deployment
 from afd_engine.engine_args import EngineArgs
 
@@ -54,8 +53,8 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
         holder["info"] = deployment.start()
         return holder["info"]
 
-    name = server_args.served_model_name or (DEFAULT_MODEL_NAME if not engine_args_model(args) else
-                                             Path(args.model_path).name)
+    # the checkpoint directory's name; the embedded default's says it has random weights
+    name = server_args.served_model_name or Path(args.model_path).name
     app = build_app(args.model_path, name, server_args, start_ranks, deployment.addrs,
                     deployment.num_attention_ranks, alive=deployment.alive)
     server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level="warning",
@@ -67,11 +66,6 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
         log.error("a rank of the deployment died; exiting")
         return 1
     return 0 if holder.get("info") else 2
-
-
-def engine_args_model(args: EngineArgs) -> bool:
-    """Whether the user named a checkpoint (else the embedded default is served)."""
-    return Path(args.model_path).name != DEFAULT_MODEL_NAME
 
 
 def _watch(deployment: Deployment, server, holder: dict) -> None:
