@@ -10,6 +10,7 @@ a rank dies later, requests in flight fail, /health turns 503 and the command ex
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -35,10 +36,17 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs, deployment: Deployme
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine_args.validate()
     deployment = deployment or Deployment(engine_args)
+    # uvicorn re-raises SIGTERM once it has shut down; as an exception it lets the ranks stop
+    # (and tell their expert ranks) instead of killing this process on the spot
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return _run_http(deployment, server_args)
     finally:
         deployment.stop()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:

@@ -49,7 +49,7 @@ def test_roles_started_in_any_order_serve_together(tiny_v3):
                                   sampling_params=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
         assert out.choices[0].text == ref[0].text
         procs[1].terminate()  # the attention role stops: the F roles are told and exit cleanly
-        assert procs[1].wait(timeout=60) in (0, -15)  # uvicorn re-raises SIGTERM after its graceful shutdown
+        assert procs[1].wait(timeout=60) == 0
         assert procs[0].wait(timeout=60) == 0 and procs[2].wait(timeout=60) == 0
     finally:
         for p in procs:
