@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (see its --help)",
                    add_help=False)
+    sub.add_parser("plan", help="performance model: comm | deploy | sparsity | calibrate (see its --help)",
+                   add_help=False)
     return parser
 
 
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-tiny-model"]:
         return _make_tiny(None, argv[1:])
+    if argv[:1] == ["plan"]:
+        from afd_engine.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:

@@ -132,8 +132,9 @@ class PipelineRunner(ModelRunner):
         mlp = layer.mlp
 
         def attention_gate_dispatch(st) -> None:
-            with self.timeline.span("attention", st.micro_batch, layer.layer_id):
-                x, h = layer.attention_part(st.pop("x"), st.get("fb"), st.get("cos_sin"),
+            x_in = st.pop("x")  # [tokens, hidden]
+            with self.timeline.span("attention", st.micro_batch, layer.layer_id, tokens=x_in.shape[0]):
+                x, h = layer.attention_part(x_in, st.get("fb"), st.get("cos_sin"),
                                             self.pool.cache[layer.layer_id])
                 topk_ids, topk_weights = mlp.gate(h)
                 pause(self.spec.args.inject_attention_delay_ms)

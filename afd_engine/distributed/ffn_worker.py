@@ -77,7 +77,7 @@ class FfnWorker:
             with self.timeline.span("recv", st.micro_batch, layer_id):
                 batch = self.owner.recv_dispatch(MsgKey(self.step_id, layer_id, st.micro_batch))
             st.set("batch", batch)
-            with self.timeline.span("ffn", st.micro_batch, layer_id):
+            with self.timeline.span("ffn", st.micro_batch, layer_id, tokens=batch.hidden.shape[0]):
                 st.set("y", fused_moe(batch.hidden, experts.w13, experts.w2, batch.local_ids, batch.weights))
                 pause(self.spec.args.inject_ffn_delay_ms)
         return mlp

@@ -1,7 +1,8 @@
 """Timing events of the pipeline, recorded per rank to a JSONL file (`--record-timeline PATH`).
 
-Each event: {"rank", "step", "kind", "mb", "layer", "t0", "t1"} with wall-clock seconds, so the
-events of all processes on one machine share a time axis. Kinds on attention ranks: "attention"
+Each event: {"rank", "step", "kind", "mb", "layer", "tokens", "t0", "t1"} with wall-clock seconds,
+so the events of all processes on one machine share a time axis; "tokens" is the rows the operation
+computed on (-1 where not known). `afd plan calibrate` fits stage times to them. Kinds on attention ranks: "attention"
 (compute, injected delay included), "wait" (blocked on combine); on expert ranks: "recv" (blocked
 on dispatch), "ffn" (expert compute). benchmarks/bench_pipeline.py draws them.
 """
@@ -20,7 +21,7 @@ class Timeline:
         self._events: list[dict] = []
 
     @contextmanager
-    def span(self, kind: str, mb: int, layer: int):
+    def span(self, kind: str, mb: int, layer: int, tokens: int = -1):
         if self.file is None:
             yield
             return
@@ -29,7 +30,7 @@ class Timeline:
             yield
         finally:
             self._events.append({"role": self.role, "rank": self.rank, "step": self.step, "kind": kind, "mb": mb,
-                                 "layer": layer, "t0": t0, "t1": time.time()})
+                                 "layer": layer, "tokens": tokens, "t0": t0, "t1": time.time()})
 
     def end_step(self, step: int) -> None:
         if self.file is not None and self._events:

@@ -1,0 +1,180 @@
+"""`afd plan`: the performance model from the command line (human tables, or --json for scripts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from afd_engine.errors import AFDError, ConfigError
+from afd_engine.planner.calibration import Calibration, calibrate
+from afd_engine.planner.deploy import Estimate
+from afd_engine.planner.hardware import get_hardware, load_hardware_file
+from afd_engine.planner.model_spec import get_model
+from afd_engine.planner.network import CommCase, comm_time
+from afd_engine.planner.search import SearchSpace, search
+from afd_engine.planner.sparsity import min_sparsity
+from afd_engine.planner.stages import StageModel
+
+
+def _hw(ns, name: str):
+    extra = load_hardware_file(ns.hw_file) if ns.hw_file else None
+    return get_hardware(name, extra)
+
+
+def _comm(ns) -> dict:
+    hw = _hw(ns, ns.hw)
+    symmetric = ns.attn_gpus is None
+    mode = ns.dispatch or ("direct" if symmetric else "two-stage")
+    if symmetric and mode == "two-stage":
+        raise ConfigError("--dispatch two-stage needs --attn-gpus (AFD: attention GPUs sending to --ep-size F GPUs)")
+    case = CommCase(tokens=ns.tokens, hidden=ns.hidden, topk=ns.topk, experts=ns.experts,
+                    senders=ns.ep_size if symmetric else ns.attn_gpus, receivers=ns.ep_size, mode=mode,
+                    dispatch_dtype=ns.dispatch_dtype, combine_dtype=ns.combine_dtype, symmetric=symmetric)
+    if ns.topk > ns.experts or ns.ep_size > ns.experts or ns.ep_size < 1:
+        raise ConfigError("need 1 <= --topk <= --experts and 1 <= --ep-size <= --experts")
+    out = comm_time(case, hw).as_dict()
+    return {**out, "layout": "colocated EP (symmetric)" if symmetric else "AFD (attention -> F)", "mode": mode}
+
+
+def _stage_model(ns, model) -> StageModel:
+    attn_hw = _hw(ns, ns.attn_hw)
+    ffn_hw = _hw(ns, ns.ffn_hw) if ns.ffn_hw else attn_hw
+    calib = Calibration.load(ns.calibration) if ns.calibration else None
+    return StageModel(model, attn_hw, ffn_hw, ns.context, ns.attn_dtype or model.default_attn_dtype, calib)
+
+
+def _space(ns, mode: str) -> SearchSpace:
+    def ints(v):
+        return tuple(v) if v else None
+    return SearchSpace(attn_gpus=ints(ns.attn_gpus), ffn_gpus=ints(ns.ffn_gpus) if mode == "afd" else None,
+                       micro_batches=ints(ns.micro_batches), total_gpus=ns.gpus, dispatch=ns.dispatch,
+                       shared_expert=("attention", "ffn") if ns.shared_expert == "any" else (ns.shared_expert,))
+
+
+def _best(sm: StageModel, ns, mode: str) -> list[Estimate]:
+    found = search(sm, mode, ns.tpot_slo_ms, _space(ns, mode))
+    if not found:
+        raise ConfigError(f"no {mode} deployment of {sm.model.name} meets TPOT <= {ns.tpot_slo_ms} ms at context "
+                          f"{sm.context} on {sm.attn_hw.name} within memory; raise --tpot-slo-ms, shorten "
+                          "--context or allow more GPUs")
+    return found
+
+
+def _deploy(ns) -> dict:
+    model = get_model(ns.model)
+    sm = _stage_model(ns, model)
+    modes = ("afd", "colocated") if ns.mode == "both" else (ns.mode,)
+    out = {}
+    for mode in modes:
+        found = _best(sm, ns, mode)
+        out[mode] = {**found[0].as_dict(), "alternatives": [e.as_dict() for e in found[1:ns.top]]}
+    if ns.plot:
+        from afd_engine.planner.plot import plot_frontier
+
+        plot_frontier(sm, {m: _space(ns, m) for m in modes}, ns.plot, ns.tpot_slo_ms)
+    if len(modes) == 1:
+        return {**out[modes[0]], "model": model.name, "context": ns.context}
+    ratio = out["afd"]["tokens_per_gpu_s"] / out["colocated"]["tokens_per_gpu_s"]
+    return {**out, "model": model.name, "context": ns.context, "afd_over_colocated_per_gpu": ratio}
+
+
+def _sparsity(ns) -> dict:
+    return min_sparsity(_hw(ns, ns.hw), ns.hidden, ns.layers, ns.tpot_ms, ns.stages).as_dict()
+
+
+def _calibrate(ns) -> dict:
+    calib = calibrate(ns.timeline, source=ns.source or "", skip_steps=ns.skip_steps)
+    with open(ns.out, "w") as f:
+        f.write(calib.to_json())
+    return json.loads(calib.to_json())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="afd plan", description="performance model of AFD and colocated deployments")
+    sub = p.add_subparsers(dest="what", required=True)
+
+    def common(sp):
+        sp.add_argument("--json", action="store_true", help="print JSON only")
+        sp.add_argument("--hw-file", default=None, help="YAML with more hardware (see planner README)")
+
+    c = sub.add_parser("comm", help="dispatch and combine time of one micro-batch")
+    c.add_argument("--hw", default="H800")
+    c.add_argument("--ep-size", type=int, required=True, help="GPUs holding the routed experts")
+    c.add_argument("--attn-gpus", type=int, default=None, help="AFD: attention GPUs sending (default: colocated "
+                   "EP, every EP rank sends)")
+    c.add_argument("--tokens", type=int, default=128, help="tokens per sending GPU")
+    c.add_argument("--hidden", type=int, default=7168)
+    c.add_argument("--topk", type=int, default=8)
+    c.add_argument("--experts", type=int, default=256)
+    c.add_argument("--dispatch", choices=("direct", "two-stage"), default=None,
+                   help="default: two-stage for AFD, direct for colocated")
+    c.add_argument("--dispatch-dtype", default="fp8", choices=("fp8", "bf16", "fp32"))
+    c.add_argument("--combine-dtype", default="bf16", choices=("bf16", "fp32"))
+    common(c)
+
+    d = sub.add_parser("deploy", help="best deployments under a TPOT SLO")
+    d.add_argument("--model", default="deepseek-v3", help="deepseek-v3, qwen3-235b-a22b, step3, or a config.json")
+    d.add_argument("--mode", choices=("afd", "colocated", "both"), default="both")
+    d.add_argument("--attn-hw", default="H800", help="hardware of attention GPUs (colocated: of all GPUs)")
+    d.add_argument("--ffn-hw", default=None, help="hardware of FFN GPUs (default: --attn-hw)")
+    d.add_argument("--context", type=int, default=4096, help="average cached tokens per sequence")
+    d.add_argument("--tpot-slo-ms", type=float, default=50.0)
+    d.add_argument("--gpus", type=int, default=None, help="exactly this many GPUs in all")
+    d.add_argument("--attn-dtype", choices=("fp8", "bf16"), default=None,
+                   help="attention core and KV cache precision (default: the model's usual one)")
+    d.add_argument("--attn-gpus", type=int, nargs="+", default=None, help="candidates (default: 1-8 nodes)")
+    d.add_argument("--ffn-gpus", type=int, nargs="+", default=None, help="AFD candidates (default: 1-8 nodes)")
+    d.add_argument("--micro-batches", type=int, nargs="+", default=None, help="candidates (AFD 1-4, colocated 1-2)")
+    d.add_argument("--dispatch", choices=("direct", "two-stage"), default="two-stage")
+    d.add_argument("--shared-expert", choices=("attention", "ffn", "any"), default="any",
+                   help="AFD: where the shared expert runs")
+    d.add_argument("--calibration", default=None, help="measured stage times from `afd plan calibrate`")
+    d.add_argument("--top", type=int, default=5, help="alternatives to list")
+    d.add_argument("--plot", default=None, help="write the throughput-vs-TPOT frontier to this PNG")
+    common(d)
+
+    s = sub.add_parser("sparsity", help="Step-3's minimum MoE sparsity a platform can feed")
+    s.add_argument("--hw", default="H800")
+    s.add_argument("--hidden", type=int, default=7168)
+    s.add_argument("--layers", type=int, default=61)
+    s.add_argument("--tpot-ms", type=float, default=50.0)
+    s.add_argument("--stages", type=int, default=3)
+    common(s)
+
+    k = sub.add_parser("calibrate", help="fit stage times from a --record-timeline run of this engine")
+    k.add_argument("--timeline", required=True, help="the PREFIX given to --record-timeline")
+    k.add_argument("--out", required=True, help="calibration JSON to write")
+    k.add_argument("--source", default=None, help="what was measured (model, hardware, context)")
+    k.add_argument("--skip-steps", type=int, default=1, help="warm-up steps to leave out")
+    common(k)
+    return p
+
+
+def _print_human(what: str, out: dict) -> None:
+    if what != "deploy":
+        for key, value in out.items():
+            print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
+        return
+    rows = [(m, out[m]) for m in ("afd", "colocated") if m in out] or [(out["deployment"]["mode"], out)]
+    print(f"{'mode':<10} {'GPUs A+F':>9} {'mb':>3} {'seqs/GPU':>8} {'TPOT ms':>8} {'tok/GPU/s':>10} {'bound':>10}")
+    for mode, e in rows:
+        d = e["deployment"]
+        print(f"{mode:<10} {d['attn_gpus']:>4}+{d['ffn_gpus']:<4} {d['micro_batches']:>3} {d['seqs_per_gpu']:>8} "
+              f"{e['tpot_ms']:>8.1f} {e['tokens_per_gpu_s']:>10.0f} {e['bound']:>10}")
+    if "afd_over_colocated_per_gpu" in out:
+        print(f"AFD / colocated tokens per GPU per second: {out['afd_over_colocated_per_gpu']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        out = {"comm": _comm, "deploy": _deploy, "sparsity": _sparsity, "calibrate": _calibrate}[ns.what](ns)
+    except AFDError as exc:
+        print(f"afd plan {ns.what}: error: {exc}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_human(ns.what, out)
+    return 0

@@ -1,0 +1,123 @@
+"""Per-layer, per-micro-batch stage times on one GPU, from a roofline with efficiency factors.
+
+Each kernel takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth); kernels of one stage
+run one after another, so their times add. Weights are 8-bit (fp8, or int8 on parts without fp8
+units), the gate and the lm_head (bf16); `attn_dtype` is the precision of the attention core and
+its KV cache (DeepSeek-V3 serves it in bf16 over fp8 projections; Step-3 in fp8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import log, sqrt
+
+from afd_engine.errors import ConfigError
+from afd_engine.planner.calibration import Calibration
+from afd_engine.planner.hardware import Hardware
+from afd_engine.planner.model_spec import ModelSpec
+
+ATTN_DTYPES = {"fp8": 1, "bf16": 2}
+
+
+def gemm_us(hw: Hardware, tokens: float, params: float, weight_bytes: int, dtype: str) -> float:
+    """A GEMM of `tokens` rows through `params` weights (activations are small next to weights)."""
+    if tokens <= 0 or params <= 0:
+        return 0.0
+    eff = hw.efficiency
+    compute = 2 * tokens * params / (hw.tflops(dtype) * eff.gemm_compute * 1e6)
+    memory = params * weight_bytes / (hw.mem_bw_tbs * eff.gemm_memory * 1e6)
+    return max(compute, memory)
+
+
+def expected_max_load(mean: float, bins: int) -> float:
+    """Busiest of `bins` GPUs when tokens land on them at random (mean + sigma * sqrt(2 ln n)):
+    the expert-parallel straggler under balanced routing, no hot experts."""
+    if bins <= 1 or mean <= 0:
+        return mean
+    return mean + sqrt(mean) * sqrt(2 * log(bins))
+
+
+@dataclass(frozen=True)
+class StageModel:
+    model: ModelSpec
+    attn_hw: Hardware
+    ffn_hw: Hardware
+    context: int  # average cached tokens per sequence
+    attn_dtype: str = "fp8"
+    calibration: Calibration | None = None  # measured attention and expert stages replace the roofline
+
+    def __post_init__(self) -> None:
+        if self.attn_dtype not in ATTN_DTYPES:
+            raise ConfigError(f"--attn-dtype {self.attn_dtype!r} must be one of {', '.join(ATTN_DTYPES)}")
+        if self.context < 1:
+            raise ConfigError(f"--context must be >= 1 (got {self.context})")
+
+    @property
+    def attn_bytes(self) -> int:
+        return ATTN_DTYPES[self.attn_dtype]
+
+    def attention_us(self, seqs: float, shared_expert: bool = True) -> float:
+        """One MoE layer's A-side stage for `seqs` sequences: attention, gate and shared expert."""
+        if seqs <= 0:
+            return 0.0
+        m, hw = self.model, self.attn_hw
+        shared = gemm_us(hw, seqs, m.shared_params, 1, "fp8") if shared_expert else 0.0
+        if self.calibration is not None:
+            return self.calibration.attention(seqs) + shared
+        return (self.attention_core_us(seqs) + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), 1, "fp8")
+                + gemm_us(hw, seqs, m.gate_params, 2, "bf16") + shared + hw.efficiency.layer_overhead_us)
+
+    def attention_core_us(self, seqs: float) -> float:
+        a, hw = self.model.attention, self.attn_hw
+        eff = hw.efficiency
+        positions = seqs * self.context
+        compute = positions * a.core_flops_per_position / (hw.tflops(self.attn_dtype) * eff.attn_compute * 1e6)
+        memory = positions * a.kv_elems_per_token * self.attn_bytes / (hw.mem_bw_tbs * eff.attn_memory * 1e6)
+        return max(compute, memory)
+
+    def dense_layer_us(self, seqs: float) -> float:
+        """A dense (non-MoE) layer, all on the attention GPU."""
+        if seqs <= 0:
+            return 0.0
+        m, hw = self.model, self.attn_hw
+        return (self.attention_core_us(seqs)
+                + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), 1, "fp8")
+                + gemm_us(hw, seqs, m.dense_params, 1, "fp8") + hw.efficiency.layer_overhead_us)
+
+    def experts_us(self, tokens: float, ffn_gpus: int, hw: Hardware | None = None, shared_expert: bool = False) -> float:
+        """Routed experts on the busiest of `ffn_gpus` GPUs for `tokens` tokens in all (one layer,
+        one micro-batch): a grouped GEMM over the GPU's experts that received any token; with
+        `shared_expert` the GPU also runs the (replicated) shared expert on its 1/ffn_gpus of the tokens."""
+        hw = hw or self.ffn_hw
+        m = self.model
+        if tokens <= 0:
+            return 0.0
+        shared = gemm_us(hw, tokens / ffn_gpus, m.shared_params, 1, "fp8") if shared_expert else 0.0
+        local_experts = m.experts / ffn_gpus
+        copies = expected_max_load(tokens * m.topk / ffn_gpus, ffn_gpus)
+        if self.calibration is not None:
+            return self.calibration.ffn(copies) + shared
+        hit = 1 - (1 - m.topk / m.experts) ** tokens  # chance an expert got at least one token
+        eff = hw.efficiency
+        compute = 2 * copies * m.expert_params / (hw.tflops("fp8") * eff.gemm_compute * 1e6)
+        memory = local_experts * hit * m.expert_params / (hw.mem_bw_tbs * eff.gemm_memory * 1e6)
+        return max(compute, memory) + shared + eff.layer_overhead_us
+
+    def head_us(self, seqs: float) -> float:
+        """Embedding lookup, final norm and lm_head (bf16) for one step's sequences on one GPU."""
+        m = self.model
+        return gemm_us(self.attn_hw, seqs, m.vocab * m.hidden, 2, "bf16")
+
+    # memory -----------------------------------------------------------------------------------
+    def attention_weight_bytes(self, shared_expert: bool = True) -> float:
+        m = self.model
+        per_layer = m.attention.linear_params(m.hidden)
+        moe = m.moe_layers * (m.gate_params * 2 + (m.shared_params if shared_expert else 0))
+        return m.layers * per_layer + m.dense_layers * m.dense_params + moe + 2 * m.vocab * m.hidden * 2
+
+    def expert_weight_bytes(self, ffn_gpus: int, shared_expert: bool = False) -> float:
+        m = self.model
+        return m.moe_layers * (-(-m.experts // ffn_gpus) * m.expert_params + (m.shared_params if shared_expert else 0))
+
+    def kv_bytes_per_seq(self) -> float:
+        return self.context * self.model.kv_bytes_per_token(self.attn_bytes)
