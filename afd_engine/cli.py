@@ -6,7 +6,6 @@ import argparse
 import sys
 import time
 
-from afd_engine.deploy_config import apply_config
 from afd_engine.errors import AFDError, ConfigError
 
 DEMO_PROMPTS = (
@@ -175,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
+        from afd_engine.deploy_config import apply_config
+
         apply_config(ns, _defaults(parser, ns.command))
         return {"generate": _generate, "demo": _demo, "serve": _serve, "launch": _launch}[ns.command](ns)
     except AFDError as exc:
