@@ -83,6 +83,13 @@ def _sparsity(ns) -> dict:
     return min_sparsity(_hw(ns, ns.hw), ns.hidden, ns.layers, ns.tpot_ms, ns.stages).as_dict()
 
 
+def _reference(ns) -> dict:
+    from afd_engine.planner.reference import checks
+
+    rows = [c.as_dict() for c in checks()]
+    return {"checks": rows, "all_ok": all(r["ok"] for r in rows)}
+
+
 def _calibrate(ns) -> dict:
     calib = calibrate(ns.timeline, source=ns.source or "", skip_steps=ns.skip_steps)
     with open(ns.out, "w") as f:
@@ -142,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stages", type=int, default=3)
     common(s)
 
+    r = sub.add_parser("reference", help="the published figures next to what the model computes")
+    common(r)
+
     k = sub.add_parser("calibrate", help="fit stage times from a --record-timeline run of this engine")
     k.add_argument("--timeline", required=True, help="the PREFIX given to --record-timeline")
     k.add_argument("--out", required=True, help="calibration JSON to write")
@@ -152,16 +162,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _print_human(what: str, out: dict) -> None:
+    if what == "reference":
+        print(f"{'figure':<50} {'source':<16} {'published':>10} {'model':>10}  ok")
+        for r in out["checks"]:
+            print(f"{r['figure']:<50} {r['source']:<16} {r['published']:>10.4g} {r['model']:>10.4g}  "
+                  f"{'yes' if r['ok'] else 'NO'}")
+        return
     if what != "deploy":
         for key, value in out.items():
             print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
         return
-    rows = [(m, out[m]) for m in ("afd", "colocated") if m in out] or [(out["deployment"]["mode"], out)]
-    print(f"{'mode':<10} {'GPUs A+F':>9} {'mb':>3} {'seqs/GPU':>8} {'TPOT ms':>8} {'tok/GPU/s':>10} {'bound':>10}")
-    for mode, e in rows:
-        d = e["deployment"]
-        print(f"{mode:<10} {d['attn_gpus']:>4}+{d['ffn_gpus']:<4} {d['micro_batches']:>3} {d['seqs_per_gpu']:>8} "
-              f"{e['tpot_ms']:>8.1f} {e['tokens_per_gpu_s']:>10.0f} {e['bound']:>10}")
+    bests = [out[m] for m in ("afd", "colocated") if m in out] or [out]
+    print(f"{'':<2}{'mode':<10} {'GPUs A+F':>9} {'mb':>3} {'shared':>9} {'seqs/GPU':>8} {'TPOT ms':>8} "
+          f"{'tok/GPU/s':>10} {'bound':>10}")
+    for best in bests:
+        for i, e in enumerate([best] + best.get("alternatives", [])):
+            d = e["deployment"]
+            shared = d["shared_expert"] if d["mode"] == "afd" else "-"
+            print(f"{'*' if i == 0 else '':<2}{d['mode']:<10} {d['attn_gpus']:>4}+{d['ffn_gpus']:<4} "
+                  f"{d['micro_batches']:>3} {shared:>9} {d['seqs_per_gpu']:>8} {e['tpot_ms']:>8.1f} "
+                  f"{e['tokens_per_gpu_s']:>10.0f} {e['bound']:>10}")
+    print("* best of its mode; seqs/GPU: running sequences per attention GPU")
     if "afd_over_colocated_per_gpu" in out:
         print(f"AFD / colocated tokens per GPU per second: {out['afd_over_colocated_per_gpu']:.3f}")
 
@@ -169,7 +190,8 @@ def _print_human(what: str, out: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        out = {"comm": _comm, "deploy": _deploy, "sparsity": _sparsity, "calibrate": _calibrate}[ns.what](ns)
+        out = {"comm": _comm, "deploy": _deploy, "sparsity": _sparsity, "calibrate": _calibrate,
+               "reference": _reference}[ns.what](ns)
     except AFDError as exc:
         print(f"afd plan {ns.what}: error: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ from afd_engine.errors import ConfigError
 from afd_engine.planner.search import SearchSpace, frontier
 from afd_engine.planner.stages import StageModel
 
-SLOS_MS = [float(s) for s in range(20, 205, 5)]
+SLOS_MS = [float(s) for s in range(20, 201, 10)]
 
 
 def plot_frontier(sm: StageModel, spaces: dict[str, SearchSpace], png: str, slo_ms: float | None = None) -> None:

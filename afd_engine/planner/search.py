@@ -14,7 +14,7 @@ from afd_engine.errors import ConfigError
 from afd_engine.planner.deploy import Deployment, Estimate, estimate, max_seqs_by_memory
 from afd_engine.planner.stages import StageModel
 
-NODE_COUNTS = (1, 2, 3, 4, 6, 8)
+NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)
 COLOCATED_GPUS = (8, 16, 32, 64, 128, 256)
 
 

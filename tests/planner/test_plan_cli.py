@@ -86,3 +86,11 @@ def test_errors_exit_2_with_one_line(args, message):
 def test_plan_is_listed_in_afd_help():
     res = subprocess.run([sys.executable, "-m", "afd_engine.cli", "--help"], capture_output=True, text=True)
     assert "plan" in res.stdout and "performance model" in res.stdout
+
+
+def test_reference_table_holds(capsys):
+    out = plan_json(capsys, "reference")
+    assert out["all_ok"] and len(out["checks"]) == 17
+    assert {c["source"] for c in out["checks"]} >= {"Step-3 Table 7", "Step-3 Table 8", "DeepEP", "Baidu"}
+    assert main(["plan", "reference"]) == 0
+    assert "Step-3 2A2F tokens/GPU/s" in capsys.readouterr().out
