@@ -86,8 +86,8 @@ class CommCase:
 def comm_time(case: CommCase, hw: Hardware, receiver_hw: Hardware | None = None) -> CommTime:
     if case.mode not in ("direct", "two-stage"):
         raise ConfigError(f"dispatch mode {case.mode!r} must be 'direct' or 'two-stage'")
-    if min(case.tokens, case.hidden, case.topk, case.senders, case.receivers) < 0 or case.hidden == 0:
-        raise ConfigError("tokens, hidden, topk, senders and receivers must be positive")
+    if case.tokens < 0 or min(case.hidden, case.topk, case.experts, case.senders, case.receivers) < 1:
+        raise ConfigError("tokens must be >= 0; hidden, topk, experts, senders and receivers >= 1")
     rhw = receiver_hw or hw
     eff, reff = hw.efficiency, rhw.efficiency
     d_bytes, c_bytes = copy_bytes(case.hidden, case.dispatch_dtype), copy_bytes(case.hidden, case.combine_dtype)
