@@ -41,7 +41,8 @@ def _stage_model(ns, model) -> StageModel:
     attn_hw = _hw(ns, ns.attn_hw)
     ffn_hw = _hw(ns, ns.ffn_hw) if ns.ffn_hw else attn_hw
     calib = Calibration.load(ns.calibration) if ns.calibration else None
-    return StageModel(model, attn_hw, ffn_hw, ns.context, ns.attn_dtype or model.default_attn_dtype, calib)
+    return StageModel(model, attn_hw, ffn_hw, ns.context, ns.attn_dtype or model.default_attn_dtype, calib,
+                      ns.weight_dtype)
 
 
 def _space(ns, mode: str) -> SearchSpace:
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gpus", type=int, default=None, help="exactly this many GPUs in all")
     d.add_argument("--attn-dtype", choices=("fp8", "bf16"), default=None,
                    help="attention core and KV cache precision (default: the model's usual one)")
+    d.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8",
+                   help="weights of projections, experts and dense FFNs (fp8: 8-bit)")
     d.add_argument("--attn-gpus", type=int, nargs="+", default=None, help="candidates (default: 1-8 nodes)")
     d.add_argument("--ffn-gpus", type=int, nargs="+", default=None, help="AFD candidates (default: 1-8 nodes)")
     d.add_argument("--micro-batches", type=int, nargs="+", default=None, help="candidates (AFD 1-4, colocated 1-2)")

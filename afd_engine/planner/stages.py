@@ -1,9 +1,10 @@
 """Per-layer, per-micro-batch stage times on one GPU, from a roofline with efficiency factors.
 
 Each kernel takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth); kernels of one stage
-run one after another, so their times add. Weights are 8-bit (fp8, or int8 on parts without fp8
-units), the gate and the lm_head (bf16); `attn_dtype` is the precision of the attention core and
-its KV cache (DeepSeek-V3 serves it in bf16 over fp8 projections; Step-3 in fp8).
+run one after another, so their times add. Weights are `weight_dtype` (fp8 by default: 8-bit, with
+bf16 math on parts without fp8 units, as Step-3 assumes); the gate and the lm_head are bf16.
+`attn_dtype` is the precision of the attention core and its KV cache (DeepSeek-V3 serves it in
+bf16 over fp8 projections; Step-3 in fp8).
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ class StageModel:
     context: int  # average cached tokens per sequence
     attn_dtype: str = "fp8"
     calibration: Calibration | None = None  # measured attention and expert stages replace the roofline
+    weight_dtype: str = "fp8"  # projections, experts and dense FFNs (fp8: 8-bit, or int8 where no fp8 units)
 
     def __post_init__(self) -> None:
         if self.attn_dtype not in ATTN_DTYPES:
             raise ConfigError(f"--attn-dtype {self.attn_dtype!r} must be one of {', '.join(ATTN_DTYPES)}")
+        if self.weight_dtype not in ATTN_DTYPES:
+            raise ConfigError(f"--weight-dtype {self.weight_dtype!r} must be one of {', '.join(ATTN_DTYPES)}")
         if self.context < 1:
             raise ConfigError(f"--context must be >= 1 (got {self.context})")
 
@@ -56,15 +60,19 @@ class StageModel:
     def attn_bytes(self) -> int:
         return ATTN_DTYPES[self.attn_dtype]
 
+    @property
+    def w_bytes(self) -> int:
+        return ATTN_DTYPES[self.weight_dtype]
+
     def attention_us(self, seqs: float, shared_expert: bool = True) -> float:
         """One MoE layer's A-side stage for `seqs` sequences: attention, gate and shared expert."""
         if seqs <= 0:
             return 0.0
         m, hw = self.model, self.attn_hw
-        shared = gemm_us(hw, seqs, m.shared_params, 1, "fp8") if shared_expert else 0.0
+        shared = gemm_us(hw, seqs, m.shared_params, self.w_bytes, self.weight_dtype) if shared_expert else 0.0
         if self.calibration is not None:
             return self.calibration.attention(seqs) + shared
-        return (self.attention_core_us(seqs) + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), 1, "fp8")
+        return (self.attention_core_us(seqs) + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), self.w_bytes, self.weight_dtype)
                 + gemm_us(hw, seqs, m.gate_params, 2, "bf16") + shared + hw.efficiency.layer_overhead_us)
 
     def attention_core_us(self, seqs: float) -> float:
@@ -81,8 +89,8 @@ class StageModel:
             return 0.0
         m, hw = self.model, self.attn_hw
         return (self.attention_core_us(seqs)
-                + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), 1, "fp8")
-                + gemm_us(hw, seqs, m.dense_params, 1, "fp8") + hw.efficiency.layer_overhead_us)
+                + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), self.w_bytes, self.weight_dtype)
+                + gemm_us(hw, seqs, m.dense_params, self.w_bytes, self.weight_dtype) + hw.efficiency.layer_overhead_us)
 
     def experts_us(self, tokens: float, ffn_gpus: int, hw: Hardware | None = None, shared_expert: bool = False) -> float:
         """Routed experts on the busiest of `ffn_gpus` GPUs for `tokens` tokens in all (one layer,
@@ -92,15 +100,15 @@ class StageModel:
         m = self.model
         if tokens <= 0:
             return 0.0
-        shared = gemm_us(hw, tokens / ffn_gpus, m.shared_params, 1, "fp8") if shared_expert else 0.0
+        shared = gemm_us(hw, tokens / ffn_gpus, m.shared_params, self.w_bytes, self.weight_dtype) if shared_expert else 0.0
         local_experts = m.experts / ffn_gpus
         copies = expected_max_load(tokens * m.topk / ffn_gpus, ffn_gpus)
         if self.calibration is not None:
             return self.calibration.ffn(copies) + shared
         hit = 1 - (1 - m.topk / m.experts) ** tokens  # chance an expert got at least one token
         eff = hw.efficiency
-        compute = 2 * copies * m.expert_params / (hw.tflops("fp8") * eff.gemm_compute * 1e6)
-        memory = local_experts * hit * m.expert_params / (hw.mem_bw_tbs * eff.gemm_memory * 1e6)
+        compute = 2 * copies * m.expert_params / (hw.tflops(self.weight_dtype) * eff.gemm_compute * 1e6)
+        memory = local_experts * hit * m.expert_params * self.w_bytes / (hw.mem_bw_tbs * eff.gemm_memory * 1e6)
         return max(compute, memory) + shared + eff.layer_overhead_us
 
     def head_us(self, seqs: float) -> float:
@@ -111,13 +119,15 @@ class StageModel:
     # memory -----------------------------------------------------------------------------------
     def attention_weight_bytes(self, shared_expert: bool = True) -> float:
         m = self.model
-        per_layer = m.attention.linear_params(m.hidden)
-        moe = m.moe_layers * (m.gate_params * 2 + (m.shared_params if shared_expert else 0))
-        return m.layers * per_layer + m.dense_layers * m.dense_params + moe + 2 * m.vocab * m.hidden * 2
+        w = self.w_bytes
+        per_layer = m.attention.linear_params(m.hidden) * w
+        moe = m.moe_layers * (m.gate_params * 2 + (m.shared_params * w if shared_expert else 0))
+        return m.layers * per_layer + m.dense_layers * m.dense_params * w + moe + 2 * m.vocab * m.hidden * 2
 
     def expert_weight_bytes(self, ffn_gpus: int, shared_expert: bool = False) -> float:
         m = self.model
-        return m.moe_layers * (-(-m.experts // ffn_gpus) * m.expert_params + (m.shared_params if shared_expert else 0))
+        experts = -(-m.experts // ffn_gpus) * m.expert_params + (m.shared_params if shared_expert else 0)
+        return m.moe_layers * experts * self.w_bytes
 
     def kv_bytes_per_seq(self) -> float:
         return self.context * self.model.kv_bytes_per_token(self.attn_bytes)

@@ -101,3 +101,14 @@ def test_invalid_inputs():
         estimate(V3, Deployment("colocated", 8, 0, 2, 16, "direct", "ffn"))
     with pytest.raises(ConfigError, match="--tpot-slo-ms must be > 0"):
         search(V3, "afd", 0)
+
+
+def test_bf16_weights_double_weight_memory_and_streaming():
+    fp8 = StageModel(MODELS["deepseek-v3"], H800, H800, 4096, "bf16")
+    bf16 = StageModel(MODELS["deepseek-v3"], H800, H800, 4096, "bf16", weight_dtype="bf16")
+    assert bf16.expert_weight_bytes(16) == 2 * fp8.expert_weight_bytes(16)
+    # 16 experts' weights stream from HBM per micro-batch when the batch is small (memory-bound)
+    overhead = H800.efficiency.layer_overhead_us
+    assert bf16.experts_us(64, 16) - overhead == pytest.approx(2 * (fp8.experts_us(64, 16) - overhead))
+    with pytest.raises(ConfigError, match="--weight-dtype 'int2'"):
+        StageModel(MODELS["step3"], H800, H800, 4096, weight_dtype="int2")
