@@ -4,8 +4,11 @@ memory per GPU.
 The pipeline, per MoE layer (A: attention stage on the attention GPU; D and C: dispatch and combine;
 F: routed experts), with N micro-batches in flight:
 
-    AFD        period P = max(N*A, N*D, N*F, N*C, A + D + F + C)
-    colocated  period P = max(N*(A + F), N*(D + C), A + D + F + C)
+    AFD        period P = max(N*A, N*D', N*F, N*C', A + D + F + C)
+    colocated  period P = max(N*(A + F), N*(D' + C'), A + D + F + C)
+
+(D', C': the time a phase occupies its links, D and C less the fixed latency, which delays one
+micro-batch but does not hold up the next.)
 
 AFD runs A and F on different GPUs and dispatch and combine on opposite directions of the links,
 so each is its own resource; a colocated GPU computes both A and F, and its NIC carries both
@@ -89,10 +92,11 @@ def estimate(sm: StageModel, dep: Deployment) -> Estimate:
     t_d, t_c = comm.dispatch_us, comm.combine_us
     round_trip = t_a + t_d + t_f + t_c
     if afd:
-        terms = {"attention": n * t_a, "dispatch": n * t_d, "ffn": n * t_f, "combine": n * t_c}
+        terms = {"attention": n * t_a, "dispatch": n * comm.dispatch_busy_us, "ffn": n * t_f,
+                 "combine": n * comm.combine_busy_us}
         a_work = t_a
     else:
-        terms = {"compute": n * (t_a + t_f), "network": n * (t_d + t_c)}
+        terms = {"compute": n * (t_a + t_f), "network": n * (comm.dispatch_busy_us + comm.combine_busy_us)}
         a_work = t_a + t_f
     terms["round trip"] = round_trip
     bound = max(terms, key=terms.get)

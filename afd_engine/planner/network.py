@@ -57,6 +57,16 @@ class CommTime:
     scaleup_us: float  # dispatch + combine on the scale-up link alone
     inter_node_bytes: int  # dispatch, whole deployment, between nodes
     copies_per_token: float  # over the scale-out network (direct: top-k; two-stage: F nodes hit)
+    latency_us: float = 0.0  # part of each phase that delays but does not occupy the link
+
+    @property
+    def dispatch_busy_us(self) -> float:
+        """How long one dispatch keeps its links busy (what limits back-to-back micro-batches)."""
+        return self.dispatch_us - self.latency_us
+
+    @property
+    def combine_busy_us(self) -> float:
+        return self.combine_us - self.latency_us
 
     @property
     def total_us(self) -> float:
@@ -122,4 +132,4 @@ def comm_time(case: CommCase, hw: Hardware, receiver_hw: Hardware | None = None)
     lat = eff.comm_latency_us if t else 0.0
     dispatch = lat + max(s_d, r_d, u_d)
     combine = lat + max(s_c, r_c, u_c)
-    return CommTime(dispatch, combine, s_d + s_c, r_d + r_c, u_d + u_c, inter, copies)
+    return CommTime(dispatch, combine, s_d + s_c, r_d + r_c, u_d + u_c, inter, copies, lat)

@@ -24,11 +24,22 @@ def afd(n: int, seqs: int = 192, **kw) -> Deployment:
 def test_period_follows_the_pipeline_formula():
     for n in (1, 2, 3, 4):
         e = estimate(V3, afd(n))
-        terms = [n * e.attention_us, n * e.dispatch_us, n * e.ffn_us, n * e.combine_us,
+        lat = H800.efficiency.comm_latency_us  # delays a micro-batch, does not occupy the link
+        terms = [n * e.attention_us, n * (e.dispatch_us - lat), n * e.ffn_us, n * (e.combine_us - lat),
                  e.attention_us + e.dispatch_us + e.ffn_us + e.combine_us]
         assert e.period_us == pytest.approx(max(terms))
     one = estimate(V3, afd(1))
     assert one.bound == "round trip" and one.attention_busy < 0.5  # one micro-batch: A waits on every round trip
+
+
+def test_latency_bound_links_do_not_limit_back_to_back_micro_batches():
+    slow_link = dataclasses.replace(H800, efficiency=dataclasses.replace(H800.efficiency, comm_latency_us=2000.0))
+    sm = StageModel(MODELS["deepseek-v3"], slow_link, slow_link, 4096, "bf16")
+    one, four = estimate(sm, afd(1, seqs=64)), estimate(sm, afd(4, seqs=64))
+    assert one.bound == four.bound == "round trip"  # 4 ms of latency per round trip
+    # 4 micro-batches share one latency-bound round trip per layer instead of queueing 4 latencies
+    assert four.period_us == pytest.approx(one.period_us, rel=0.05) and four.period_us < 1.5 * 4000
+    assert four.tokens_per_gpu_s == pytest.approx(one.tokens_per_gpu_s, rel=0.1)
 
 
 def test_more_micro_batches_hide_the_round_trip_when_attention_dominates():
@@ -39,7 +50,8 @@ def test_more_micro_batches_hide_the_round_trip_when_attention_dominates():
 
 def test_colocated_serialises_attention_and_experts_on_one_gpu():
     e = estimate(V3, Deployment("colocated", 32, 0, 2, 128, "direct"))
-    assert e.period_us == pytest.approx(max(2 * (e.attention_us + e.ffn_us), 2 * (e.dispatch_us + e.combine_us),
+    lat = H800.efficiency.comm_latency_us
+    assert e.period_us == pytest.approx(max(2 * (e.attention_us + e.ffn_us), 2 * (e.dispatch_us + e.combine_us - 2 * lat),
                                             e.attention_us + e.ffn_us + e.dispatch_us + e.combine_us))
     assert e.tokens_per_gpu_s == pytest.approx(128 * 32 / (e.tpot_ms / 1e3) / 32)
 
