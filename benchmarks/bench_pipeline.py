@@ -11,7 +11,14 @@ With N micro-batches A has (N-1) other micro-batches' attention to cover one rou
 2 micro-batches bubble once t_ffn + 2 t_link > t_attention, and 3 cover up to 2 t_attention.
 A busy = 1 - (time A waits on combine) / (step wall time), over decode steps, from the
 timeline that every rank records (`--record-timeline`); the same recording works on any run
-of the engine. Writes a table, JSON, and a timeline PNG (A compute, A waits, F compute, per
+of the engine.
+
+Beside each measured value the planner's pipeline formula (`afd_engine.planner.deploy`:
+period per layer, then L-1 periods plus the last layer's stages and round trip) predicts the busy
+fraction over the MoE layers from stage times measured in the same run (A: attention spans, F:
+expert spans) and the transport time of one round trip, measured once in the 1-micro-batch run
+(its wait on combine, less F). The prediction leaves out the dense layers, embedding and sampling,
+which the measurement counts as busy. Writes a table, JSON, and a timeline PNG (A compute, A waits, F compute, per
 micro-batch) for one decode step.
 
     python benchmarks/bench_pipeline.py [--quick] [--json out.json] [--png timeline.png]
@@ -65,6 +72,26 @@ def busy_fraction(events: list[dict]) -> tuple[float, int]:
     return sum(fractions) / len(fractions), len(fractions)
 
 
+def stage_means(events: list[dict]) -> dict[str, float]:
+    """Mean seconds of one attention stage, one expert stage and one combine wait, over decode steps,
+    and the number of MoE layers."""
+    out = {"moe_layers": len({e["layer"] for e in events if e["kind"] == "attention"})}
+    for kind in ("attention", "ffn", "wait"):
+        spans = [e["t1"] - e["t0"] for e in events if e["kind"] == kind and e["step"] >= 1]
+        out[kind] = sum(spans) / len(spans) if spans else 0.0
+    return out
+
+
+def predicted_busy(n: int, means: dict[str, float], transit: float) -> float:
+    """The planner's A busy fraction over the MoE layers for these measured stage times (links: latency only)."""
+    from afd_engine.planner.deploy import moe_layers_time, pipeline_period
+
+    a, f, layers = means["attention"], means["ffn"], means["moe_layers"]
+    round_trip = a + transit + f
+    period, _ = pipeline_period(n, a, f, 0.0, 0.0, round_trip)
+    return layers * n * a / moe_layers_time(layers, n, period, a, round_trip)
+
+
 def draw(timelines: dict[str, list[dict]], png: str) -> None:
     import matplotlib
 
@@ -102,15 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=6)
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--png", default="bench_pipeline_timeline.png", help="timeline picture")
-    p.add_argument("--quick", action="store_true", help="2 and 3 micro-batches, the 'within' case only, a small run")
+    p.add_argument("--quick", action="store_true", help="1 and 3 micro-batches, the 'within' case only, a small run")
     args = p.parse_args(argv)
     from afd_engine.tiny_model import make_tiny_model
 
     scenarios = dict(list(SCENARIOS.items())[:1]) if args.quick else SCENARIOS
     if args.quick:
         args.layers, args.requests, args.tokens = 4, 3, 3
-    sizes = [2, 3] if args.quick else args.micro_batches
-    results, pictures = [], {}
+    sizes = [1, 3] if args.quick else sorted(args.micro_batches)
+    results, pictures, transit = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model_path or str(make_tiny_model(f"{tmp}/model", overrides={"num_hidden_layers": args.layers}))
         for name, delays in scenarios.items():
@@ -120,14 +147,24 @@ def main(argv: list[str] | None = None) -> int:
                 run(model, n, delays, prefix, args.requests, args.tokens)
                 events = load(prefix)
                 busy, steps = busy_fraction(events)
+                means = stage_means(events)
+                if n == 1:  # one micro-batch: A waits for exactly transport + F
+                    transit[name] = max(0.0, means["wait"] - means["ffn"])
+                predicted = predicted_busy(n, means, transit[name]) if name in transit else None
                 results.append({"scenario": name, "attention_ms": delays[0], "ffn_ms": delays[1],
-                                "link_ms": delays[2], "micro_batches": n, "a_busy": busy, "decode_steps": steps})
+                                "link_ms": delays[2], "micro_batches": n, "a_busy": busy, "decode_steps": steps,
+                                "measured_attention_ms": means["attention"] * 1e3,
+                                "measured_ffn_ms": means["ffn"] * 1e3, "predicted_a_busy": predicted})
                 if name == next(iter(scenarios)) and n in (2, 3):
                     pictures[f"{name}: {n} micro-batches (A busy {busy:.2f})"] = events
-    print(f"{'scenario':<24} {'attn ms':>7} {'ffn ms':>7} {'link ms':>7} {'micro-batches':>13} {'A busy':>7}")
+    print(f"{'scenario':<24} {'attn ms':>7} {'ffn ms':>7} {'link ms':>7} {'micro-batches':>13} {'A busy':>7} "
+          f"{'planner':>7}")
     for r in results:
+        pred = "-" if r["predicted_a_busy"] is None else f"{r['predicted_a_busy']:.3f}"
         print(f"{r['scenario']:<24} {r['attention_ms']:>7.1f} {r['ffn_ms']:>7.1f} {r['link_ms']:>7.1f} "
-              f"{r['micro_batches']:>13} {r['a_busy']:>7.3f}")
+              f"{r['micro_batches']:>13} {r['a_busy']:>7.3f} {pred:>7}")
+    print("planner: busy fraction over the MoE layers predicted from the run's own stage times "
+          "(needs the 1-micro-batch run)")
     draw(pictures, args.png)
     print(f"timeline: {args.png}")
     if args.json:

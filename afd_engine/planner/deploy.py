@@ -77,6 +77,24 @@ class Estimate:
         return {"deployment": asdict(self.deployment), **out}
 
 
+def pipeline_period(n: int, attention: float, ffn: float, dispatch_busy: float, combine_busy: float,
+                    round_trip: float, afd: bool = True) -> tuple[float, str]:
+    """Period of one MoE layer with n micro-batches, and the term that sets it (formula above)."""
+    if afd:
+        terms = {"attention": n * attention, "dispatch": n * dispatch_busy, "ffn": n * ffn,
+                 "combine": n * combine_busy}
+    else:
+        terms = {"compute": n * (attention + ffn), "network": n * (dispatch_busy + combine_busy)}
+    terms["round trip"] = round_trip
+    bound = max(terms, key=terms.get)
+    return terms[bound], bound
+
+
+def moe_layers_time(layers: int, n: int, period: float, a_work: float, round_trip: float) -> float:
+    """L MoE layers of n micro-batches: L-1 periods, then the last layer's n stages and round trip."""
+    return (layers - 1) * period + (n - 1) * a_work + round_trip if layers else 0.0
+
+
 def estimate(sm: StageModel, dep: Deployment) -> Estimate:
     dep.validate()
     m, n = sm.model, dep.micro_batches
@@ -91,17 +109,9 @@ def estimate(sm: StageModel, dep: Deployment) -> Estimate:
     comm = comm_time(case, sm.attn_hw, sm.ffn_hw if afd else None)
     t_d, t_c = comm.dispatch_us, comm.combine_us
     round_trip = t_a + t_d + t_f + t_c
-    if afd:
-        terms = {"attention": n * t_a, "dispatch": n * comm.dispatch_busy_us, "ffn": n * t_f,
-                 "combine": n * comm.combine_busy_us}
-        a_work = t_a
-    else:
-        terms = {"compute": n * (t_a + t_f), "network": n * (comm.dispatch_busy_us + comm.combine_busy_us)}
-        a_work = t_a + t_f
-    terms["round trip"] = round_trip
-    bound = max(terms, key=terms.get)
-    period = terms[bound]
-    moe_us = (m.moe_layers - 1) * period + (n - 1) * a_work + round_trip if m.moe_layers else 0.0
+    period, bound = pipeline_period(n, t_a, t_f, comm.dispatch_busy_us, comm.combine_busy_us, round_trip, afd)
+    a_work = t_a if afd else t_a + t_f
+    moe_us = moe_layers_time(m.moe_layers, n, period, a_work, round_trip)
     step_us = (sm.attn_hw.efficiency.step_overhead_us + sm.head_us(dep.seqs_per_gpu)
                + m.dense_layers * n * sm.dense_layer_us(b) + moe_us)
     tokens_per_s = dep.seqs_per_gpu * dep.attn_gpus / (step_us * 1e-6) if dep.seqs_per_gpu else 0.0
