@@ -133,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention core and KV cache precision (default: the model's usual one)")
     d.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8",
                    help="weights of projections, experts and dense FFNs (fp8: 8-bit)")
-    d.add_argument("--attn-gpus", type=int, nargs="+", default=None, help="candidates (default: 1-8 nodes)")
-    d.add_argument("--ffn-gpus", type=int, nargs="+", default=None, help="AFD candidates (default: 1-8 nodes)")
+    d.add_argument("--attn-gpus", type=int, nargs="+", default=None,
+                   help="attention GPU candidates; colocated: GPU counts (default: 1-16 nodes; colocated 8-256)")
+    d.add_argument("--ffn-gpus", type=int, nargs="+", default=None, help="AFD FFN GPU candidates (default: 1-16 nodes)")
     d.add_argument("--micro-batches", type=int, nargs="+", default=None, help="candidates (AFD 1-4, colocated 1-2)")
     d.add_argument("--dispatch", choices=("direct", "two-stage"), default="two-stage")
     d.add_argument("--shared-expert", choices=("attention", "ffn", "any"), default="any",
