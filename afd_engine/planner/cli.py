@@ -74,10 +74,13 @@ def _deploy(ns) -> dict:
         from afd_engine.planner.plot import plot_frontier
 
         plot_frontier(sm, {m: _space(ns, m) for m in modes}, ns.plot, ns.tpot_slo_ms)
+    stages = f"measured ({ns.calibration}: {sm.calibration.source or 'no source given'})" if sm.calibration \
+        else f"roofline ({sm.attn_hw.name} efficiency factors)"
+    info = {"model": model.name, "context": ns.context, "stage_times": stages}
     if len(modes) == 1:
-        return {**out[modes[0]], "model": model.name, "context": ns.context}
+        return {**out[modes[0]], **info}
     ratio = out["afd"]["tokens_per_gpu_s"] / out["colocated"]["tokens_per_gpu_s"]
-    return {**out, "model": model.name, "context": ns.context, "afd_over_colocated_per_gpu": ratio}
+    return {**out, **info, "afd_over_colocated_per_gpu": ratio}
 
 
 def _sparsity(ns) -> dict:
@@ -94,7 +97,7 @@ def _reference(ns) -> dict:
 def _calibrate(ns) -> dict:
     calib = calibrate(ns.timeline, source=ns.source or "", skip_steps=ns.skip_steps)
     with open(ns.out, "w") as f:
-        f.write(calib.to_json())
+        f.write(calib.to_json() + "\n")
     return json.loads(calib.to_json())
 
 
@@ -187,6 +190,7 @@ def _print_human(what: str, out: dict) -> None:
                   f"{d['micro_batches']:>3} {shared:>9} {d['seqs_per_gpu']:>8} {e['tpot_ms']:>8.1f} "
                   f"{e['tokens_per_gpu_s']:>10.0f} {e['bound']:>10}")
     print("* best of its mode; seqs/GPU: running sequences per attention GPU")
+    print(f"{out['model']}, context {out['context']}, stage times: {out['stage_times']}")
     if "afd_over_colocated_per_gpu" in out:
         print(f"AFD / colocated tokens per GPU per second: {out['afd_over_colocated_per_gpu']:.3f}")
 

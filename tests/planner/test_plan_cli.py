@@ -94,3 +94,19 @@ def test_reference_table_holds(capsys):
     assert {c["source"] for c in out["checks"]} >= {"Step-3 Table 7", "Step-3 Table 8", "DeepEP", "Baidu"}
     assert main(["plan", "reference"]) == 0
     assert "Step-3 2A2F tokens/GPU/s" in capsys.readouterr().out
+
+
+def test_calibrate_then_deploy_with_measured_stages(tmp_path, capsys):
+    from tests.planner.test_calibration import write_timeline
+
+    write_timeline(str(tmp_path / "tl"))
+    calib = plan_json(capsys, "calibrate", "--timeline", str(tmp_path / "tl"), "--out", str(tmp_path / "c.json"),
+                      "--source", "synthetic")
+    assert calib["attention"]["per_unit_us"] == pytest.approx(5) and (tmp_path / "c.json").read_text().endswith("}\n")
+    measured = plan_json(capsys, "deploy", "--model", "step3", "--mode", "afd", "--shared-expert", "ffn",
+                         "--calibration", str(tmp_path / "c.json"))
+    roofline = plan_json(capsys, "deploy", "--model", "step3", "--mode", "afd")
+    assert measured["stage_times"].startswith("measured") and "synthetic" in measured["stage_times"]
+    assert roofline["stage_times"] == "roofline (H800 efficiency factors)"
+    b = measured["deployment"]["seqs_per_gpu"] / measured["deployment"]["micro_batches"]
+    assert measured["attention_us"] == pytest.approx(100 + 5 * b)  # the fitted line, nothing else
