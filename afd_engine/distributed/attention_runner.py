@@ -17,6 +17,8 @@ message from every rank for every layer and micro-batch.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from afd_engine.distributed.spec import DeploymentSpec
@@ -33,6 +35,8 @@ from comm.transport.base import Transport
 from kernels.moe import fused_moe
 
 SYNC_LAYER, STEP_LAYER = -2, -1  # pseudo-layers of the lockstep exchange and the step descriptor
+KEEPALIVE_LAYER = -3  # pseudo-layer of the keepalive an idle attention rank sends its expert ranks
+KEEPALIVE_S = 1.0  # an attention rank that has sent its expert ranks nothing for this long sends a keepalive
 
 
 class PipelineRunner(ModelRunner):
@@ -47,7 +51,8 @@ class PipelineRunner(ModelRunner):
         self.peers = [topo.sender_endpoint(i) for i in range(topo.num_senders) if i != rank]
         self.ffn = [] if topo.colocated else [topo.owner_endpoint(r) for r in range(topo.num_owners)]
         self.n = spec.args.num_micro_batches
-        self.step_id = self.sync_id = 0
+        self.step_id = self.sync_id = self.keepalive_id = 0
+        self.last_ffn_send = float("-inf")  # monotonic time of the last message to the expert ranks
         self.want_stop = self.stopped = False  # shutdown is agreed in a lockstep round, like a step
         self.timeline = Timeline(spec.args.record_timeline, "a", rank)
         self.ops = self._operations()
@@ -56,6 +61,7 @@ class PipelineRunner(ModelRunner):
 
     def begin_step(self, plan: StepPlan) -> bool:
         """True when any attention rank has work this step (every rank calls this every round)."""
+        self._keepalive()
         mine = sum(n for _, n in plan.extend) + len(plan.decode)
         key = MsgKey(self.sync_id, SYNC_LAYER, 0)
         for peer in self.peers:
@@ -94,6 +100,18 @@ class PipelineRunner(ModelRunner):
         for ep in self.ffn:
             self.transport.send(ep, Message("step", key, self.sender.endpoint,
                                             meta={"tokens": tokens, "shutdown": shutdown}))
+        self.last_ffn_send = time.monotonic()
+
+    def _keepalive(self) -> None:
+        """While idle, tells the expert ranks every KEEPALIVE_S that this rank is alive: an expert
+        rank on another machine cannot otherwise tell a quiet deployment from a dead one."""
+        if not self.ffn or time.monotonic() - self.last_ffn_send < KEEPALIVE_S:
+            return
+        key = MsgKey(self.keepalive_id, KEEPALIVE_LAYER, 0)
+        for ep in self.ffn:
+            self.transport.send(ep, Message("keepalive", key, self.sender.endpoint))
+        self.keepalive_id += 1
+        self.last_ffn_send = time.monotonic()
 
     def close(self) -> None:
         self._announce([], shutdown=True)

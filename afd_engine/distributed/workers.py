@@ -8,7 +8,7 @@ import logging
 import torch
 
 from afd_engine.distributed.attention_runner import PipelineRunner
-from afd_engine.distributed.ffn_worker import FfnWorker
+from afd_engine.distributed.ffn_worker import FfnWorker, PeerLostError
 from afd_engine.distributed.rendezvous import RendezvousSpec, register
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine
@@ -58,5 +58,8 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses) -> None:
     logging.getLogger("afd.ffn").info("expert rank %d ready: experts %s", rank, spec.expert_range(rank))
     try:
         FfnWorker(shard, spec, rank, transport).run()
+    except PeerLostError as exc:  # an expected way to end: one line, exit status 1
+        logging.getLogger("afd.ffn").error("%s", exc)
+        raise SystemExit(1) from None
     finally:
         transport.close()

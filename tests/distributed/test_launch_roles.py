@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,9 +19,21 @@ TOPO = ["--mode", "afd", "--dp-size", "2", "--ffn-nodes", "2", "--ffn-ranks-per-
         "--served-model-name", "tiny", "--num-threads", "1"]
 
 
-def afd(*args: str) -> subprocess.Popen:
+def afd(*args: str, new_session: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "afd_engine.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ})
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ}, start_new_session=new_session)
+
+
+def wait_healthy(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not healthy within {timeout} s")
 
 
 @pytest.mark.timeout(300)
@@ -34,13 +47,7 @@ def test_roles_started_in_any_order_serve_together(tiny_v3):
     procs.append(afd("launch", "--role", "ffn", "--node-rank", "0", *common))
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         out = client.completions.create(model="tiny", prompt="across machines", max_tokens=8, temperature=0,
                                         extra_body={"ignore_eos": True})
@@ -65,3 +72,30 @@ def test_missing_peers_time_out_with_a_clear_message(tiny_v3):
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode != 0
     assert f"got no answer from the rendezvous at {rdv} within 3 s" in out
+
+
+@pytest.mark.timeout(300)
+def test_ffn_role_stops_when_the_attention_machine_vanishes(tiny_v3):
+    """kill -9 of the whole attention role (as if its machine were lost): the F role, told nothing,
+    notices the silence within --comm-timeout and exits 1; while the attention role idles, its
+    keepalives keep the F role waiting."""
+    rdv, port = f"127.0.0.1:{free_port()}", free_port()
+    common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, "--mode", "afd", "--dp-size", "1", "--ffn-nodes", "1",
+              "--ffn-ranks-per-node", "1", "--num-threads", "1", "--comm-timeout", "4"]
+    ffn = afd("launch", "--role", "ffn", "--node-rank", "0", *common)
+    attention = afd("launch", "--role", "attention", "--port", str(port), *common, new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}")
+        time.sleep(8)  # idle for twice the timeout: keepalives, no steps
+        assert ffn.poll() is None, ffn.stdout.read()
+        os.killpg(attention.pid, signal.SIGKILL)  # the server and its attention ranks, no shutdown message
+        start = time.monotonic()
+        out, _ = ffn.communicate(timeout=60)
+        assert ffn.returncode == 1
+        assert time.monotonic() - start < 4 + 15
+        assert "sent no step and no keepalive for" in out and "stopped without shutting down" in out
+        assert "Traceback" not in out
+    finally:
+        for p in (ffn, attention):
+            if p.poll() is None:
+                p.kill()
