@@ -8,6 +8,7 @@ import pytest
 from afd_engine.planner.hardware import HARDWARE, get_hardware
 from afd_engine.planner.model_spec import get_model
 from afd_engine.planner.network import CommCase, comm_time
+from afd_engine.planner.reference import baidu_ratios
 from afd_engine.planner.search import SearchSpace, search
 from afd_engine.planner.sparsity import min_sparsity, stage_budget_us
 from afd_engine.planner.stages import StageModel
@@ -94,17 +95,11 @@ def test_step3_beats_deepseek_v3_by_about_three_quarters():
     assert 1.5 <= a.tokens_per_gpu_s / c.tokens_per_gpu_s <= 2.0  # paper: 4,039 / 2,324 = 1.74
 
 
-def baidu_ratio(slo_ms: float) -> tuple[float, float]:
-    """AFD DP32 + EP16 over DP32 + EP32, DeepSeek-V3 on H800 (bf16 attention, 4K): per GPU, per deployment."""
-    sm = StageModel(get_model("deepseek-v3"), H800, H800, context=4096, attn_dtype="bf16")
-    afd = search(sm, "afd", slo_ms, SearchSpace(attn_gpus=(32,), ffn_gpus=(16,)))[0]
-    col = search(sm, "colocated", slo_ms, SearchSpace(attn_gpus=(32,)))[0]
-    return afd.tokens_per_gpu_s / col.tokens_per_gpu_s, afd.tokens_per_s / col.tokens_per_s
-
-
 def test_baidu_shape_per_gpu():
-    tight_gpu, tight_dep = baidu_ratio(50)
-    loose_gpu, loose_dep = baidu_ratio(100)
+    # AFD DP32 + EP16 over DP32 + EP32, DeepSeek-V3 on H800, bf16 attention, 4K context
+    tight, loose = baidu_ratios(50), baidu_ratios(100)
+    tight_gpu, tight_dep = tight["per_gpu"], tight["per_deployment"]
+    loose_gpu, loose_dep = loose["per_gpu"], loose["per_deployment"]
     # per GPU (48 AFD GPUs against 32) reproduces it: about equal at 50 ms, better at 100 ms by up
     # to about a fifth (Baidu: +19%)
     assert 0.85 <= tight_gpu <= 1.15
