@@ -10,6 +10,7 @@ import importlib
 _EXPORTS = {
     "Engine": "afd_engine.engine",
     "EngineArgs": "afd_engine.engine_args",
+    "make_engine": "afd_engine.factory",
     "RequestOutput": "afd_engine.runtime.request",
     "SamplingParams": "afd_engine.sampling_params",
 }

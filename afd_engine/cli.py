@@ -17,11 +17,11 @@ DEMO_PROMPTS = (
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from afd_engine import Engine, EngineArgs, SamplingParams
+    from afd_engine import EngineArgs, SamplingParams, make_engine
 
     params = SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.sample_seed, stop=tuple(ns.stop or ()), ignore_eos=ns.ignore_eos)
-    with Engine(EngineArgs.from_cli(ns)) as engine:
+    with make_engine(EngineArgs.from_cli(ns)) as engine:
         out = engine.generate(prompts=ns.prompt, sampling_params=params)
     for prompt, o in zip(ns.prompt, out):
         if o.error:
@@ -33,13 +33,14 @@ def _generate(ns: argparse.Namespace) -> int:
 
 def _demo(ns: argparse.Namespace) -> int:
     """Offline generation on the embedded tiny model (random weights: the text is noise)."""
-    from afd_engine import Engine, EngineArgs, SamplingParams
+    from afd_engine import EngineArgs, SamplingParams, make_engine
     from afd_engine.default_model import DEFAULT_MODEL_NAME
+    from afd_engine.model_config import ModelConfig
 
     args = EngineArgs.from_cli(ns)
-    with Engine(args) as engine:
+    with make_engine(args) as engine:
         print(f"model: {engine.model_path} ({DEFAULT_MODEL_NAME if not args.model_path else 'user checkpoint'}; "
-              f"{engine.config.architecture}, random weights if tiny)")
+              f"{ModelConfig.from_pretrained(engine.model_path).architecture}, random weights if tiny)")
         start = time.perf_counter()
         outs = engine.generate(prompts=list(DEMO_PROMPTS), use_tqdm=True,
                                sampling_params=SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=0.0))
@@ -124,18 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=defaults.seed, help="seed of the sampled request")
     gen.add_argument("--stop", action="append", help="stop string (repeat for several)")
     gen.add_argument("--ignore-eos", action="store_true")
-    EngineArgs.add_cli_args(gen)
-    gen.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (any mode, all ranks on this machine)")
     srv_defaults = ServerArgs()
     _server_flags(srv, srv_defaults)
-    EngineArgs.add_cli_args(srv)
-    srv.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
 
-    launch = sub.add_parser("launch", help="start one role (attention or ffn) of a multi-machine AFD deployment")
+    launch = sub.add_parser("launch", help="start one role (attention, or the FFN ranks of one FFN node) of a "
+                            "multi-machine AFD deployment")
     launch.add_argument("--role", required=True, choices=("attention", "ffn"))
-    launch.add_argument("--node-rank", type=int, default=0, help="ffn: which F node this machine is")
+    launch.add_argument("--node-rank", type=int, default=0, help="ffn: which FFN node this machine is")
     launch.add_argument("--nnodes", type=int, default=None, help="machines in the deployment, as a check "
                         "(one attention machine + --ffn-nodes)")
     launch.add_argument("--dist-init-addr", required=True, help="HOST:PORT of the rendezvous (the attention node)")
@@ -143,13 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "route towards --dist-init-addr)")
     launch.add_argument("--rendezvous-timeout", type=float, default=300.0, help="seconds to wait for all ranks")
     _server_flags(launch, srv_defaults)
-    EngineArgs.add_cli_args(launch)
-    launch.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
 
     demo = sub.add_parser("demo", help="offline generation demo on the embedded tiny model")
     demo.add_argument("--max-new-tokens", type=int, default=32)
-    EngineArgs.add_cli_args(demo)
-    demo.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
+
+    for engine_parser in (gen, srv, launch, demo):
+        EngineArgs.add_cli_args(engine_parser)
+        engine_parser.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
 
     sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (see its --help)",
                    add_help=False)

@@ -4,63 +4,79 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import torch
 
 from afd_engine.default_model import resolve_model_path
 from afd_engine.engine_args import EngineArgs
-from afd_engine.errors import InvalidRequestError, ModelLoadError
+from afd_engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 from afd_engine.model_config import ModelConfig
-from afd_engine.models import load_model
-from afd_engine.offline import GenerateMixin
+from afd_engine.models import Kernels, load_model
+from afd_engine.offline import OfflineEngine
 from afd_engine.runtime.kv_cache import KVPool, pages_for
-from afd_engine.runtime.model_runner import ModelRunner
+from afd_engine.runtime.model_runner import ModelRunner, StepRunner
 from afd_engine.runtime.request import Request, RequestOutput, TokenLogprob, TokenUpdate
 from afd_engine.runtime.sampler import Sampler, SamplingBatch
 from afd_engine.runtime.scheduler import Scheduler
 from afd_engine.runtime.stop_checker import StopChecker, trim_text
 from afd_engine.sampling_params import SamplingParams
 
+RankRunnerFactory = Callable[[torch.nn.Module, KVPool], StepRunner]
 
-class Engine(GenerateMixin):
-    """Loads a checkpoint and serves requests in one process.
+
+class Engine(OfflineEngine):
+    """Loads a checkpoint and serves requests in this process: scheduler, KV pool, model, sampler.
 
     Keywords are EngineArgs fields (the CLI flags with underscores):
-    ``Engine(model_path=path, dtype="float32", kv_cache_memory_mb=64)``.
+    ``Engine(model_path=path, dtype="float32", kv_cache_memory_mb=64)``. It runs the whole model
+    (--mode single); `make_engine(...)` starts a deployment of several ranks for the other modes.
+    A rank of such a deployment builds its Engine with that rank's runner and experts.
     """
 
-    def __new__(cls, args: EngineArgs | None = None, **kwargs):
-        mode = args.mode if args is not None and "mode" not in kwargs else kwargs.get("mode", "single")
-        if cls is Engine and mode != "single" and kwargs.get("runner_factory") is None:
-            # several ranks: the same API over worker processes (a worker itself passes its runner)
-            from afd_engine.distributed.engine import DistributedEngine
-
-            return DistributedEngine(args, **kwargs)
-        return super().__new__(cls)
-
-    def __init__(self, args: EngineArgs | None = None, *, expert_range: tuple[int, int] | None = None,
-                 runner_factory=None, **kwargs) -> None:
-        """`expert_range` and `runner_factory` are for worker processes of multi-rank modes:
-        which routed experts to load here, and what runs a step instead of the local ModelRunner."""
+    def __init__(self, args: EngineArgs | None = None, *, rank_runner: RankRunnerFactory | None = None,
+                 expert_range: tuple[int, int] | None = None, **kwargs) -> None:
+        """`rank_runner(model, pool)` makes the runner of one rank of a deployment (lockstep with its
+        peers); `expert_range` is which routed experts that rank holds. Without them this process
+        runs the whole model."""
         args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
         args.validate()
+        if rank_runner is None and args.mode != "single":
+            raise ConfigError(f"Engine(...) runs the whole model in this process, but --mode={args.mode}: use "
+                              "afd_engine.make_engine(...), which starts the deployment's ranks")
         torch.set_num_threads(args.threads)
         self.model_path = resolve_model_path(args.model_path)
         self.args = args
         self.config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
-        self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_range)
+        kernels = Kernels.named(args.attention_backend, args.moe_backend)
+        self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_range, kernels)
         self.context_len = min(args.context_length or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
         self.pool = _make_pool(self.config, args, self.context_len)
         self.scheduler = Scheduler(self.pool, args.max_num_batched_tokens, args.max_running_requests, self.context_len)
-        self.runner = (runner_factory or ModelRunner)(self.model, self.pool)
+        self.runner: StepRunner = (rank_runner or ModelRunner)(self.model, self.pool)
         self.sampler = Sampler()
         eos = set(self.config.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         self.stop_checker = StopChecker(self.tokenizer, eos)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(args.seed)
+
+    # -- the control loop's view ---------------------------------------------------------------
+
+    @property
+    def lockstep(self) -> bool:
+        """True for a rank of a deployment: it must take part in every step its peers agree on."""
+        return self.runner.lockstep
+
+    @property
+    def stopped(self) -> bool:
+        return self.runner.stopped
+
+    def request_stop(self) -> None:
+        """Stops stepping: at once, or for a rank of a deployment in a round all ranks agree on."""
+        self.runner.request_stop()
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -160,12 +176,6 @@ class Engine(GenerateMixin):
         for rid in list(self._requests):
             self.abort(rid)
         self.runner.close()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _record_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> None:

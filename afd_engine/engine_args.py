@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from afd_engine.errors import ConfigError
+from kernels.registry import ATTENTION_BACKENDS, MOE_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -35,6 +36,9 @@ class EngineArgs:
     context_length: int | None = _opt(None, "longest prompt + output (default: the model's max_position_embeddings)")
     num_threads: int | None = _opt(None, "torch threads of this process (default: all cores)")
     seed: int = _opt(0, "seed for requests that do not set their own")
+    attention_backend: str = _opt("torch", "attention kernels of attention ranks, by name (kernels/registry.py)")
+    moe_backend: str = _opt("torch", "routed-expert kernels of the ranks that hold experts, by name "
+                            "(kernels/registry.py)")
     mode: str = _opt("single", "single (one process), colocated (DP attention + EP on the same ranks) or afd "
                      "(attention and routed experts on separate ranks)", choices=("single", "colocated", "afd"))
     dp_size: int = _opt(1, "attention (data-parallel) ranks")
@@ -77,6 +81,9 @@ class EngineArgs:
         need(not (self.mode == "colocated" and self.dispatch == "two-stage"), "dispatch",
              "the colocated baseline dispatches directly; two-stage needs --mode afd")
         need(self.comm_timeout > 0, "comm_timeout", "must be positive")
+        need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+             f"unknown backend; known: {', '.join(sorted(ATTENTION_BACKENDS))}")
+        need(self.moe_backend in MOE_BACKENDS, "moe_backend", f"unknown backend; known: {', '.join(sorted(MOE_BACKENDS))}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

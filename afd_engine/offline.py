@@ -1,7 +1,8 @@
-"""The offline batch API shared by the in-process engine and multi-rank deployments."""
+"""The offline API shared by the in-process engine and multi-rank deployments."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -11,8 +12,33 @@ from afd_engine.runtime.request import RequestOutput
 from afd_engine.sampling_params import SamplingParams
 
 
-class GenerateMixin:
-    """`generate` on top of `add_request`, `step` and `has_unfinished`."""
+class OfflineEngine(ABC):
+    """What every engine offers offline: `generate` on top of `add_request`, `step` and
+    `has_unfinished`; `abort`; `close` (also as a context manager)."""
+
+    @abstractmethod
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+        """Queues one request; raises InvalidRequestError (and queues nothing) if it cannot run."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Advances the requests; returns those that finished."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def abort(self, request_id: str) -> RequestOutput | None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Sequence[str] | str | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

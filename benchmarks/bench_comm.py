@@ -23,9 +23,9 @@ import time
 import torch
 
 from comm import volume
-from comm.attention_side import AttentionEndpoint
+from comm.attention_side import attention_endpoint
 from comm.endpoint import CommConfig
-from comm.ffn_side import FfnEndpoint
+from comm.ffn_side import ffn_endpoint
 from comm.messages import MsgKey
 from comm.stats import CommStats
 from comm.topology import INTER_NODE, Topology
@@ -48,8 +48,8 @@ def exchange(topo: Topology, config: CommConfig, xs, ids, ws) -> tuple[float, li
     """One dispatch + combine for every sender; experts are identities. Returns (seconds, outputs, stats)."""
     fabric = InProcessFabric()
     eps = [fabric.endpoint(e) for e in range(topo.num_endpoints)]
-    senders = [AttentionEndpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
-    owners = [FfnEndpoint(topo, r, eps[topo.owner_endpoint(r)], config) for r in range(topo.num_owners)]
+    senders = [attention_endpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
+    owners = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in range(topo.num_ffn_ranks)]
     outs: list = [None] * topo.num_senders
 
     def send(i):

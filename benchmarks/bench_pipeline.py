@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pipeline bubbles of the real AFD deployment: A-side busy fraction for 1..4 micro-batches.
 
-Runs `Engine(mode="afd")` (attention and expert ranks as processes, ZeroMQ between them) with
+Runs `make_engine(mode="afd")` (attention and expert ranks as processes, ZeroMQ between them) with
 injected per-(MoE layer, micro-batch) compute on A (attention) and on F, and a latency on every
 data-plane message (link), so that the seed's conditions can be set at will:
 
@@ -40,10 +40,10 @@ SCENARIOS = {  # name: (attention ms, ffn ms, link ms) per MoE layer and micro-b
 
 
 def run(model_path: str, n: int, delays: tuple[float, float, float], timeline: str, requests: int, tokens: int):
-    from afd_engine import Engine, SamplingParams
+    from afd_engine import SamplingParams, make_engine
 
     a, f, link = delays
-    with Engine(model_path=model_path, mode="afd", dp_size=1, micro_batches=n, num_threads=1,
+    with make_engine(model_path=model_path, mode="afd", dp_size=1, micro_batches=n, num_threads=1,
                 inject_attention_delay_ms=a, inject_ffn_delay_ms=f, inject_link_delay_ms=link,
                 record_timeline=timeline) as engine:
         engine.generate(prompt_token_ids=[[5 + i, 6, 7] for i in range(requests)],

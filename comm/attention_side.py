@@ -1,20 +1,24 @@
 """The sender side of dispatch/combine: an attention rank sends its tokens out and gathers results.
 
-two-stage: token t goes once to each F node that owns any of its experts, to the node's local
+One class per dispatch mode, behind the same API (`attention_endpoint` picks by `config.mode`):
+
+two-stage: token t goes once to each FFN node that holds any of its experts, to the node's local
 rank (sender mod R), carrying the node's share of its top-k; each node returns one already
 weighted and reduced vector per token, and the sender adds the node results.
-direct: one copy per (token, selected expert) to the owner rank; the owner returns the expert's
-raw output per copy and the sender applies the top-k weights.
+direct: one copy per (token, selected expert) to the FFN rank holding it; that rank returns the
+expert's raw output per copy and the sender applies the top-k weights.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 
 from comm.endpoint import CommConfig, Endpoint, masked_rows
-from comm.messages import Message, MsgKey
+from comm.messages import MsgKey
+from comm.protocol import COMBINE, COMBINE_DIRECT, DISPATCH, DISPATCH_DIRECT, Layout, dtype_name
 from comm.stats import CommStats
 from comm.topology import Topology
 from comm.transport.base import Transport
@@ -32,8 +36,10 @@ class DispatchHandle:
     dispatch_stats: CommStats = field(default_factory=CommStats)  # what this call sent
 
 
-class AttentionEndpoint(Endpoint):
+class AttentionEndpoint(Endpoint, ABC):
     """Sender `sender` of `topo`; one per attention rank."""
+
+    combine_layout: Layout
 
     def __init__(self, topo: Topology, sender: int, transport: Transport, config: CommConfig = CommConfig()) -> None:
         super().__init__(topo, topo.sender_endpoint(sender), transport, config)
@@ -47,42 +53,59 @@ class AttentionEndpoint(Endpoint):
         T may be 0: every peer still gets a (empty) message, so it never waits in vain.
         """
         handle = DispatchHandle(key, hidden.shape[0], hidden.shape[1], hidden.dtype)
-        if self.config.mode == "two-stage":
-            self._dispatch_two_stage(hidden, topk_ids, topk_weights, handle)
-        else:
-            self._dispatch_direct(hidden, topk_ids, topk_weights, handle)
+        self._send_tokens(hidden, topk_ids, topk_weights, handle)
         handle.dispatch_stats = self.call_stats.get(("dispatch", key), CommStats())
         return handle
 
-    def _dispatch_two_stage(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
-        node_of = self.topo.node_of_expert[topk_ids]  # [T, K]
-        for node in range(self.topo.num_nodes):
-            rows, ids, weights = masked_rows(node_of == node, topk_ids, topk_weights)
-            parts = self.config.wire.encode(hidden[rows])
-            peer = self.topo.owner_endpoint(self.topo.relay_rank(self.sender, node))
-            msg = Message("dispatch", handle.key, self.endpoint, [*parts, ids, weights, rows.to(torch.int32)],
-                          {"sender": self.sender, "dtype": str(hidden.dtype)})
-            self.send(peer, "dispatch", msg, rows.numel())
-            handle.routes.append((peer, rows, None))
-
-    def _dispatch_direct(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
-        owner = self.topo.owner_of[topk_ids]  # [T, K]
-        for rank in range(self.topo.num_owners):
-            rows, slot = (owner == rank).nonzero(as_tuple=True)  # one copy per (token, expert)
-            parts = self.config.wire.encode(hidden[rows])
-            peer = self.topo.owner_endpoint(rank)
-            ids = topk_ids[rows, slot].to(torch.int32)
-            msg = Message("dispatch_direct", handle.key, self.endpoint, [*parts, ids, rows.to(torch.int32)],
-                          {"sender": self.sender, "dtype": str(hidden.dtype)})
-            self.send(peer, "dispatch", msg, rows.numel())
-            handle.routes.append((peer, rows, topk_weights[rows, slot].float()))
+    @abstractmethod
+    def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
+        """Sends one message per peer and records its route in `handle`."""
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
         """Waits for every peer's results and returns [T, H] in the dispatched dtype: per token,
         the top-k-weighted sum of its experts' outputs."""
         out = torch.zeros(handle.num_tokens, handle.hidden_size, dtype=torch.float32)
-        kind = "combine" if self.config.mode == "two-stage" else "combine_direct"
         for peer, rows, weights in handle.routes:
-            y = self.recv(peer, kind, handle.key).tensors[0].float()  # [n, H]
-            out.index_add_(0, rows, y if weights is None else y * weights[:, None])
+            y = self.combine_layout.unpack(self.recv(peer, self.combine_layout.kind, handle.key))["out"].float()
+            out.index_add_(0, rows, y if weights is None else y * weights[:, None])  # y [n, H]
         return out.to(handle.dtype)
+
+    def _meta(self, hidden: torch.Tensor) -> dict:
+        return {"sender": self.sender, "dtype": dtype_name(hidden.dtype)}
+
+
+class TwoStageAttentionEndpoint(AttentionEndpoint):
+    combine_layout = COMBINE
+
+    def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
+        node_of = self.topo.node_of_expert[topk_ids]  # [T, K]
+        for node in range(self.topo.num_nodes):
+            rows, ids, weights = masked_rows(node_of == node, topk_ids, topk_weights)
+            values, scales = self.config.wire.encode(hidden[rows])
+            peer = self.topo.ffn_endpoint(self.topo.relay_rank(self.sender, node))
+            msg = DISPATCH.pack(handle.key, self.endpoint, self._meta(hidden), hidden=values, scales=scales, ids=ids,
+                                weights=weights, rows=rows.to(torch.int32))
+            self.send(peer, "dispatch", msg, rows.numel())
+            handle.routes.append((peer, rows, None))  # the node weighted and reduced its experts already
+
+
+class DirectAttentionEndpoint(AttentionEndpoint):
+    combine_layout = COMBINE_DIRECT
+
+    def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
+        ffn_rank = self.topo.ffn_rank_of[topk_ids]  # [T, K]
+        for rank in range(self.topo.num_ffn_ranks):
+            rows, slot = (ffn_rank == rank).nonzero(as_tuple=True)  # one copy per (token, expert)
+            values, scales = self.config.wire.encode(hidden[rows])
+            peer = self.topo.ffn_endpoint(rank)
+            msg = DISPATCH_DIRECT.pack(handle.key, self.endpoint, self._meta(hidden), hidden=values, scales=scales,
+                                       ids=topk_ids[rows, slot].to(torch.int32), rows=rows.to(torch.int32))
+            self.send(peer, "dispatch", msg, rows.numel())
+            handle.routes.append((peer, rows, topk_weights[rows, slot].float()))
+
+
+def attention_endpoint(topo: Topology, sender: int, transport: Transport,
+                       config: CommConfig = CommConfig()) -> AttentionEndpoint:
+    """The sender endpoint of `config.mode`."""
+    cls = TwoStageAttentionEndpoint if config.mode == "two-stage" else DirectAttentionEndpoint
+    return cls(topo, sender, transport, config)

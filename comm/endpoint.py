@@ -14,7 +14,6 @@ from comm.transport.base import Transport
 from comm.wire import WireFormat, nbytes
 
 MODES = ("two-stage", "direct")
-DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16}
 _KEEP_CALL_STATS = 256
 
 

@@ -9,20 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from comm.topology import Topology
 
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]  # (logical expert, x [n, H]) -> [n, H]
-
-
-def reference_dispatch(topo: Topology, topk_ids: list[torch.Tensor]) -> dict[int, dict[int, list[tuple[int, int]]]]:
-    """Per owner rank, per logical expert it owns: the sorted (sender, token) pairs routed to it."""
-    out: dict[int, dict[int, list[tuple[int, int]]]] = {r: {e: [] for e in topo.experts_of(r)}
-                                                        for r in range(topo.num_owners)}
-    for sender, ids in enumerate(topk_ids):
-        for t, k in zip(*torch.nonzero(ids >= 0, as_tuple=True)):
-            e = int(ids[t, k])
-            out[int(topo.owner_of[e])][e].append((sender, int(t)))
-    return {r: {e: sorted(v) for e, v in experts.items()} for r, experts in out.items()}
 
 
 def reference_combine(hidden: list[torch.Tensor], topk_ids: list[torch.Tensor], topk_weights: list[torch.Tensor],
@@ -39,7 +27,7 @@ def reference_combine(hidden: list[torch.Tensor], topk_ids: list[torch.Tensor], 
 
 
 def run_experts(batch, experts: list[int], expert_fn: ExpertFn) -> torch.Tensor:
-    """An F rank's compute for tests: [M, H], per row the weighted sum over its local experts."""
+    """An FFN rank's compute for tests: [M, H], per row the weighted sum over its local experts."""
     out = torch.zeros(batch.hidden.shape, dtype=torch.float32)
     for local, e in enumerate(experts):
         rows, w = batch.expert_rows(local)

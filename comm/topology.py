@@ -46,11 +46,11 @@ class Topology:
         need(self.num_senders >= 1, "needs at least one sender (attention rank)")
         need(self.num_nodes >= 1 and self.ranks_per_node >= 1, "needs at least one F node with one rank")
         need(self.num_experts >= 1, "needs at least one expert")
-        need(self.num_experts % self.num_owners == 0,
-             f"{self.num_experts} experts do not divide evenly over {self.num_owners} ranks "
+        need(self.num_experts % self.num_ffn_ranks == 0,
+             f"{self.num_experts} experts do not divide evenly over {self.num_ffn_ranks} ranks "
              f"({self.num_nodes} nodes x {self.ranks_per_node}); pick a rank count that divides {self.num_experts}")
-        need(not self.colocated or self.num_senders == self.num_owners,
-             f"a colocated deployment has one sender per rank: {self.num_senders} senders != {self.num_owners} ranks")
+        need(not self.colocated or self.num_senders == self.num_ffn_ranks,
+             f"a colocated deployment has one sender per rank: {self.num_senders} senders != {self.num_ffn_ranks} ranks")
         if self.expert_map is not None:
             need(sorted(self.expert_map) == list(range(self.num_experts)),
                  "expert_map must be a permutation of 0..num_experts-1 (one physical slot per logical expert)")
@@ -61,12 +61,12 @@ class Topology:
                f"{self.num_experts} experts)"
 
     @property
-    def num_owners(self) -> int:
+    def num_ffn_ranks(self) -> int:
         return self.num_nodes * self.ranks_per_node
 
     @property
     def experts_per_rank(self) -> int:
-        return self.num_experts // self.num_owners
+        return self.num_experts // self.num_ffn_ranks
 
     @cached_property
     def physical_slot(self) -> torch.Tensor:
@@ -75,18 +75,18 @@ class Topology:
         return torch.tensor(list(ids), dtype=torch.int64)
 
     @cached_property
-    def owner_of(self) -> torch.Tensor:
+    def ffn_rank_of(self) -> torch.Tensor:
         """[E] int64: logical expert -> owner rank."""
         return self.physical_slot // self.experts_per_rank
 
     @cached_property
     def node_of_expert(self) -> torch.Tensor:
         """[E] int64: logical expert -> F node."""
-        return self.owner_of // self.ranks_per_node
+        return self.ffn_rank_of // self.ranks_per_node
 
     def local_index(self, rank: int) -> torch.Tensor:
         """[E] int64: logical expert -> index among `rank`'s experts, or -1 if another rank owns it."""
-        return torch.where(self.owner_of == rank, self.physical_slot % self.experts_per_rank, -1)
+        return torch.where(self.ffn_rank_of == rank, self.physical_slot % self.experts_per_rank, -1)
 
     def experts_of(self, rank: int) -> list[int]:
         """Logical experts owned by `rank`, in local-index order."""
@@ -110,12 +110,12 @@ class Topology:
     def sender_endpoint(self, sender: int) -> int:
         return sender
 
-    def owner_endpoint(self, rank: int) -> int:
+    def ffn_endpoint(self, rank: int) -> int:
         return rank if self.colocated else self.num_senders + rank
 
     @property
     def num_endpoints(self) -> int:
-        return self.num_senders if self.colocated else self.num_senders + self.num_owners
+        return self.num_senders if self.colocated else self.num_senders + self.num_ffn_ranks
 
     def node_of_endpoint(self, endpoint: int) -> str:
         """A machine label: attention machines are apart from F nodes unless colocated."""

@@ -31,15 +31,15 @@ def copies(topo: Topology, topk_ids: list[torch.Tensor], mode: str) -> dict[str,
     for sender, ids in enumerate(topk_ids):
         src = topo.sender_endpoint(sender)
         if mode == "direct":
-            for owner in topo.owner_of[ids].flatten().tolist():
-                _count(counts, topo.link(src, topo.owner_endpoint(owner)))
+            for owner in topo.ffn_rank_of[ids].flatten().tolist():
+                _count(counts, topo.link(src, topo.ffn_endpoint(owner)))
             continue
         for row in ids:
             for node in set(topo.node_of_expert[row].tolist()):
                 relay = topo.relay_rank(sender, node)
-                _count(counts, topo.link(src, topo.owner_endpoint(relay)))
-                for owner in set(topo.owner_of[row].tolist()) & set(topo.node_ranks(node)):
-                    _count(counts, topo.link(topo.owner_endpoint(relay), topo.owner_endpoint(owner)))
+                _count(counts, topo.link(src, topo.ffn_endpoint(relay)))
+                for owner in set(topo.ffn_rank_of[row].tolist()) & set(topo.node_ranks(node)):
+                    _count(counts, topo.link(topo.ffn_endpoint(relay), topo.ffn_endpoint(owner)))
     return counts
 
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from comm.messages import CommError
+from comm.protocol import DTYPES
 
 FP8_GROUP = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,37 +40,34 @@ class WireFormat:
     combine: str = "bf16"
 
     def __post_init__(self) -> None:
-        if self.dispatch not in ("auto", "fp8", *_DTYPES):
+        if self.dispatch not in ("auto", "fp8", *DTYPES):
             raise CommError(f"dispatch wire dtype {self.dispatch!r}: use auto, fp32, bf16 or fp8")
-        if self.combine not in _DTYPES:
+        if self.combine not in DTYPES:
             raise CommError(f"combine wire dtype {self.combine!r}: use fp32 or bf16")
 
     @property
     def combine_dtype(self) -> torch.dtype:
-        return _DTYPES[self.combine]
+        return DTYPES[self.combine]
 
-    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Activations [T, H] -> the tensors that travel (one, or fp8 values + scales)."""
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Activations [T, H] -> (values [T, H], scales): fp8 values with scales [T, ceil(H/128)] fp32,
+        or the activations as they travel with an empty scales [T, 0] (zero bytes on the wire)."""
         if self.dispatch == "fp8":
-            return list(quantize_fp8(x))
-        if self.dispatch == "auto":
-            return [x.contiguous()]
-        return [x.to(_DTYPES[self.dispatch]).contiguous()]
+            return quantize_fp8(x)
+        values = x.contiguous() if self.dispatch == "auto" else x.to(DTYPES[self.dispatch]).contiguous()
+        return values, torch.empty(x.shape[0], 0)
 
-    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The inverse of `encode`, back in the senders' activation dtype."""
         if self.dispatch == "fp8":
-            return dequantize_fp8(parts[0], parts[1], dtype)
-        return parts[0].to(dtype)
-
-    @property
-    def num_parts(self) -> int:
-        return 2 if self.dispatch == "fp8" else 1
+            return dequantize_fp8(values, scales, dtype)
+        return values.to(dtype)
 
     def hidden_bytes(self, hidden: int, activation_dtype: torch.dtype) -> int:
         """Bytes one token's activations take on the wire in dispatch."""
         if self.dispatch == "fp8":
             return hidden + 4 * -(-hidden // FP8_GROUP)
-        dtype = activation_dtype if self.dispatch == "auto" else _DTYPES[self.dispatch]
+        dtype = activation_dtype if self.dispatch == "auto" else DTYPES[self.dispatch]
         return hidden * dtype.itemsize
 
     def combine_bytes(self, hidden: int) -> int:

@@ -86,3 +86,24 @@ def mla_decode_attention(
     probs = torch.softmax(scores.float() * scale + bias, dim=-1).to(latent.dtype)
     out_latent = torch.bmm(probs, latent)  # [B, H, C]
     return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
+
+
+class TorchMLA:
+    """The torch reference backend of MLA over the paged latent cache (any device, any float dtype).
+
+    Page size: any (the kernels read the cache through slot tables, not pages). Head dims: any.
+    """
+
+    name = "torch"
+
+    def absorb(self, w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
+        """See `absorb_kv_b`: kv_b_proj [H * (Dn + Dv), C] -> (W_UK [H, Dn, C], W_UV [H, Dv, C])."""
+        return absorb_kv_b(w_kv_b, num_heads, qk_nope_head_dim, v_head_dim)
+
+    def extend(self, q_nope, q_pe, cache, slots, kv_lens, q_positions, w_kv_b, v_head_dim: int, scale: float):
+        """See `mla_extend_attention`: padded query blocks [B, Q, H, *] -> [B, Q, H, Dv]."""
+        return mla_extend_attention(q_nope, q_pe, cache, slots, kv_lens, q_positions, w_kv_b, v_head_dim, scale)
+
+    def decode(self, q_nope, q_pe, cache, slots, bias, w_uk, w_uv, scale: float):
+        """See `mla_decode_attention`: one query per sequence [B, H, *] -> [B, H, Dv]."""
+        return mla_decode_attention(q_nope, q_pe, cache, slots, bias, w_uk, w_uv, scale)

@@ -67,14 +67,13 @@ def _moe_per_expert(x, w13, w2, topk_ids, topk_weights, counts):
     return out.to(x.dtype)
 
 
-def moe_reference(x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
-    """The plain definition, one (token, expert) pair at a time; for tests only."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for k in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, k])
-            if e < 0:
-                continue
-            gate, up = F.linear(x[t], w13[e]).chunk(2, dim=-1)
-            out[t] += F.linear(F.silu(gate) * up, w2[e]).float() * topk_weights[t, k]
-    return out.to(x.dtype)
+class TorchMoE:
+    """The torch reference backend of routed-expert compute (any device, any float dtype)."""
+
+    name = "torch"
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor) -> torch.Tensor:
+        """See the module function `fused_moe`: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K]
+        int64 local expert or -1, topk_weights [T, K] fp32 -> [T, H] in x.dtype."""
+        return fused_moe(x, w13, w2, topk_ids, topk_weights)

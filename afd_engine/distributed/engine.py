@@ -1,4 +1,4 @@
-"""`Engine(mode="afd" | "colocated", ...)`: the offline API over a deployment of worker processes.
+"""`make_engine(mode="afd" | "colocated", ...)`: the offline API over a deployment of rank processes.
 
 The same calls as the in-process engine (`generate`, `add_request`, `step`, `abort`), sent to the
 attention ranks over the control plane that the HTTP server uses.
@@ -10,14 +10,15 @@ import itertools
 
 import zmq
 
+from afd_engine.control import messages as msgs
+from afd_engine.control.loop import FrontEndSockets
 from afd_engine.distributed.launcher import Deployment
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import AFDError, InvalidRequestError
-from afd_engine.offline import GenerateMixin
+from afd_engine.offline import OfflineEngine
 from afd_engine.runtime.request import RequestOutput
 from afd_engine.runtime.stop_checker import trim_text
 from afd_engine.sampling_params import SamplingParams
-from afd_engine.server import ipc
 
 POLL_MS = 200
 
@@ -26,17 +27,15 @@ class DeploymentDied(AFDError):
     pass
 
 
-class DistributedEngine(GenerateMixin):
+class DistributedEngine(OfflineEngine):
     def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
         from transformers import AutoTokenizer
 
         args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
         self.deployment = Deployment(args)
         self.ctx = zmq.Context()
-        addrs = self.deployment.addrs
-        self.push, self.pub, self.pull = (self.ctx.socket(k) for k in (zmq.PUSH, zmq.PUB, zmq.PULL))
-        for sock, addr in ((self.push, addrs.requests), (self.pub, addrs.broadcast), (self.pull, addrs.outputs)):
-            sock.bind(addr)
+        self.sockets = FrontEndSockets.bind(self.ctx, self.deployment.addrs)
+        self.push, self.pub, self.pull = self.sockets.push, self.sockets.pub, self.sockets.pull
         info = self.deployment.start()
         self.model_path, self.context_len = info["model_path"], info["context_len"]
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -51,7 +50,7 @@ class DistributedEngine(GenerateMixin):
         rid = request_id or f"req-{next(self._ids)}"
         params = params or SamplingParams()
         self._pending[rid] = {"prompt": ids, "params": params, "tokens": [], "logprobs": []}
-        self.push.send(ipc.encode(ipc.AddRequest(rid, ids, params)))
+        self.push.send(msgs.encode(msgs.AddRequest(rid, ids, params)))
         return rid
 
     def has_unfinished(self) -> bool:
@@ -66,13 +65,13 @@ class DistributedEngine(GenerateMixin):
         done = []
         while True:
             try:
-                msg = ipc.decode(self.pull.recv(zmq.NOBLOCK))
+                msg = msgs.decode(self.pull.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return done
             done += self._absorb(msg)
 
     def _absorb(self, msg) -> list[RequestOutput]:
-        if isinstance(msg, ipc.Rejected):
+        if isinstance(msg, msgs.Rejected):
             req = self._pending.pop(msg.rid, None)
             return [] if req is None else [RequestOutput(msg.rid, req["prompt"], [], "", "error", msg.message)]
         out = []
@@ -94,17 +93,10 @@ class DistributedEngine(GenerateMixin):
 
     def abort(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is not None:
-            self.pub.send(ipc.encode(ipc.AbortRequest(request_id)))
+            self.pub.send(msgs.encode(msgs.AbortRequest(request_id)))
 
     def close(self) -> None:
-        self.pub.send(ipc.encode(ipc.Shutdown()))
+        self.pub.send(msgs.encode(msgs.Shutdown()))
         self.deployment.stop()
-        for sock in (self.push, self.pub, self.pull):
-            sock.close(linger=0)
+        self.sockets.close()
         self.ctx.term()
-
-    def __enter__(self) -> "DistributedEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

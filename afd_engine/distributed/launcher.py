@@ -15,13 +15,13 @@ import os
 import shutil
 import tempfile
 
+from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
+from afd_engine.distributed.rendezvous import RendezvousServer, RendezvousSpec
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
-from afd_engine.distributed.rendezvous import RendezvousServer, RendezvousSpec
-from afd_engine.server.engine_process import ControlAddrs, run_engine_process
 
 READY_TIMEOUT_S = 900
 
@@ -65,8 +65,7 @@ class Deployment:
         ctx = mp.get_context("spawn")
         if self.role == "attention":  # the rendezvous lives with the front end
             host, port = self.rendezvous.address.rsplit(":", 1)
-            self._rendezvous = RendezvousServer(f"{host}:{port}", self.spec.topology.num_endpoints,
-                                                self.rendezvous.timeout).start()
+            RendezvousServer(f"{host}:{port}", self.spec.topology.num_endpoints, self.rendezvous.timeout).start()
         pipes = [self._spawn(ctx, target, kwargs) for target, kwargs in self._ranks()]
         try:
             infos = [_wait_ready(conn, proc) for conn, proc in zip(pipes, self.procs)]
@@ -81,9 +80,9 @@ class Deployment:
         return self.info
 
     def _ranks(self):
+        """(process entry point, its keyword arguments but `ready`) per rank; FFN ranks first."""
         from comm.transport.zmq_transport import free_tcp_addresses
 
-        """(process entry point, its keyword arguments but `ready`) per rank; expert ranks first."""
         if self.args.mode == "single":
             return [(run_engine_process, {"args": self.args, "addrs": self.addrs})]
         from afd_engine.distributed.workers import run_attention_worker, run_ffn_worker
@@ -91,7 +90,7 @@ class Deployment:
         topo = self.spec.topology
         comm = self.rendezvous or dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
         ffn_ranks = [] if topo.colocated or self.role == "attention" else (
-            topo.node_ranks(self.node_rank) if self.role == "ffn" else range(topo.num_owners))
+            topo.node_ranks(self.node_rank) if self.role == "ffn" else range(topo.num_ffn_ranks))
         ffn = [(run_ffn_worker, {"args": self.args, "rank": r, "comm_addresses": comm}) for r in ffn_ranks]
         attn = [] if self.role == "ffn" else range(topo.num_senders)
         return ffn + [(run_attention_worker, {"args": self.args, "addrs": self.addrs, "rank": i, "comm_addresses": comm})

@@ -9,6 +9,7 @@ bounded time with a message that says what is missing.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import zmq
 
 from afd_engine.errors import ConfigError
+
+log = logging.getLogger("afd.rendezvous")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,6 @@ class RendezvousServer:
 
     def __init__(self, address: str, expected: int, timeout: float) -> None:
         self.address, self.expected, self.timeout = address, expected, timeout
-        self.error: str | None = None
         self._thread = threading.Thread(target=self._serve, daemon=True, name="rendezvous")
 
     def start(self) -> "RendezvousServer":
@@ -81,8 +83,8 @@ class RendezvousServer:
         try:
             while len(table) < self.expected:
                 if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                    self.error = (f"only {len(table)} of {self.expected} ranks registered at {self.address} within "
-                                  f"{self.timeout:.0f} s (registered endpoints: {sorted(table)})")
+                    log.error("only %d of %d ranks registered at %s within %.0f s (registered endpoints: %s)",
+                              len(table), self.expected, self.address, self.timeout, sorted(table))
                     return
                 ident, body = sock.recv_multipart()
                 msg = json.loads(body)

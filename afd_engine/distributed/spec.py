@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
 from comm.endpoint import CommConfig
+from comm.protocol import dtype_name
 from comm.topology import Topology
 from comm.wire import WireFormat
-
-_WIRE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 @dataclass(frozen=True)
@@ -31,13 +28,14 @@ class DeploymentSpec:
     def validate(self) -> None:
         a = self.args
         ranks = self.num_expert_ranks
+        held_by = f"{ranks} FFN ranks" if a.mode == "afd" else f"{ranks} ranks"
         if self.num_experts % ranks:
             fix = ("--ffn-nodes x --ffn-ranks-per-node" if a.mode == "afd" else "--dp-size")
-            raise ConfigError(f"the model has {self.num_experts} routed experts, which do not divide over {ranks} "
-                              f"expert ranks; choose {fix} that divides {self.num_experts}")
+            raise ConfigError(f"the model has {self.num_experts} routed experts, which do not divide over {held_by}; "
+                              f"choose {fix} that divides {self.num_experts}")
         if a.ep_size is not None and a.ep_size != ranks:
             how = "--ffn-nodes x --ffn-ranks-per-node" if a.mode == "afd" else "--dp-size"
-            raise ConfigError(f"--ep-size={a.ep_size} but {how} gives {ranks} expert ranks; make them agree")
+            raise ConfigError(f"--ep-size={a.ep_size} but {how} gives {held_by}; make them agree")
         if a.mode == "colocated" and a.dp_size % a.ffn_nodes:
             raise ConfigError(f"--dp-size={a.dp_size} ranks do not split evenly over --ffn-nodes={a.ffn_nodes} nodes")
 
@@ -63,6 +61,6 @@ class DeploymentSpec:
 
     def comm_config(self) -> CommConfig:
         a = self.args
-        act = _WIRE[a.torch_dtype]
+        act = dtype_name(a.torch_dtype)
         wire = WireFormat(dispatch=a.dispatch_dtype, combine=act if a.combine_dtype == "auto" else a.combine_dtype)
         return CommConfig(a.dispatch_mode, wire, a.comm_timeout)

@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.distributed.attention_runner import PipelineRunner
 from afd_engine.distributed.ffn_worker import FfnWorker, PeerLostError
 from afd_engine.distributed.rendezvous import RendezvousSpec, register
@@ -14,8 +15,7 @@ from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine
 from afd_engine.engine_args import EngineArgs
 from afd_engine.model_config import ModelConfig
-from afd_engine.models import load_expert_shard
-from afd_engine.server.engine_process import ControlAddrs, run_engine_process
+from afd_engine.models import Kernels, load_expert_shard
 from comm.transport.zmq_transport import ZmqTransport
 
 
@@ -34,7 +34,7 @@ def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     def runner(model, pool):
         return PipelineRunner(model, pool, spec, rank, transport)
 
-    return Engine(args, expert_range=experts, runner_factory=runner)
+    return Engine(args, expert_range=experts, rank_runner=runner)
 
 
 def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int, comm_addresses) -> None:
@@ -43,19 +43,20 @@ def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int
 
 
 def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses) -> None:
-    """An expert rank of an AFD deployment: loads only its experts, serves every attention rank."""
+    """An FFN rank of an AFD deployment: loads only its experts, serves every attention rank."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     try:
         cfg = ModelConfig.from_pretrained(args.model_path)
         spec = DeploymentSpec.of(args, cfg)
-        shard = load_expert_shard(cfg, args.model_path, args.torch_dtype, spec.expert_range(rank))
-        transport = _transport(spec.topology.owner_endpoint(rank), comm_addresses, args)
+        shard = load_expert_shard(cfg, args.model_path, args.torch_dtype, spec.expert_range(rank),
+                                  Kernels.named(moe=args.moe_backend))
+        transport = _transport(spec.topology.ffn_endpoint(rank), comm_addresses, args)
     except Exception as exc:  # reported to the launcher, which stops the deployment
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
     ready.send({"ok": True})
-    logging.getLogger("afd.ffn").info("expert rank %d ready: experts %s", rank, spec.expert_range(rank))
+    logging.getLogger("afd.ffn").info("FFN rank %d ready: experts %s", rank, spec.expert_range(rank))
     try:
         FfnWorker(shard, spec, rank, transport).run()
     except PeerLostError as exc:  # an expected way to end: one line, exit status 1

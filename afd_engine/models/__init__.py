@@ -1,7 +1,12 @@
-"""Model registry: architecture name (config.json `architectures`) -> model class."""
+"""Model registry: architecture name (config.json `architectures`) -> model class, plus loading.
+
+Kernels are chosen here, by backend name (kernels/registry.py), and handed to the modules: the
+rest of the engine never imports `kernels`.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -9,6 +14,7 @@ import torch
 from afd_engine.model_config import ModelConfig
 from afd_engine.models.deepseek import DeepseekForCausalLM, ExpertShard
 from afd_engine.models.loader import load_weights
+from kernels.registry import attention_backend, moe_backend
 
 MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
@@ -16,11 +22,23 @@ MODEL_REGISTRY = {
 }
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The backends a model's modules call: `attention` (MLA) and `moe` (routed experts)."""
+
+    attention: object
+    moe: object
+
+    @staticmethod
+    def named(attention: str = "torch", moe: str = "torch") -> Kernels:
+        return Kernels(attention_backend(attention), moe_backend(moe))
+
+
 def load_model(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
-               expert_range: tuple[int, int] | None = None) -> DeepseekForCausalLM:
+               expert_range: tuple[int, int] | None = None, kernels: Kernels | None = None) -> DeepseekForCausalLM:
     """Builds the model for `cfg.architecture` in `dtype` and loads its weights from `model_path`."""
     with torch.device("meta"):  # no random init of weights that the checkpoint overwrites
-        model = MODEL_REGISTRY[cfg.architecture](cfg, expert_range)
+        model = MODEL_REGISTRY[cfg.architecture](cfg, expert_range, kernels or Kernels.named())
     model.to(dtype)
     for layer in model.model.layers:  # the router's bias stays fp32, as the checkpoint stores it
         gate = getattr(layer.mlp, "gate", None)
@@ -32,10 +50,10 @@ def load_model(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
 
 
 def load_expert_shard(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
-                      expert_range: tuple[int, int]) -> ExpertShard:
-    """Only the routed experts in `expert_range` of every MoE layer (an F rank's weights)."""
+                      expert_range: tuple[int, int], kernels: Kernels | None = None) -> ExpertShard:
+    """Only the routed experts in `expert_range` of every MoE layer (an FFN rank's weights)."""
     with torch.device("meta"):
-        shard = ExpertShard(cfg, expert_range)
+        shard = ExpertShard(cfg, expert_range, kernels or Kernels.named())
     shard.to(dtype).to_empty(device="cpu")
     load_weights(shard, model_path)
     return shard.eval().requires_grad_(False)

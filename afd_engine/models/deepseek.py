@@ -3,6 +3,12 @@
 Module names mirror the checkpoint (`model.layers.N.self_attn.kv_a_proj_with_mqa`, ...), so
 weights load by name; the only exception is the routed experts, stacked into `w13`/`w2` by the
 loader's mapping table. Every forward works on one flat batch of tokens (see ForwardBatch).
+
+The forward exists once, as operations on one micro-batch's state (`operations()`); every mode
+arranges the same operations with its strategy (afd_engine/operations/strategy.py), and
+`forward` is the single-mode arrangement. State keys a step starts with: "fb" (ForwardBatch),
+"kv_cache" ([layers, slots, C + R]) and "rows" (logit rows); it ends with the logits as output.
+Kernels come from the backends chosen by name (kernels/registry.py).
 """
 
 from __future__ import annotations
@@ -12,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from afd_engine.model_config import ModelConfig
+from afd_engine.models.experts import ExpertExecutor, ExpertServer, LocalExpertExecutor, expert_operations
 from afd_engine.models.rope import RotaryEmbedding, softmax_scale
+from afd_engine.operations import Operation, run_micro_batches
+from afd_engine.operations.strategy import SINGLE, LayerOps, ModelOps
 from afd_engine.runtime.forward_batch import ForwardBatch
-from kernels.mla import absorb_kv_b, mla_decode_attention, mla_extend_attention
-from kernels.moe import fused_moe
 
 
 class RMSNorm(nn.Module):
@@ -85,45 +92,48 @@ class Gate(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """The experts [first, first + count) of one layer, stacked for grouped compute."""
+    """The experts [first, first + count) of one layer, stacked for grouped compute.
 
-    def __init__(self, cfg: ModelConfig, first: int, count: int) -> None:
+    The one implementation of routed-expert compute: single mode calls it through the local
+    executor, FFN ranks and colocated ranks on the token copies they receive.
+    """
+
+    def __init__(self, cfg: ModelConfig, first: int, count: int, kernels) -> None:
         super().__init__()
-        self.first, self.count = first, count
+        self.first, self.count, self.kernels = first, count, kernels
         inter = cfg.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(count, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(count, cfg.hidden_size, inter))
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], global topk_ids [T, K], topk_weights [T, K] -> [T, H] partial sum over local experts."""
+    def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids [T, K] -> this module's indices, -1 where another rank holds the expert."""
         local = topk_ids - self.first
-        local = torch.where((local >= 0) & (local < self.count), local, -1)
-        return fused_moe(x, self.w13, self.w2, local, topk_weights)
+        return torch.where((local >= 0) & (local < self.count), local, -1)
+
+    def forward(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], local_ids [T, K] int64 (-1: not here), weights [T, K] fp32 -> [T, H], per token
+        the weighted sum over the experts held here."""
+        return self.kernels.fused_moe(x, self.w13, self.w2, local_ids, weights)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int]) -> None:
+    """Gate, routed experts and optional shared experts; its forward is the MoE layer's operations."""
+
+    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int], moe_kernels) -> None:
         super().__init__()
         self.gate = Gate(cfg)
-        self.experts = RoutedExperts(cfg, expert_range[0], expert_range[1] - expert_range[0])
+        self.experts = RoutedExperts(cfg, expert_range[0], expert_range[1] - expert_range[0], moe_kernels)
         self.shared_experts = (
             DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = self.gate(x)
-        out = self.experts(x, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
 
 
 class MLAttention(nn.Module):
     """Multi-head latent attention; caches `kv_lora_rank + qk_rope_head_dim` values per token."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels) -> None:
         super().__init__()
-        self.cfg, self.rotary = cfg, rotary
+        self.cfg, self.rotary, self.kernels = cfg, rotary, kernels
         h, nh = cfg.hidden_size, cfg.num_heads
         if cfg.q_lora_rank:
             self.q_a_proj = _linear(h, cfg.q_lora_rank)
@@ -142,7 +152,7 @@ class MLAttention(nn.Module):
     def prepare(self) -> None:
         """Derive the absorbed decode weights once the checkpoint is loaded."""
         cfg = self.cfg
-        self.w_uk, self.w_uv = absorb_kv_b(self.kv_b_proj.weight.data, cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim)
+        self.w_uk, self.w_uv = self.kernels.absorb(self.kv_b_proj.weight.data, cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin, cache: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's latents into `cache` [slots, C + R]."""
@@ -160,7 +170,7 @@ class MLAttention(nn.Module):
         if n_ext:
             out[:n_ext] = self._extend(q_nope[:n_ext], q_pe[:n_ext], fb, cache)
         if T > n_ext:
-            out[n_ext:] = mla_decode_attention(
+            out[n_ext:] = self.kernels.decode(
                 q_nope[n_ext:], q_pe[n_ext:], cache, fb.dec_slots, fb.dec_bias, self.w_uk, self.w_uv, self.scale
             )
         return self.o_proj(out.view(T, cfg.num_heads * cfg.v_head_dim))
@@ -170,7 +180,7 @@ class MLAttention(nn.Module):
         pad_nope = q_nope.new_zeros(*valid.shape, *q_nope.shape[1:])
         pad_pe = q_pe.new_zeros(*valid.shape, *q_pe.shape[1:])
         pad_nope[valid], pad_pe[valid] = q_nope, q_pe
-        out = mla_extend_attention(
+        out = self.kernels.extend(
             pad_nope, pad_pe, cache, fb.ext_slots, fb.ext_kv_lens, fb.ext_positions,
             self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale,
         )  # [Be, Q, H, Dv]
@@ -178,62 +188,120 @@ class MLAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, expert_range) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, expert_range, kernels) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.self_attn = MLAttention(cfg, rotary)
+        self.self_attn = MLAttention(cfg, rotary, kernels.attention)
         self.is_moe = cfg.is_moe_layer(layer_id)
-        self.mlp = MoE(cfg, expert_range) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, expert_range, kernels.moe) if self.is_moe else DenseMLP(cfg.hidden_size,
+                                                                                    cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin, cache: torch.Tensor) -> torch.Tensor:
-        x, h = self.attention_part(x, fb, cos_sin, cache)
-        return x + self.mlp(h)
+    def operations(self, executor: ExpertExecutor, server: ExpertServer | None = None) -> LayerOps:
+        """Dense: attention, mlp. MoE: attention, gate, dispatch, [shared_expert,] combine, join; and
+        with a `server`, the expert side of the experts held here (see models/experts.py)."""
+        if not self.is_moe:
+            return LayerOps(self.layer_id, False, self._named(("attention", self._attention), ("mlp", self._dense)))
+        moe, layer_id = self.mlp, self.layer_id
+        shared = moe.shared_experts
 
-    def attention_part(self, x: torch.Tensor, fb: ForwardBatch, cos_sin, cache: torch.Tensor):
-        """x [T, H] -> (residual stream after attention, the normalised MLP input), both [T, H]."""
-        x = x + self.self_attn(self.input_layernorm(x), fb, cos_sin, cache)
-        return x, self.post_attention_layernorm(x)
+        def gate(st) -> None:
+            st.set("topk", moe.gate(st.get("h")))
+
+        def dispatch(st) -> None:
+            topk_ids, topk_weights = st.pop("topk")
+            h = st.get("h") if shared is not None else st.pop("h")  # the shared expert consumes it
+            st.set("routed", executor.dispatch(layer_id, st.micro_batch, h, topk_ids, topk_weights))
+
+        def shared_expert(st) -> None:
+            st.set("shared", shared(st.pop("h")))
+
+        def combine(st) -> None:
+            st.set("routed_out", executor.combine(st.pop("routed")))
+
+        def join(st) -> None:
+            out = st.pop("routed_out")
+            if shared is not None:
+                out = out + st.pop("shared")
+            st.set("x", st.pop("residual") + out)
+
+        ops = [("attention", self._attention), ("gate", gate), ("dispatch", dispatch)]
+        ops += [("shared_expert", shared_expert)] if shared is not None else []
+        ops += [("combine", combine), ("join", join)]
+        serve = expert_operations(layer_id, moe.experts, server) if server is not None and moe.experts.count else ()
+        return LayerOps(layer_id, True, self._named(*ops), serve)
+
+    def _named(self, *ops) -> tuple[Operation, ...]:
+        return tuple(Operation(name, fn, self.layer_id) for name, fn in ops)
+
+    def _attention(self, st) -> None:
+        """x -> residual (the stream after attention) and h (the normalised MLP input), both [T, H]."""
+        x = st.pop("x")
+        x = x + self.self_attn(self.input_layernorm(x), st.get("fb"), st.get("cos_sin"),
+                               st.get("kv_cache")[self.layer_id])
+        st.set("residual", x)
+        st.set("h", self.post_attention_layernorm(x))
+
+    def _dense(self, st) -> None:
+        st.set("x", st.pop("residual") + self.mlp(st.pop("h")))
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, expert_range) -> None:
+    def __init__(self, cfg: ModelConfig, expert_range, kernels) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, expert_range) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, expert_range, kernels)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
-    """The whole model in one process. `expert_range` limits which routed experts live here."""
+    """The model of an attention rank (or the whole model in one process). `expert_range` limits
+    which routed experts live here; `kernels` holds the chosen attention and MoE backends."""
 
-    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None, kernels) -> None:
         super().__init__()
         self.config = cfg
         self.expert_range = expert_range or (0, cfg.n_routed_experts)
-        self.model = DeepseekModel(cfg, self.expert_range)
+        self.model = DeepseekModel(cfg, self.expert_range, kernels)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        self._local_ops: list | None = None
 
     def prepare(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.prepare()
 
+    def operations(self, executor: ExpertExecutor, server: ExpertServer | None = None) -> ModelOps:
+        """The forward as operations: embed, every layer's operations, logits."""
+        layers = tuple(layer.operations(executor, server) for layer in self.model.layers)
+        return ModelOps((Operation("embed", self._embed),), layers, (Operation("logits", self._logits),))
+
+    def routed_experts(self) -> dict[int, RoutedExperts]:
+        """layer id -> the routed experts held here, per MoE layer."""
+        return {layer.layer_id: layer.mlp.experts for layer in self.model.layers if layer.is_moe}
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Runs one step; kv_cache [layers, slots, C + R]; returns fp32 logits [len(logit_rows), V]."""
-        x, cos_sin = self.embed(fb)
-        for layer in self.model.layers:
-            x = layer(x, fb, cos_sin, kv_cache[layer.layer_id])
-        return self.logits(x, logit_rows)
+        """Runs one step in this process; kv_cache [layers, slots, C + R]; returns fp32 logits
+        [len(logit_rows), V]."""
+        if self._local_ops is None:
+            self._local_ops = SINGLE.arrange(self.operations(LocalExpertExecutor(self.routed_experts())))
+        state = {"fb": fb, "kv_cache": kv_cache, "rows": logit_rows}
+        return run_micro_batches(self._local_ops, [state])[0]
 
-    def embed(self, fb: ForwardBatch):
+    def _embed(self, st) -> None:
+        fb = st.get("fb")
         x = self.model.embed_tokens(fb.input_ids)
-        return x, self.model.rotary.cos_sin(fb.positions, x.dtype)
+        st.set("x", x)
+        st.set("cos_sin", self.model.rotary.cos_sin(fb.positions, x.dtype))
 
-    def logits(self, x: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(x[logit_rows])).float()
+    def _logits(self, st) -> None:
+        for key in ("fb", "kv_cache", "cos_sin"):
+            st.pop(key)
+        x, rows = st.pop("x"), st.pop("rows")
+        st.set_output(self.lm_head(self.model.norm(x[rows])).float())
 
 
 class _Holder(nn.Module):
@@ -241,13 +309,13 @@ class _Holder(nn.Module):
 
 
 class ExpertShard(nn.Module):
-    """Only the routed experts [first, first + count) of every MoE layer: what an F rank loads.
+    """Only the routed experts [first, first + count) of every MoE layer: what an FFN rank loads.
 
     Parameter names are the full model's (`model.layers.3.mlp.experts.w13`), so the same loader
     fills them and skips everything else in the checkpoint.
     """
 
-    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int]) -> None:
+    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int], kernels) -> None:
         super().__init__()
         self.config, self.expert_range = cfg, expert_range
         self.model = _Holder()
@@ -255,11 +323,14 @@ class ExpertShard(nn.Module):
         for layer_id in cfg.moe_layers:
             holder = _Holder()
             holder.mlp = _Holder()
-            holder.mlp.experts = RoutedExperts(cfg, expert_range[0], expert_range[1] - expert_range[0])
+            holder.mlp.experts = RoutedExperts(cfg, expert_range[0], expert_range[1] - expert_range[0], kernels.moe)
             self.model.layers[str(layer_id)] = holder
 
-    def experts(self, layer_id: int) -> RoutedExperts:
-        return self.model.layers[str(layer_id)].mlp.experts
+    def operations(self, server: ExpertServer) -> ModelOps:
+        """The expert side of every MoE layer (post_dispatch, receive, experts, send_combine)."""
+        layers = tuple(LayerOps(int(i), True, (), expert_operations(int(i), holder.mlp.experts, server))
+                       for i, holder in self.model.layers.items())
+        return ModelOps((), layers, ())
 
     def prepare(self) -> None:
         """Nothing to derive after loading (the attention model absorbs its decode weights here)."""

@@ -27,10 +27,12 @@ class YieldOperation:
 
 @dataclass(frozen=True)
 class Operation:
-    """One step of a micro-batch's forward: `fn(state)`, with a name for traces and errors."""
+    """One step of a micro-batch's forward: `fn(state)`, with a name for traces and errors and,
+    for a layer's operations, the layer it belongs to."""
 
     name: str
     fn: Callable[[Any], Any]
+    layer: int | None = None
 
     def __call__(self, state: Any) -> None:
         self.fn(state)

@@ -44,14 +44,6 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
-    @property
-    def num_extend_seqs(self) -> int:
-        return self.ext_valid.shape[0]
-
-    @property
-    def num_decode_seqs(self) -> int:
-        return self.dec_kv_lens.shape[0]
-
     @staticmethod
     def build(extend: list[SeqChunk], decode: list[SeqChunk], page_table: torch.Tensor, page_size: int) -> ForwardBatch:
         """page_table [rows, max_pages] int64: page ids of each sequence (row) in order."""

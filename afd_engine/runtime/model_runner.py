@@ -1,7 +1,12 @@
-"""Runs the model on a scheduled step: builds the batch tensors, forwards, returns logits."""
+"""Runs the model on a scheduled step: builds the batch tensors, forwards, returns logits.
+
+`StepRunner` is the whole protocol the engine and its control loop use; `ModelRunner` is the
+single-process one. A rank of a deployment brings its own (distributed/attention_runner.py).
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -46,24 +51,48 @@ def commit(plan: StepPlan) -> None:
         req.num_cached += 1
 
 
-class ModelRunner:
+class StepRunner(ABC):
+    """What runs the engine's steps.
+
+    Lockstep runners (ranks of a deployment) take part in every step their peers agree on, with
+    or without work of their own, and stop in an agreed round; the others step when they have work
+    and stop at once.
+    """
+
+    lockstep: bool = False
+
+    def __init__(self) -> None:
+        self.stopped = False  # once true the engine loop ends; set by request_stop or an agreed round
+
+    @abstractmethod
+    def begin_step(self, plan: StepPlan) -> bool:
+        """Called every round; True when a forward step runs now (`run` must follow)."""
+
+    @abstractmethod
+    def run(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
+        """Forwards the step; returns the requests that sample now and their logits [n, V] fp32."""
+
+    def request_stop(self) -> None:
+        """Asks to stop; a lockstep runner stops in the next round its peers agree on."""
+        self.stopped = True
+
+    def close(self) -> None:
+        """Releases what the runner holds (peers, threads)."""
+
+
+class ModelRunner(StepRunner):
     """One process holds the whole model; a step runs whenever this engine has work."""
 
-    lockstep = False  # whether every step must be agreed with peer ranks
-
     def __init__(self, model: torch.nn.Module, pool: KVPool) -> None:
+        super().__init__()
         self.model, self.pool = model, pool
 
     def begin_step(self, plan: StepPlan) -> bool:
         return not plan.empty
 
     def run(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
-        """Forwards the step; returns the requests that sample now and their logits [n, V] fp32."""
         inputs = StepInputs.of(plan)
         fb = ForwardBatch.build(inputs.extend, inputs.decode, self.pool.page_table, self.pool.page_size)
         logits = self.model(fb, self.pool.cache, logit_rows(inputs.extend + inputs.decode, inputs.samples))
         commit(plan)
         return inputs.samplers, logits
-
-    def close(self) -> None:
-        pass

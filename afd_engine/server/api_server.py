@@ -22,7 +22,7 @@ from afd_engine.errors import AFDError
 from afd_engine.server import protocol as P
 from afd_engine.server.choices import Choice, make_choices, run_choices
 from afd_engine.server.engine_client import EngineClient, EngineUnavailable
-from afd_engine.server.engine_process import ControlAddrs
+from afd_engine.control.loop import ControlAddrs
 from afd_engine.server.errors import APIError, error_body, install_exception_handlers, invalid_api_key, server_error
 from afd_engine.server.metrics import ServerMetrics
 

@@ -17,8 +17,8 @@ import zmq.asyncio
 from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.runtime.request import TokenUpdate
 from afd_engine.sampling_params import SamplingParams
-from afd_engine.server import ipc
-from afd_engine.server.engine_process import HEARTBEAT_S, ControlAddrs
+from afd_engine.control import messages as msgs
+from afd_engine.control.loop import HEARTBEAT_S, ControlAddrs, FrontEndSockets
 
 DEAD_AFTER_S = 5.0  # no message for this long: the engine is considered gone
 
@@ -30,14 +30,10 @@ class EngineUnavailable(AFDError):
 class EngineClient:
     def __init__(self, addrs: ControlAddrs, num_ranks: int = 1, alive: Callable[[], bool] = lambda: True) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.push = self.ctx.socket(zmq.PUSH)  # new requests, round-robin over the attention ranks
-        self.push.bind(addrs.requests)
-        self.pub = self.ctx.socket(zmq.PUB)  # aborts and shutdown, to every rank
-        self.pub.bind(addrs.broadcast)
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.bind(addrs.outputs)
+        self.sockets = FrontEndSockets.bind(self.ctx, addrs)
+        self.push, self.pub, self.pull = self.sockets.push, self.sockets.pub, self.sockets.pull
         self.alive = alive
-        self.rank_stats = {r: ipc.EngineStats() for r in range(num_ranks)}
+        self.rank_stats = {r: msgs.EngineStats() for r in range(num_ranks)}
         now = time.monotonic()
         self.last_heard = {r: now for r in range(num_ranks)}
         self._queues: dict[str, asyncio.Queue] = {}
@@ -52,21 +48,21 @@ class EngineClient:
         return self.alive() and all(now - t < DEAD_AFTER_S for t in self.last_heard.values())
 
     @property
-    def stats(self) -> ipc.EngineStats:
+    def stats(self) -> msgs.EngineStats:
         """The deployment's counters: the sum over attention ranks."""
         s = list(self.rank_stats.values())
-        return ipc.EngineStats(*(sum(getattr(x, f) for x in s) for f in ("running", "waiting", "kv_pages_used",
+        return msgs.EngineStats(*(sum(getattr(x, f) for x in s) for f in ("running", "waiting", "kv_pages_used",
                                                                        "kv_pages_total")))
 
     async def _read(self) -> None:
         while True:
-            msg = ipc.decode(await self.pull.recv())
-            if isinstance(msg, ipc.StepOutput):
+            msg = msgs.decode(await self.pull.recv())
+            if isinstance(msg, msgs.StepOutput):
                 self.last_heard[msg.rank] = time.monotonic()
                 self.rank_stats[msg.rank] = msg.stats
                 for update in msg.updates:
                     self._deliver(update.request_id, update)
-            elif isinstance(msg, ipc.Rejected):
+            elif isinstance(msg, msgs.Rejected):
                 self._deliver(msg.rid, msg)
 
     def _deliver(self, rid: str, item) -> None:
@@ -83,10 +79,10 @@ class EngineClient:
         self._queues[rid] = queue
         finished = False
         try:
-            await self.push.send(ipc.encode(ipc.AddRequest(rid, prompt_ids, params)))
+            await self.push.send(msgs.encode(msgs.AddRequest(rid, prompt_ids, params)))
             while not finished:
                 item = await self._next(queue)
-                if isinstance(item, ipc.Rejected):
+                if isinstance(item, msgs.Rejected):
                     finished = True
                     raise InvalidRequestError(item.message, item.param)
                 finished = item.finish_reason is not None
@@ -94,7 +90,7 @@ class EngineClient:
         finally:
             del self._queues[rid]
             if not finished:  # the consumer left early: free the engine's resources
-                self._send_nowait(ipc.AbortRequest(rid))
+                self._send_nowait(msgs.AbortRequest(rid))
 
     async def _next(self, queue: asyncio.Queue):
         while True:
@@ -107,14 +103,12 @@ class EngineClient:
     def _send_nowait(self, msg) -> None:
         """Broadcast control messages; never blocks (ranks may be gone)."""
         try:
-            self.pub.send(ipc.encode(msg), zmq.NOBLOCK)
+            self.pub.send(msgs.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
     async def shutdown(self) -> None:
-        self._send_nowait(ipc.Shutdown())
+        self._send_nowait(msgs.Shutdown())
         if self._reader is not None:
             self._reader.cancel()
-        self.push.close(linger=0)
-        self.pub.close(linger=500)
-        self.pull.close(linger=0)
+        self.sockets.close()

@@ -6,9 +6,9 @@ import traceback
 
 import torch
 
-from comm.attention_side import AttentionEndpoint
+from comm.attention_side import attention_endpoint
 from comm.endpoint import CommConfig
-from comm.ffn_side import FfnEndpoint
+from comm.ffn_side import ffn_endpoint
 from comm.topology import Topology
 from comm.transport.factory import make_transport
 from tests.comm.harness import owner_work, sender_work
@@ -23,9 +23,9 @@ def run_endpoint(topo: Topology, config: CommConfig, endpoint: int, transport_kw
         is_sender = endpoint < topo.num_senders
         if topo.colocated or not is_sender:
             rank = endpoint if topo.colocated else endpoint - topo.num_senders
-            owner = FfnEndpoint(topo, rank, transport, config)
+            owner = ffn_endpoint(topo, rank, transport, config)
         if is_sender:
-            sender = AttentionEndpoint(topo, endpoint, transport, config)
+            sender = attention_endpoint(topo, endpoint, transport, config)
             handles = [sender.dispatch(*inputs[endpoint], key) for key in keys]
         if topo.colocated or not is_sender:
             owner_work(owner, keys)

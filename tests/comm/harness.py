@@ -6,9 +6,9 @@ import threading
 
 import torch
 
-from comm.attention_side import AttentionEndpoint
+from comm.attention_side import AttentionEndpoint, attention_endpoint
 from comm.endpoint import CommConfig
-from comm.ffn_side import FfnEndpoint
+from comm.ffn_side import FfnEndpoint, ffn_endpoint
 from comm.messages import MsgKey
 from comm.reference import run_experts
 from comm.topology import Topology
@@ -69,8 +69,8 @@ def run_inproc(topo: Topology, config: CommConfig, xs, ids, ws, keys=(KEY,), exp
     """Returns (per sender: list of combine outputs per key, the endpoints)."""
     fabric = InProcessFabric()
     eps = {i: fabric.endpoint(i) for i in range(topo.num_endpoints)}
-    senders = [AttentionEndpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
-    owners = [FfnEndpoint(topo, r, eps[topo.owner_endpoint(r)], config) for r in range(topo.num_owners)]
+    senders = [attention_endpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
+    owners = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in range(topo.num_ffn_ranks)]
     results: dict[int, list] = {}
     errors: list[BaseException] = []
 

@@ -69,7 +69,7 @@ def test_counters_equal_analytic_volumes(dispatch, mode, colocated):
         nodes_hit = sum(len(set(topo.node_of_expert[row].tolist())) for row in torch.cat(ids))
         expected = nodes_hit if mode == "two-stage" else torch.cat(ids).numel()
         assert stats.get("dispatch", INTER_NODE).messages == expected
-        sends = topo.num_nodes if mode == "two-stage" else topo.num_owners
+        sends = topo.num_nodes if mode == "two-stage" else topo.num_ffn_ranks
         assert stats.get("dispatch", INTER_NODE).transfers == topo.num_senders * sends
 
 
@@ -101,15 +101,15 @@ def test_fp8_dispatch_is_close_and_smaller():
 def test_mismatched_key_is_a_clear_error():
     topo = Topology(1, 1, 1, 4)
     xs, ids, ws = routing(topo, [3], 2, seed=0)
-    from comm.attention_side import AttentionEndpoint
-    from comm.ffn_side import FfnEndpoint
+    from comm.attention_side import attention_endpoint
+    from comm.ffn_side import ffn_endpoint
     from comm.transport.inproc import InProcessFabric
 
     fabric = InProcessFabric()
     a, f = fabric.endpoint(0), fabric.endpoint(1)
     config = CommConfig("two-stage", FP32, timeout=2)
-    AttentionEndpoint(topo, 0, a, config).dispatch(xs[0], ids[0], ws[0], MsgKey(0, 0, 1))
-    owner = FfnEndpoint(topo, 0, f, config)
+    attention_endpoint(topo, 0, a, config).dispatch(xs[0], ids[0], ws[0], MsgKey(0, 0, 1))
+    owner = ffn_endpoint(topo, 0, f, config)
     with pytest.raises(KeyMismatchError, match=r"expected dispatch \(step 0, layer 0, micro-batch 0\).*"
                                                r"received dispatch \(step 0, layer 0, micro-batch 1\)"):
         owner.recv_dispatch(KEY)
@@ -118,12 +118,12 @@ def test_mismatched_key_is_a_clear_error():
 
 def test_silent_peer_times_out():
     topo = Topology(1, 1, 1, 4)
-    from comm.attention_side import AttentionEndpoint
+    from comm.attention_side import attention_endpoint
     from comm.transport.inproc import InProcessFabric
 
     fabric = InProcessFabric()
     a, _ = fabric.endpoint(0), fabric.endpoint(1)
-    sender = AttentionEndpoint(topo, 0, a, CommConfig("direct", FP32, timeout=0.5))
+    sender = attention_endpoint(topo, 0, a, CommConfig("direct", FP32, timeout=0.5))
     xs, ids, ws = routing(topo, [2], 1, seed=0)
     handle = sender.dispatch(xs[0], ids[0], ws[0], KEY)
     with pytest.raises(CommTimeout, match=r"waited 0.5 s for combine_direct \(step 0, layer 0, micro-batch 0\)"):
@@ -144,23 +144,23 @@ def test_invalid_topologies_are_refused(kwargs, message):
 def test_relay_forwards_one_senders_tokens_before_the_others_arrive():
     import time
 
-    from comm.attention_side import AttentionEndpoint
-    from comm.ffn_side import FfnEndpoint
+    from comm.attention_side import attention_endpoint
+    from comm.ffn_side import ffn_endpoint
     from comm.transport.inproc import InProcessFabric
 
     topo = Topology(3, 1, 2, 4)  # relay rank 0 serves senders 0 and 2; rank 1 owns experts 2, 3
     fabric = InProcessFabric()
     eps = [fabric.endpoint(i) for i in range(topo.num_endpoints)]
     config = CommConfig("two-stage", FP32, timeout=5)
-    relay = FfnEndpoint(topo, 0, eps[topo.owner_endpoint(0)], config)
+    relay = ffn_endpoint(topo, 0, eps[topo.ffn_endpoint(0)], config)
     x = torch.ones(2, 16)
     ids, ws = torch.tensor([[0, 3], [2, 1]]), torch.ones(2, 2)
-    AttentionEndpoint(topo, 0, eps[0], config).dispatch(x, ids, ws, KEY)
+    attention_endpoint(topo, 0, eps[0], config).dispatch(x, ids, ws, KEY)
     relay.post_dispatch(KEY)
-    inbox = fabric.inboxes[topo.owner_endpoint(1)]
+    inbox = fabric.inboxes[topo.ffn_endpoint(1)]
     deadline = time.monotonic() + 5
-    while inbox.pending(topo.owner_endpoint(0), "forward") == 0 and time.monotonic() < deadline:
+    while inbox.pending(topo.ffn_endpoint(0), "forward") == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     # sender 2 has not dispatched yet, and rank 1 already holds sender 0's tokens
-    assert inbox.pending(topo.owner_endpoint(0), "forward") == 1
+    assert inbox.pending(topo.ffn_endpoint(0), "forward") == 1
     relay.close()

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from afd_engine import Engine, SamplingParams
+from afd_engine import Engine, SamplingParams, make_engine
 from tests.hf_reference import assert_greedy_matches, hf_greedy
 
 NEW = 12
@@ -59,7 +59,7 @@ def reference(tiny_v3):
 @pytest.mark.parametrize("name", list(DEPLOYMENTS))
 def test_deployment_matches_single_engine_and_transformers(name, tiny_v3, reference):
     batch, single, hf = reference
-    with Engine(model_path=tiny_v3, comm_timeout=30, dispatch_dtype="fp32", **DEPLOYMENTS[name]) as engine:
+    with make_engine(model_path=tiny_v3, comm_timeout=30, dispatch_dtype="fp32", **DEPLOYMENTS[name]) as engine:
         outs = staggered(engine, batch)
     assert outs == single, name
     for ids, out, (ref, gaps) in zip(batch, outs, hf):
@@ -72,7 +72,7 @@ def test_fp8_dispatch_logprobs_within_tolerance(tiny_v3, reference):
     params = SamplingParams(max_new_tokens=1, temperature=0.0, logprobs=5)
     with Engine(model_path=tiny_v3, num_threads=1) as single:
         ref = single.generate(prompt_token_ids=batch, sampling_params=params)
-    with Engine(model_path=tiny_v3, mode="afd", dp_size=2, ffn_nodes=2, dispatch_dtype="fp8") as engine:
+    with make_engine(model_path=tiny_v3, mode="afd", dp_size=2, ffn_nodes=2, dispatch_dtype="fp8") as engine:
         outs = engine.generate(prompt_token_ids=batch, sampling_params=params)
     for r, o in zip(ref, outs):
         diff = torch.tensor(o.logprobs[0].top_logprobs) - torch.tensor(r.logprobs[0].top_logprobs)
@@ -82,17 +82,17 @@ def test_fp8_dispatch_logprobs_within_tolerance(tiny_v3, reference):
 def test_invalid_topologies_are_refused_at_start(tiny_v3):
     from afd_engine.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"16 routed experts, which do not divide over 3 expert ranks; choose "
+    with pytest.raises(ConfigError, match=r"16 routed experts, which do not divide over 3 FFN ranks; choose "
                                           r"--ffn-nodes x --ffn-ranks-per-node that divides 16"):
-        Engine(model_path=tiny_v3, mode="afd", ffn_nodes=3)
+        make_engine(model_path=tiny_v3, mode="afd", ffn_nodes=3)
     with pytest.raises(ConfigError, match=r"--micro-batches=9: must be in \[1, 8\]"):
-        Engine(model_path=tiny_v3, mode="afd", micro_batches=9)
+        make_engine(model_path=tiny_v3, mode="afd", micro_batches=9)
     with pytest.raises(ConfigError, match="two-stage needs --mode afd"):
-        Engine(model_path=tiny_v3, mode="colocated", dp_size=2, dispatch="two-stage")
+        make_engine(model_path=tiny_v3, mode="colocated", dp_size=2, dispatch="two-stage")
 
 
 def test_sglang_style_checks_name_the_fix(tiny_v3):
     from afd_engine.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"--ep-size=8 but --ffn-nodes x --ffn-ranks-per-node gives 4 expert ranks"):
-        Engine(model_path=tiny_v3, mode="afd", ffn_nodes=2, ffn_ranks_per_node=2, ep_size=8)
+    with pytest.raises(ConfigError, match=r"--ep-size=8 but --ffn-nodes x --ffn-ranks-per-node gives 4 FFN ranks"):
+        make_engine(model_path=tiny_v3, mode="afd", ffn_nodes=2, ffn_ranks_per_node=2, ep_size=8)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from afd_engine import Engine, SamplingParams
+from afd_engine import SamplingParams, make_engine
 from afd_engine.distributed.timeline import Timeline
 from afd_engine.errors import ConfigError
 from afd_engine.planner.calibration import Calibration, LinearFit, calibrate, fit_line
@@ -72,7 +72,7 @@ def test_errors(tmp_path):
 def test_profiling_run_of_the_engine_calibrates(tmp_path, tiny_v3):
     """A real AFD run with --record-timeline gives token counts on both sides, and a fit."""
     prefix = str(tmp_path / "run")
-    with Engine(model_path=tiny_v3, mode="afd", dp_size=1, ffn_nodes=1, ffn_ranks_per_node=1, micro_batches=2,
+    with make_engine(model_path=tiny_v3, mode="afd", dp_size=1, ffn_nodes=1, ffn_ranks_per_node=1, micro_batches=2,
                 record_timeline=prefix, comm_timeout=60) as engine:
         engine.generate(prompts=["a b c", "hello there", "x", "one two three four"],
                         sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))

@@ -1,22 +1,24 @@
-"""The engine process: owns the Engine, takes requests over ZeroMQ, streams token updates back.
+"""The engine process's loop, the control addresses, and the front end's sockets.
 
-It steps whenever any request is in flight and otherwise waits on its socket. Every step's
+The loop steps whenever any request is in flight and otherwise waits on its sockets. Every step's
 updates go out in one message with the engine's counters; when idle it still sends a heartbeat
-twice a second so the front end knows it is alive.
+twice a second so the front end knows it is alive. A lockstep engine (a rank of a deployment)
+steps every round, with or without work, because its peers must agree on every step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
+from afd_engine.control import messages as msgs
 from afd_engine.engine import Engine
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import InvalidRequestError
-from afd_engine.server import ipc
 
 HEARTBEAT_S = 0.5
 LOCKSTEP_IDLE_MS = 5  # an idle lockstep rank checks for requests this often between agreement rounds
@@ -33,6 +35,26 @@ class ControlAddrs:
     outputs: str
 
 
+@dataclass
+class FrontEndSockets:
+    push: zmq.Socket  # requests out, round robin over the ranks
+    pub: zmq.Socket  # aborts and shutdown, to every rank
+    pull: zmq.Socket  # outputs of every rank
+
+    @staticmethod
+    def bind(ctx: zmq.Context, addrs: ControlAddrs) -> FrontEndSockets:
+        """Binds the three sockets; `ctx` may be a plain or an asyncio ZeroMQ context."""
+        socks = FrontEndSockets(ctx.socket(zmq.PUSH), ctx.socket(zmq.PUB), ctx.socket(zmq.PULL))
+        for sock, addr in ((socks.push, addrs.requests), (socks.pub, addrs.broadcast), (socks.pull, addrs.outputs)):
+            sock.bind(addr)
+        return socks
+
+    def close(self) -> None:
+        self.push.close(linger=0)
+        self.pub.close(linger=500)  # let a last Shutdown leave
+        self.pull.close(linger=0)
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, addrs: ControlAddrs, rank: int = 0) -> None:
         self.engine, self.rank = engine, rank
@@ -47,49 +69,45 @@ class EngineLoop:
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.sub, zmq.POLLIN)
-        self.running = True
         self._last_sent = 0.0
 
     def run(self) -> None:
-        lockstep = self.engine.runner.lockstep  # must take part in every step of its peers
-        idle_ms = LOCKSTEP_IDLE_MS if lockstep else int(HEARTBEAT_S * 1000)
-        while self.running and not getattr(self.engine.runner, "stopped", False):
-            self._receive(timeout_ms=0 if self.engine.has_unfinished() else idle_ms)
-            updates = self.engine.step_updates() if lockstep or self.engine.has_unfinished() else []
+        engine = self.engine
+        idle_ms = LOCKSTEP_IDLE_MS if engine.lockstep else int(HEARTBEAT_S * 1000)
+        while not engine.stopped:
+            self._receive(timeout_ms=0 if engine.has_unfinished() else idle_ms)
+            updates = engine.step_updates() if engine.lockstep or engine.has_unfinished() else []
             if updates or time.monotonic() - self._last_sent >= HEARTBEAT_S:
-                self._send(ipc.StepOutput(updates, self.stats(), self.rank))
-        self.engine.close()
+                self._send(msgs.StepOutput(updates, self.stats(), self.rank))
+        engine.close()
         self.close()
 
-    def stats(self) -> ipc.EngineStats:
+    def stats(self) -> msgs.EngineStats:
         s, pool = self.engine.scheduler, self.engine.pool
-        return ipc.EngineStats(len(s.running), len(s.waiting), pool.used_pages, pool.num_pages)
+        return msgs.EngineStats(len(s.running), len(s.waiting), pool.used_pages, pool.num_pages)
 
     def _receive(self, timeout_ms: int) -> None:
         for sock, _ in self.poller.poll(timeout_ms):
             while True:
                 try:
-                    msg = ipc.decode(sock.recv(zmq.NOBLOCK))
+                    msg = msgs.decode(sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
                 self._handle(msg)
 
     def _handle(self, msg) -> None:
-        if isinstance(msg, ipc.AddRequest):
+        if isinstance(msg, msgs.AddRequest):
             try:
                 self.engine.add_request(prompt_token_ids=msg.prompt_ids, params=msg.params, request_id=msg.rid)
             except InvalidRequestError as exc:
-                self._send(ipc.Rejected(msg.rid, str(exc), exc.param))
-        elif isinstance(msg, ipc.AbortRequest):  # broadcast: only the owning rank knows the id
+                self._send(msgs.Rejected(msg.rid, str(exc), exc.param))
+        elif isinstance(msg, msgs.AbortRequest):  # broadcast: only the owning rank knows the id
             self.engine.abort(msg.rid)
-        elif isinstance(msg, ipc.Shutdown):
-            if self.engine.runner.lockstep:
-                self.engine.runner.want_stop = True  # all ranks stop in the same round
-            else:
-                self.running = False
+        elif isinstance(msg, msgs.Shutdown):
+            self.engine.request_stop()  # lockstep ranks all stop in the same agreement round
 
     def _send(self, msg) -> None:
-        self.push.send(ipc.encode(msg))
+        self.push.send(msgs.encode(msg))
         self._last_sent = time.monotonic()
 
     def close(self) -> None:
@@ -99,12 +117,13 @@ class EngineLoop:
         self.ctx.term()
 
 
-def run_engine_process(args: EngineArgs, addrs: ControlAddrs, ready, rank: int = 0, make_engine=None) -> None:
-    """Process entry point of an attention rank (or the single engine): builds the engine,
-    reports readiness (or the error) through `ready`, then serves until shut down."""
+def run_engine_process(args: EngineArgs, addrs: ControlAddrs, ready, rank: int = 0,
+                       build: Callable[[], Engine] | None = None) -> None:
+    """Process entry point of the single engine (or, with `build`, of an attention rank): builds the
+    engine, reports readiness (or the error) through `ready`, then serves until shut down."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        engine = make_engine() if make_engine is not None else Engine(args)
+        engine = build() if build is not None else Engine(args)
     except Exception as exc:  # any failure to start is reported to the parent, which exits
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

@@ -1,0 +1,44 @@
+"""The routed experts of a deployment, reached through the dispatch/combine library.
+
+`RemoteExpertExecutor` is the attention side of a MoE layer in colocated and AFD modes: dispatch
+sends the micro-batch's tokens to the ranks holding their experts, combine waits for the results.
+`CommExpertServer` is the expert side (FFN ranks; colocated ranks for their peers). Both name
+their messages (step, layer, micro-batch); the runner advances `step` before each step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd_engine.models.experts import ExpertExecutor, ExpertServer
+from comm import DispatchHandle, ExpertBatch, MsgKey
+from comm.attention_side import AttentionEndpoint
+from comm.ffn_side import FfnEndpoint
+
+
+class RemoteExpertExecutor(ExpertExecutor):
+    def __init__(self, endpoint: AttentionEndpoint) -> None:
+        self.endpoint = endpoint
+        self.step = 0
+
+    def dispatch(self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchHandle:
+        return self.endpoint.dispatch(hidden, topk_ids, topk_weights, MsgKey(self.step, layer_id, micro_batch))
+
+    def combine(self, handle: DispatchHandle) -> torch.Tensor:
+        return self.endpoint.combine(handle)
+
+
+class CommExpertServer(ExpertServer):
+    def __init__(self, endpoint: FfnEndpoint) -> None:
+        self.endpoint = endpoint
+        self.step = 0
+
+    def post(self, layer_id: int, micro_batch: int) -> None:
+        self.endpoint.post_dispatch(MsgKey(self.step, layer_id, micro_batch))
+
+    def receive(self, layer_id: int, micro_batch: int) -> ExpertBatch:
+        return self.endpoint.recv_dispatch(MsgKey(self.step, layer_id, micro_batch))
+
+    def send(self, tokens: ExpertBatch, outputs: torch.Tensor) -> None:
+        self.endpoint.send_combine(tokens, outputs)
