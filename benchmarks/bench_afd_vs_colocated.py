@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from afd_engine.distributed.rendezvous import free_port
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import parse_args as serving_args  # noqa: E402
 from bench_serving import run_benchmark  # noqa: E402
@@ -57,7 +59,7 @@ def start_server(model: str | None, flags: list[str], port: int) -> subprocess.P
 
 
 def sweep(name: str, flags: list[str], args) -> list[dict]:
-    port = free_port()
+    port = free_port("127.0.0.1")
     proc = start_server(args.model_path, flags, port)
     points = []
     try:
@@ -75,14 +77,6 @@ def sweep(name: str, flags: list[str], args) -> list[dict]:
         proc.terminate()
         proc.wait(timeout=60)
     return points
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def at_slo(points: list[dict], slo_ms: float) -> float:

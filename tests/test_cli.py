@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-ENV = {**os.environ, "AFD_TEST_THREADS": "1"}
-
-
-def afd(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "afd_engine.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env or ENV)
+from tests.process_helpers import ENV
+from tests.process_helpers import afd_run as afd
 
 
 def test_generate_prints_the_completion(tiny_v3):

@@ -3,12 +3,11 @@ process engine and transformers compute: token for token, with prefill and decod
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from afd_engine import Engine, SamplingParams, make_engine
+from tests.engine_helpers import random_prompts, run_staggered
 from tests.hf_reference import assert_greedy_matches, hf_greedy
 
 NEW = 12
@@ -27,23 +26,12 @@ DEPLOYMENTS = {
 
 
 def prompts(vocab: int) -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(5, vocab) for _ in range(n)] for n in PROMPT_LENS]
+    return random_prompts(vocab, PROMPT_LENS, seed=7, low=5)
 
 
 def staggered(engine, batch, params=GREEDY) -> list[list[int]]:
-    """Two requests join every other step, so prefills land while others decode."""
-    todo, index, results, step = list(enumerate(batch)), {}, {}, 0
-    while todo or engine.has_unfinished():
-        if step % 2 == 0:
-            for i, ids in todo[:2]:
-                index[engine.add_request(prompt_token_ids=ids, params=params)] = i
-            todo = todo[2:]
-        for out in engine.step():
-            assert out.error is None, out.error
-            results[index[out.request_id]] = out.token_ids
-        step += 1
-    return [results[i] for i in range(len(batch))]
+    """Two requests join every other step."""
+    return run_staggered(engine, batch, params, every=2)
 
 
 @pytest.fixture(scope="module")

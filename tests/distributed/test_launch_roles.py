@@ -4,36 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
-import httpx
 import openai
 import pytest
 
 from afd_engine import Engine, SamplingParams
-from tests.server.conftest import free_port
+from tests.process_helpers import afd_start as afd
+from tests.process_helpers import free_port, wait_healthy
 
 TOPO = ["--mode", "afd", "--dp-size", "2", "--ffn-nodes", "2", "--ffn-ranks-per-node", "1", "--micro-batches", "2",
         "--served-model-name", "tiny", "--num-threads", "1"]
-
-
-def afd(*args: str, new_session: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "afd_engine.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ}, start_new_session=new_session)
-
-
-def wait_healthy(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not healthy within {timeout} s")
 
 
 @pytest.mark.timeout(300)

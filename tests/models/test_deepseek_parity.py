@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from afd_engine import Engine, SamplingParams
 from tests.conftest import TINY_CONFIGS
-from tests.engine_helpers import engine_logits
+from tests.engine_helpers import engine_logits, random_prompts
+from tests.engine_helpers import run_staggered as staggered
 from tests.hf_reference import assert_greedy_matches, hf_greedy, hf_logits
 
 PROMPT_LENS = (1, 2, 9, 33, 64, 100, 157, 200)
@@ -16,24 +15,13 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def prompts(vocab: int, seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
+def prompts(vocab: int) -> list[list[int]]:
+    return random_prompts(vocab, PROMPT_LENS, seed=1)
 
 
 def run_staggered(engine: Engine, batch: list[list[int]], params=GREEDY) -> list[list[int]]:
-    """Two requests join every third step, so prefills land while others decode."""
-    todo = list(enumerate(batch))
-    index, results, step = {}, {}, 0
-    while todo or engine.has_unfinished():
-        if step % 3 == 0:
-            for i, ids in todo[:2]:
-                index[engine.add_request(prompt_token_ids=ids, params=params)] = i
-            todo = todo[2:]
-        for out in engine.step():
-            results[index[out.request_id]] = out.token_ids
-        step += 1
-    return [results[i] for i in range(len(batch))]
+    """Two requests join every third step."""
+    return staggered(engine, batch, params, every=3)
 
 
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))

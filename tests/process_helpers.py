@@ -1,0 +1,46 @@
+"""Helpers for tests that run the `afd` command and HTTP servers as real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from afd_engine.distributed.rendezvous import free_port as free_port_on
+
+# Tests run two workers on two cores; one torch thread per process keeps them from fighting.
+ENV = {**os.environ, "AFD_TEST_THREADS": "1"}
+
+
+def free_port() -> int:
+    return free_port_on("127.0.0.1")
+
+
+def afd_run(*args: str, env=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`afd ARGS` to completion, output captured."""
+    return subprocess.run([sys.executable, "-m", "afd_engine.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or ENV)
+
+
+def afd_start(*args: str, new_session: bool = False) -> subprocess.Popen:
+    """`afd ARGS` in the background, stdout and stderr merged into one text pipe."""
+    return subprocess.Popen([sys.executable, "-m", "afd_engine.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=new_session)
+
+
+def wait_healthy(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+    """Until GET url/health answers 200; fails early (with its output) if `proc` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} not healthy within {timeout} s")
