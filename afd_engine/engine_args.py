@@ -42,8 +42,8 @@ class EngineArgs:
     mode: str = _opt("single", "single (one process), colocated (DP attention + EP on the same ranks) or afd "
                      "(attention and routed experts on separate ranks)", choices=("single", "colocated", "afd"))
     dp_size: int = _opt(1, "attention (data-parallel) ranks")
-    ffn_nodes: int = _opt(1, "afd: F nodes (machines of expert ranks)")
-    ffn_ranks_per_node: int = _opt(1, "afd: expert ranks per F node")
+    ffn_nodes: int = _opt(1, "afd: FFN nodes (machines of FFN ranks)")
+    ffn_ranks_per_node: int = _opt(1, "afd: FFN ranks per FFN node")
     ep_size: int | None = _opt(None, "expert-parallel ranks, as a check (afd: ffn-nodes x ffn-ranks-per-node; "
                                "colocated: dp-size)")
     micro_batches: int | None = _opt(None, "micro-batches in flight per step (default: 3 for afd, 1 otherwise)")

@@ -31,7 +31,7 @@ from bench_serving import run_benchmark  # noqa: E402
 
 
 def deployments(workers: int, micro_batches_afd: int) -> dict[str, list[str]]:
-    """Colocated: `workers` ranks. AFD: half of them attention ranks, the rest one F node."""
+    """Colocated: `workers` ranks. AFD: half of them attention ranks, the rest one FFN node."""
     a = max(1, workers // 2)
     return {
         f"colocated dp{workers}": ["--mode", "colocated", "--dp-size", str(workers), "--micro-batches", "2"],

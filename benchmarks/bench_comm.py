@@ -2,8 +2,8 @@
 """Dispatch + combine volume (and in-process latency) through the real comm library.
 
 DeepSeek-V3 routing by default: top-8 of 256 experts, hidden 7168, fp8 dispatch, bf16 combine,
-uniform random routing. Every A rank and F rank is a logical endpoint (a thread with the
-in-process transport), so volumes are counted exactly even for 32 A ranks x 2 F nodes x 8 ranks
+uniform random routing. Every A rank and FFN rank is a logical endpoint (a thread with the
+in-process transport), so volumes are counted exactly even for 32 A ranks x 2 FFN nodes x 8 ranks
 on a small machine. Beside each measured volume: the analytic value for this routing (exact)
 and the expectation under uniform routing. Latency is the wall time of one whole exchange on
 this machine (Python threads, no network): a smoke figure, not a network measurement.
@@ -49,27 +49,27 @@ def exchange(topo: Topology, config: CommConfig, xs, ids, ws) -> tuple[float, li
     fabric = InProcessFabric()
     eps = [fabric.endpoint(e) for e in range(topo.num_endpoints)]
     senders = [attention_endpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
-    owners = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in range(topo.num_ffn_ranks)]
+    ffn_ranks = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in range(topo.num_ffn_ranks)]
     outs: list = [None] * topo.num_senders
 
     def send(i):
         outs[i] = senders[i].combine(senders[i].dispatch(xs[i], ids[i], ws[i], KEY))
 
-    def serve(owner):
-        batch = owner.recv_dispatch(KEY)
-        owner.send_combine(batch, batch.hidden.float() * batch.weights.sum(-1, keepdim=True))
+    def serve(ffn):
+        batch = ffn.recv_dispatch(KEY)
+        ffn.send_combine(batch, batch.hidden.float() * batch.weights.sum(-1, keepdim=True))
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(topo.num_senders)]
-    threads += [threading.Thread(target=serve, args=(o,)) for o in owners]
+    threads += [threading.Thread(target=serve, args=(o,)) for o in ffn_ranks]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start
-    for o in owners:
+    for o in ffn_ranks:
         o.close()
-    return elapsed, outs, CommStats.total([e.stats for e in senders + owners])
+    return elapsed, outs, CommStats.total([e.stats for e in senders + ffn_ranks])
 
 
 def measure(a: int, nodes: int, per_node: int, args) -> dict:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = ((args.a_ranks, args.ffn_nodes, args.ffn_ranks_per_node),) if args.a_ranks else DEFAULT_SWEEP
     rows = []
     for a, nodes, per_node in sweep:
-        print(f"measuring {a} A ranks x {nodes} F nodes x {per_node} ranks ...", file=sys.stderr, flush=True)
+        print(f"measuring {a} A ranks x {nodes} FFN nodes x {per_node} ranks ...", file=sys.stderr, flush=True)
         rows.append(measure(a, nodes, per_node, args))
     print_table(rows)
     if args.json:

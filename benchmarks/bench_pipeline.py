@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pipeline bubbles of the real AFD deployment: A-side busy fraction for 1..4 micro-batches.
 
-Runs `make_engine(mode="afd")` (attention and expert ranks as processes, ZeroMQ between them) with
+Runs `make_engine(mode="afd")` (attention and FFN ranks as processes, ZeroMQ between them) with
 injected per-(MoE layer, micro-batch) compute on A (attention) and on F, and a latency on every
 data-plane message (link), so that the seed's conditions can be set at will:
 

@@ -1,11 +1,11 @@
-"""Who talks to whom: senders (attention ranks), F nodes of expert-owner ranks, and the expert map.
+"""Who talks to whom: senders (attention ranks), FFN nodes of FFN rank, and the expert map.
 
-Endpoint ids: in AFD, senders are endpoints 0..S-1 and owner rank r is endpoint S + r; in a
-colocated deployment every rank is both, so sender i and owner rank i are endpoint i.
+Endpoint ids: in AFD, senders are endpoints 0..S-1 and FFN rank r is endpoint S + r; in a
+colocated deployment every rank is both, so sender i and FFN rank i are endpoint i.
 
-    senders (A ranks)        F node 0              F node 1
+    senders (A ranks)        FFN node 0              FFN node 1
     a0 a1 a2 a3     --->   [f0 f1]  (R = 2)     [f2 f3]
-    stage 1: a_i -> local rank (i mod R) of each F node its tokens need
+    stage 1: a_i -> local rank (i mod R) of each FFN node its tokens need
     stage 2: inside the node, to the rank that owns the expert
 """
 
@@ -31,7 +31,7 @@ class Topology:
     num_nodes: int
     ranks_per_node: int
     num_experts: int
-    # logical expert -> physical expert slot; slot p lives on owner rank p // experts_per_rank
+    # logical expert -> physical expert slot; slot p lives on FFN rank p // experts_per_rank
     expert_map: tuple[int, ...] | None = None
     colocated: bool = False
 
@@ -44,7 +44,7 @@ class Topology:
                 raise TopologyError(f"invalid topology {self.describe()}: {why}")
 
         need(self.num_senders >= 1, "needs at least one sender (attention rank)")
-        need(self.num_nodes >= 1 and self.ranks_per_node >= 1, "needs at least one F node with one rank")
+        need(self.num_nodes >= 1 and self.ranks_per_node >= 1, "needs at least one FFN node with one rank")
         need(self.num_experts >= 1, "needs at least one expert")
         need(self.num_experts % self.num_ffn_ranks == 0,
              f"{self.num_experts} experts do not divide evenly over {self.num_ffn_ranks} ranks "
@@ -76,12 +76,12 @@ class Topology:
 
     @cached_property
     def ffn_rank_of(self) -> torch.Tensor:
-        """[E] int64: logical expert -> owner rank."""
+        """[E] int64: logical expert -> FFN rank."""
         return self.physical_slot // self.experts_per_rank
 
     @cached_property
     def node_of_expert(self) -> torch.Tensor:
-        """[E] int64: logical expert -> F node."""
+        """[E] int64: logical expert -> FFN node."""
         return self.ffn_rank_of // self.ranks_per_node
 
     def local_index(self, rank: int) -> torch.Tensor:
@@ -118,7 +118,7 @@ class Topology:
         return self.num_senders if self.colocated else self.num_senders + self.num_ffn_ranks
 
     def node_of_endpoint(self, endpoint: int) -> str:
-        """A machine label: attention machines are apart from F nodes unless colocated."""
+        """A machine label: attention machines are apart from FFN nodes unless colocated."""
         if self.colocated:
             return f"n{self.node_of_rank(endpoint)}"
         if endpoint < self.num_senders:

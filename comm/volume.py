@@ -31,15 +31,15 @@ def copies(topo: Topology, topk_ids: list[torch.Tensor], mode: str) -> dict[str,
     for sender, ids in enumerate(topk_ids):
         src = topo.sender_endpoint(sender)
         if mode == "direct":
-            for owner in topo.ffn_rank_of[ids].flatten().tolist():
-                _count(counts, topo.link(src, topo.ffn_endpoint(owner)))
+            for ffn in topo.ffn_rank_of[ids].flatten().tolist():
+                _count(counts, topo.link(src, topo.ffn_endpoint(ffn)))
             continue
         for row in ids:
             for node in set(topo.node_of_expert[row].tolist()):
                 relay = topo.relay_rank(sender, node)
                 _count(counts, topo.link(src, topo.ffn_endpoint(relay)))
-                for owner in set(topo.ffn_rank_of[row].tolist()) & set(topo.node_ranks(node)):
-                    _count(counts, topo.link(topo.ffn_endpoint(relay), topo.ffn_endpoint(owner)))
+                for ffn in set(topo.ffn_rank_of[row].tolist()) & set(topo.node_ranks(node)):
+                    _count(counts, topo.link(topo.ffn_endpoint(relay), topo.ffn_endpoint(ffn)))
     return counts
 
 
@@ -49,6 +49,6 @@ def _count(counts: dict[str, int], link: str) -> None:
 
 
 def expected_nodes_hit(num_experts: int, num_nodes: int, topk: int) -> float:
-    """E[distinct F nodes] for top-k experts drawn uniformly without replacement (experts even over nodes)."""
+    """E[distinct FFN nodes] for top-k experts drawn uniformly without replacement (experts even over nodes)."""
     per_node = num_experts // num_nodes
     return num_nodes * (1 - comb(num_experts - per_node, topk) / comb(num_experts, topk))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # An AFD deployment as it runs on separate machines, here on one host: one attention "machine"
 # (2 attention ranks + the HTTP server, which hosts the rendezvous) and two F "machines" of two
-# expert ranks each. Start order does not matter. Ctrl-C stops everything.
+# FFN ranks each. Start order does not matter. Ctrl-C stops everything.
 #   usage: launch/local_two_machines.sh [MODEL_PATH]   (default: the embedded tiny model)
 set -euo pipefail
 MODEL=${1:+--model-path $1}

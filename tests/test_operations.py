@@ -125,7 +125,7 @@ def test_pre_split_stages_run_the_same():
     assert trace_of(stages, 2, delays=[1, 0]) == trace_of(ABC + [Y, Y, nop("d")], 2, delays=[1, 0])
 
 
-# ---------------------------------------------------------------- the F-side layout (seed 3BO)
+# ---------------------------------------------------------------- the FFN-side layout (seed 3BO)
 
 
 def ffn_layer(layer: int, num_micro_batches: int) -> list:

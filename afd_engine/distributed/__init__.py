@@ -1,1 +1,1 @@
-"""Multi-rank deployments: AFD (attention and expert ranks apart) and the colocated DP+EP baseline."""
+"""Multi-rank deployments: AFD (attention and FFN ranks apart) and the colocated DP+EP baseline."""

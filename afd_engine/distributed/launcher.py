@@ -1,6 +1,6 @@
 """Starts every rank of a deployment on this machine and watches them.
 
-    front end (binds control sockets) <-ZMQ-> attention ranks 0..D-1 <-comm (ZMQ/TCP)-> expert ranks
+    front end (binds control sockets) <-ZMQ-> attention ranks 0..D-1 <-comm (ZMQ/TCP)-> FFN ranks
 
 Every rank is its own OS process. The launcher waits until all report ready (or one reports an
 error, which stops the rest); afterwards `alive()` is false as soon as any rank has died. A
@@ -17,7 +17,7 @@ import tempfile
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
-from afd_engine.distributed.rendezvous import RendezvousServer, RendezvousSpec
+from afd_engine.distributed.rendezvous import RendezvousSpec, host_rendezvous
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import ConfigError
@@ -28,7 +28,7 @@ READY_TIMEOUT_S = 900
 
 class Deployment:
     """role "all": every rank on this machine. "attention": the attention ranks (and the front
-    end, which hosts the rendezvous); "ffn": the expert ranks of F node `node_rank`. Roles on
+    end, which hosts the rendezvous); "ffn": the FFN ranks of FFN node `node_rank`. Roles on
     different machines find each other through `rendezvous`."""
 
     def __init__(self, args: EngineArgs, role: str = "all", node_rank: int = 0,
@@ -47,6 +47,7 @@ class Deployment:
         self.workdir = tempfile.mkdtemp(prefix="afd-")
         self.addrs = ControlAddrs(*(f"ipc://{self.workdir}/{n}" for n in ("requests", "broadcast", "outputs")))
         self.procs: list[mp.Process] = []
+        self._store = None  # the rendezvous, when this role hosts it
         self.info: dict = {}
 
     def wait(self) -> int:
@@ -63,9 +64,8 @@ class Deployment:
         """Starts all ranks; returns rank 0's info (model path, context length). The control
         sockets must already be bound (the front end binds them)."""
         ctx = mp.get_context("spawn")
-        if self.role == "attention":  # the rendezvous lives with the front end
-            host, port = self.rendezvous.address.rsplit(":", 1)
-            RendezvousServer(f"{host}:{port}", self.spec.topology.num_endpoints, self.rendezvous.timeout).start()
+        if self.role == "attention":  # the rendezvous lives with the front end, as long as it does
+            self._store = host_rendezvous(self.rendezvous)
         pipes = [self._spawn(ctx, target, kwargs) for target, kwargs in self._ranks()]
         try:
             infos = [_wait_ready(conn, proc) for conn, proc in zip(pipes, self.procs)]

@@ -1,25 +1,22 @@
-"""Rank discovery across machines: every rank registers its data-plane address at `--dist-init-addr`
-and receives the whole table once all have registered.
+"""Rank discovery across machines: every rank publishes its data-plane address at `--dist-init-addr`
+and reads every other rank's, using torch.distributed's TCPStore.
 
-The attention role's launcher hosts the rendezvous (a ZeroMQ ROUTER). Ranks may start in any
-order, before or after it: ZeroMQ keeps retrying the connection. Both sides give up after a
-bounded time with a message that says what is missing.
+The attention role's launcher hosts the store (the master) for the deployment's lifetime. Ranks
+may start in any order, before or after it: a TCPStore client keeps retrying the connection until
+its timeout. Both the connection and the wait for the other ranks are bounded by
+`--rendezvous-timeout`, and a failure says what is missing. The same store can later give NCCL
+its process group. What stays ours: the key layout and the error messages.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import socket
-import threading
-import time
 from dataclasses import dataclass
-
-import zmq
+from datetime import timedelta
 
 from afd_engine.errors import ConfigError
 
-log = logging.getLogger("afd.rendezvous")
+_KEY = "afd/endpoint/{}"
 
 
 @dataclass(frozen=True)
@@ -45,55 +42,37 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def register(spec: RendezvousSpec, endpoint: int) -> dict[int, str]:
-    """Announces `endpoint` at a fresh port of this machine; returns every endpoint's address."""
-    mine = f"tcp://{spec.host_ip}:{free_port(spec.host_ip)}"
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
+def host_rendezvous(spec: RendezvousSpec):
+    """Starts the store at `spec.address` in this process; keep the returned object alive."""
+    from torch.distributed import TCPStore
+
+    host, port = spec.address.rsplit(":", 1)
     try:
-        sock.connect(f"tcp://{spec.address}")
-        sock.send(json.dumps({"endpoint": endpoint, "address": mine}).encode())
-        if not sock.poll(int(spec.timeout * 1000)):
-            raise ConfigError(f"rank (endpoint {endpoint}) got no answer from the rendezvous at {spec.address} "
-                              f"within {spec.timeout:.0f} s: start every role with the same --dist-init-addr, and "
-                              "the attention role (which hosts it) on that address")
-        return {int(k): v for k, v in json.loads(sock.recv()).items()}
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+        return TCPStore(host, int(port), is_master=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=spec.timeout))
+    except (RuntimeError, OSError) as exc:
+        raise ConfigError(f"cannot host the rendezvous at {spec.address}: {exc}") from None
 
 
-class RendezvousServer:
-    """Collects `expected` registrations, then answers all of them with the full table."""
+def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int) -> dict[int, str]:
+    """Announces `endpoint` at a fresh port of this machine; returns all `num_endpoints` addresses."""
+    from torch.distributed import TCPStore
 
-    def __init__(self, address: str, expected: int, timeout: float) -> None:
-        self.address, self.expected, self.timeout = address, expected, timeout
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="rendezvous")
-
-    def start(self) -> "RendezvousServer":
-        self._thread.start()
-        return self
-
-    def _serve(self) -> None:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.bind(f"tcp://{self.address}")
-        waiting, table = [], {}
-        deadline = time.monotonic() + self.timeout
-        try:
-            while len(table) < self.expected:
-                if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                    log.error("only %d of %d ranks registered at %s within %.0f s (registered endpoints: %s)",
-                              len(table), self.expected, self.address, self.timeout, sorted(table))
-                    return
-                ident, body = sock.recv_multipart()
-                msg = json.loads(body)
-                table[msg["endpoint"]] = msg["address"]
-                waiting.append(ident)
-            reply = json.dumps(table).encode()
-            for ident in waiting:
-                sock.send_multipart([ident, reply])
-            time.sleep(0.5)  # let the replies leave before the socket closes
-        finally:
-            sock.close(linger=1000)
-            ctx.term()
+    host, port = spec.address.rsplit(":", 1)
+    timeout = timedelta(seconds=spec.timeout)
+    try:
+        store = TCPStore(host, int(port), is_master=False, timeout=timeout)
+    except (RuntimeError, OSError):
+        raise ConfigError(f"rank (endpoint {endpoint}) got no answer from the rendezvous at {spec.address} "
+                          f"within {spec.timeout:.0f} s: start every role with the same --dist-init-addr, and the "
+                          "attention role (which hosts it) on that address") from None
+    store.set(_KEY.format(endpoint), f"tcp://{spec.host_ip}:{free_port(spec.host_ip)}")
+    keys = [_KEY.format(i) for i in range(num_endpoints)]
+    try:
+        store.wait(keys, timeout)
+    except (RuntimeError, OSError):
+        missing = [i for i, k in enumerate(keys) if not store.check([k])]
+        raise ConfigError(f"rank (endpoint {endpoint}): only {num_endpoints - len(missing)} of {num_endpoints} ranks "
+                          f"registered at {spec.address} within {spec.timeout:.0f} s (missing endpoints: "
+                          f"{missing}); start every role with the same topology flags") from None
+    return {i: store.get(k).decode() for i, k in enumerate(keys)}

@@ -19,16 +19,16 @@ from afd_engine.models import Kernels, load_expert_shard
 from comm.transport.zmq_transport import ZmqTransport
 
 
-def _transport(endpoint: int, comm: dict[int, str] | RendezvousSpec, args: EngineArgs) -> ZmqTransport:
+def _transport(endpoint: int, comm: dict[int, str] | RendezvousSpec, spec: DeploymentSpec) -> ZmqTransport:
     """The data-plane transport: addresses given (one machine) or found at the rendezvous."""
-    return ZmqTransport(endpoint, comm if isinstance(comm, dict) else register(comm, endpoint),
-                        link_delay_s=args.inject_link_delay_ms / 1000)
+    addresses = comm if isinstance(comm, dict) else register(comm, endpoint, spec.topology.num_endpoints)
+    return ZmqTransport(endpoint, addresses, link_delay_s=spec.args.inject_link_delay_ms / 1000)
 
 
 def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(args.model_path))
     topo = spec.topology
-    transport = _transport(topo.sender_endpoint(rank), comm_addresses, args)
+    transport = _transport(topo.sender_endpoint(rank), comm_addresses, spec)
     experts = spec.expert_range(rank) if topo.colocated else (0, 0)  # AFD: no routed experts here
 
     def runner(model, pool):
@@ -38,7 +38,7 @@ def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
 
 
 def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int, comm_addresses) -> None:
-    """An attention rank (in colocated mode also an expert rank): scheduler, KV pool, model."""
+    """An attention rank (in colocated mode also an FFN rank): scheduler, KV pool, model."""
     run_engine_process(args, addrs, ready, rank, functools.partial(_attention_engine, args, rank, comm_addresses))
 
 
@@ -51,7 +51,7 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses) -> None:
         spec = DeploymentSpec.of(args, cfg)
         shard = load_expert_shard(cfg, args.model_path, args.torch_dtype, spec.expert_range(rank),
                                   Kernels.named(moe=args.moe_backend))
-        transport = _transport(spec.topology.ffn_endpoint(rank), comm_addresses, args)
+        transport = _transport(spec.topology.ffn_endpoint(rank), comm_addresses, spec)
     except Exception as exc:  # reported to the launcher, which stops the deployment
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

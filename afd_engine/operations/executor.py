@@ -16,7 +16,7 @@ what makes overlap work: an operation that starts asynchronous work (dispatch) r
 the other micro-batches' stages run while it is in flight, and the operation that needs its
 result (combine) sits in a later stage of the same row.
 
-Designing the F side (N >= 2). Per layer the stages [recv] [mlp] [combine] followed by N-2 nop
+Designing the FFN side (N >= 2). Per layer the stages [recv] [mlp] [combine] followed by N-2 nop
 stages, and delays [0, 1, ..., N-1], make the receive of micro-batch m+1 come after the combine of
 m-1 and before the combine of m, across layers too (micro-batch 0 of layer l+1 follows N-1 of
 layer l), so the next receive is posted while the MLP of m runs. Why: rows are staggered by one

@@ -75,7 +75,7 @@ class MicroBatchState:
         self.set(OUTPUT_KEY, value)
 
     def take_output(self) -> Any:
-        """Pop the result, or None when the operations produced none (e.g. the F side)."""
+        """Pop the result, or None when the operations produced none (e.g. the FFN side)."""
         return self._values.pop(OUTPUT_KEY, None)
 
     def __contains__(self, name: object) -> bool:

@@ -4,7 +4,7 @@ A profiling run (`afd serve|generate ... --record-timeline PREFIX`) writes one J
 `afd plan calibrate --timeline PREFIX` fits, by least squares over every recorded operation,
 
     attention stage (one MoE layer, one micro-batch, on an attention rank) = fixed + per_token * tokens
-    expert stage    (one MoE layer, one micro-batch, on an expert rank)    = fixed + per_row * rows
+    expert stage    (one MoE layer, one micro-batch, on an FFN rank)    = fixed + per_row * rows
 
 and writes them as JSON. `afd plan deploy --calibration FILE` then uses these two lines for the
 attention and expert stages (network, pipeline and memory stay modelled). A calibration holds for
@@ -34,7 +34,7 @@ class LinearFit:
 @dataclass(frozen=True)
 class Calibration:
     attention: LinearFit  # per token on one attention rank
-    ffn: LinearFit  # per received row (token copy) on one expert rank
+    ffn: LinearFit  # per received row (token copy) on one FFN rank
     source: str = ""  # what was measured: model, hardware, context
 
     def to_json(self) -> str:

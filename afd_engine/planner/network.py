@@ -5,8 +5,8 @@ Two layouts:
 
 * bipartite (AFD): S attention GPUs send to F GPUs on their own nodes. Every copy crosses the
   scale-out network. Direct mode sends one copy per selected expert (DeepEP low-latency style);
-  two-stage sends one copy per F node hit, to the relay GPU `i mod R`, which forwards over the
-  scale-up network to the expert owners while more tokens arrive (streamed, so the two stages
+  two-stage sends one copy per FFN node hit, to the relay GPU `i mod R`, which forwards over the
+  scale-up network to the FFN ranks while more tokens arrive (streamed, so the two stages
   overlap and the slower one sets the time).
 * symmetric (colocated EP): every GPU sends to and receives from every other; copies to GPUs on the
   sender's node go over the scale-up network, the rest over the NIC.
@@ -56,7 +56,7 @@ class CommTime:
     receiver_nic_us: float  # dispatch + combine on one receiver's NIC alone
     scaleup_us: float  # dispatch + combine on the scale-up link alone
     inter_node_bytes: int  # dispatch, whole deployment, between nodes
-    copies_per_token: float  # over the scale-out network (direct: top-k; two-stage: F nodes hit)
+    copies_per_token: float  # over the scale-out network (direct: top-k; two-stage: FFN nodes hit)
     latency_us: float = 0.0  # part of each phase that delays but does not occupy the link
 
     @property
@@ -122,7 +122,7 @@ def comm_time(case: CommCase, hw: Hardware, receiver_hw: Hardware | None = None)
         inbound = net * case.senders / case.receivers  # copies arriving at one F GPU
         s_d, s_c = net * d_bytes / nic_s, net * c_bytes / nic_s
         r_d, r_c = inbound * d_bytes / nic_r, inbound * c_bytes / nic_r
-        if case.mode == "two-stage":  # relay -> owners inside the node, minus the relay's own experts
+        if case.mode == "two-stage":  # relay -> FFN ranks inside the node, minus the relay's own experts
             owners_per_node_hit = expected_distinct(case.receivers, case.experts, case.topk) / copies
             forwarded = inbound * owners_per_node_hit * (1 - 1 / per_node)
             u_d, u_c = forwarded * d_bytes / su_r, forwarded * c_bytes / su_r

@@ -72,7 +72,7 @@ def checks() -> list[Check]:
                      1.5, absolute=True))
     direct, two = _baidu("direct"), _baidu("two-stage")
     out.append(Check("direct dispatch+combine, one A GPU's NIC, us", "Baidu", 550, direct.sender_nic_us, 0.15))
-    out.append(Check("direct / two-stage inter-node bytes (2 F nodes)", "Baidu: 4-8x", 6,
+    out.append(Check("direct / two-stage inter-node bytes (2 FFN nodes)", "Baidu: 4-8x", 6,
                      direct.inter_node_bytes / two.inter_node_bytes, 2, absolute=True))
     for ep, d, c in ((8, 77, 114), (16, 118, 195), (32, 155, 273)):
         t = _deepep(ep)

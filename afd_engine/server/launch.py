@@ -37,7 +37,7 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs, deployment: Deployme
     engine_args.validate()
     deployment = deployment or Deployment(engine_args)
     # uvicorn re-raises SIGTERM once it has shut down; as an exception it lets the ranks stop
-    # (and tell their expert ranks) instead of killing this process on the spot
+    # (and tell their FFN ranks) instead of killing this process on the spot
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return _run_http(deployment, server_args)
@@ -69,7 +69,12 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
                                            timeout_graceful_shutdown=5))
     watcher = threading.Thread(target=_watch, args=(deployment, server, holder), daemon=True)
     watcher.start()
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits (status 3) when startup fails: here, a rank that did not start
+        if holder.get("info"):
+            raise
+        return 2
     if holder.get("died"):
         log.error("a rank of the deployment died; exiting")
         return 1

@@ -11,7 +11,7 @@ from comm.endpoint import CommConfig
 from comm.ffn_side import ffn_endpoint
 from comm.topology import Topology
 from comm.transport.factory import make_transport
-from tests.comm.harness import owner_work, sender_work
+from tests.comm.harness import ffn_work, sender_work
 
 
 def run_endpoint(topo: Topology, config: CommConfig, endpoint: int, transport_kwargs: dict, inputs, keys, results) -> None:
@@ -23,18 +23,18 @@ def run_endpoint(topo: Topology, config: CommConfig, endpoint: int, transport_kw
         is_sender = endpoint < topo.num_senders
         if topo.colocated or not is_sender:
             rank = endpoint if topo.colocated else endpoint - topo.num_senders
-            owner = ffn_endpoint(topo, rank, transport, config)
+            ffn = ffn_endpoint(topo, rank, transport, config)
         if is_sender:
             sender = attention_endpoint(topo, endpoint, transport, config)
             handles = [sender.dispatch(*inputs[endpoint], key) for key in keys]
         if topo.colocated or not is_sender:
-            owner_work(owner, keys)
-            owner.close()
+            ffn_work(ffn, keys)
+            ffn.close()
         if is_sender:
             # plain lists: tensors through a multiprocessing queue travel as shared-memory handles
             # that die with this process
             out = [sender.combine(h).tolist() for h in handles]
-        stats = (owner if not is_sender else sender).stats.as_dict()
+        stats = (ffn if not is_sender else sender).stats.as_dict()
         results.put(("ok", endpoint, out, stats))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         results.put(("error", endpoint, traceback.format_exc(), None))

@@ -58,7 +58,7 @@ def sender_work(ep: AttentionEndpoint, x, ids, w, keys=(KEY,)) -> list[torch.Ten
     return [ep.combine(h) for h in handles]
 
 
-def owner_work(ep: FfnEndpoint, keys=(KEY,), expert_fn=exact_expert) -> None:
+def ffn_work(ep: FfnEndpoint, keys=(KEY,), expert_fn=exact_expert) -> None:
     experts = ep.topo.experts_of(ep.rank)
     for key in keys:
         batch = ep.recv_dispatch(key)
@@ -70,7 +70,7 @@ def run_inproc(topo: Topology, config: CommConfig, xs, ids, ws, keys=(KEY,), exp
     fabric = InProcessFabric()
     eps = {i: fabric.endpoint(i) for i in range(topo.num_endpoints)}
     senders = [attention_endpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
-    owners = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in range(topo.num_ffn_ranks)]
+    ffn_ranks = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in range(topo.num_ffn_ranks)]
     results: dict[int, list] = {}
     errors: list[BaseException] = []
 
@@ -82,13 +82,13 @@ def run_inproc(topo: Topology, config: CommConfig, xs, ids, ws, keys=(KEY,), exp
 
     threads = [threading.Thread(target=guard, args=(lambda i=i: results.__setitem__(
         i, sender_work(senders[i], xs[i], ids[i], ws[i], keys)),)) for i in range(topo.num_senders)]
-    threads += [threading.Thread(target=guard, args=(owner_work, o, keys, expert_fn)) for o in owners]
+    threads += [threading.Thread(target=guard, args=(ffn_work, o, keys, expert_fn)) for o in ffn_ranks]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=config.timeout * 3)
-    for o in owners:
+    for o in ffn_ranks:
         o.close()
     if errors:
         raise errors[0]
-    return [results[i] for i in range(topo.num_senders)], senders + owners
+    return [results[i] for i in range(topo.num_senders)], senders + ffn_ranks

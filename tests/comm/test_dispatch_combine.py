@@ -109,11 +109,11 @@ def test_mismatched_key_is_a_clear_error():
     a, f = fabric.endpoint(0), fabric.endpoint(1)
     config = CommConfig("two-stage", FP32, timeout=2)
     attention_endpoint(topo, 0, a, config).dispatch(xs[0], ids[0], ws[0], MsgKey(0, 0, 1))
-    owner = ffn_endpoint(topo, 0, f, config)
+    ffn = ffn_endpoint(topo, 0, f, config)
     with pytest.raises(KeyMismatchError, match=r"expected dispatch \(step 0, layer 0, micro-batch 0\).*"
                                                r"received dispatch \(step 0, layer 0, micro-batch 1\)"):
-        owner.recv_dispatch(KEY)
-    owner.close()
+        ffn.recv_dispatch(KEY)
+    ffn.close()
 
 
 def test_silent_peer_times_out():

@@ -26,7 +26,7 @@ def run_processes(topo: Topology, config: CommConfig, inputs) -> dict:
     results = _SPAWN.Queue()
     procs = [_SPAWN.Process(target=run_endpoint, args=(topo, config, ep, {"addresses": addresses}, inputs, KEYS, results))
              for ep in range(topo.num_endpoints)]
-    # start order must not matter: F ranks first here, senders last
+    # start order must not matter: FFN ranks first here, senders last
     for p in reversed(procs):
         p.start()
     reports = {}

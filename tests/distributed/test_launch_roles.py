@@ -1,4 +1,4 @@
-"""`afd launch` by role: an attention role and F roles as separate commands, meeting at a rendezvous."""
+"""`afd launch` by role: an attention role and FFN roles as separate commands, meeting at a rendezvous."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_roles_started_in_any_order_serve_together(tiny_v3):
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
     common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, *TOPO]
     procs = [afd("launch", "--role", "ffn", "--node-rank", "1", *common)]
-    time.sleep(2)  # an F node first, the attention role later, the last F node last
+    time.sleep(2)  # an FFN node first, the attention role later, the last FFN node last
     procs.append(afd("launch", "--role", "attention", "--port", str(port), *common))
     time.sleep(2)
     procs.append(afd("launch", "--role", "ffn", "--node-rank", "0", *common))
@@ -36,7 +36,7 @@ def test_roles_started_in_any_order_serve_together(tiny_v3):
             ref = single.generate(prompts=["across machines"],
                                   sampling_params=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
         assert out.choices[0].text == ref[0].text
-        procs[1].terminate()  # the attention role stops: the F roles are told and exit cleanly
+        procs[1].terminate()  # the attention role stops: the FFN roles are told and exit cleanly
         assert procs[1].wait(timeout=60) == 0
         assert procs[0].wait(timeout=60) == 0 and procs[2].wait(timeout=60) == 0
     finally:
@@ -57,9 +57,9 @@ def test_missing_peers_time_out_with_a_clear_message(tiny_v3):
 
 @pytest.mark.timeout(300)
 def test_ffn_role_stops_when_the_attention_machine_vanishes(tiny_v3):
-    """kill -9 of the whole attention role (as if its machine were lost): the F role, told nothing,
+    """kill -9 of the whole attention role (as if its machine were lost): the FFN role, told nothing,
     notices the silence within --comm-timeout and exits 1; while the attention role idles, its
-    keepalives keep the F role waiting."""
+    keepalives keep the FFN role waiting."""
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
     common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, "--mode", "afd", "--dp-size", "1", "--ffn-nodes", "1",
               "--ffn-ranks-per-node", "1", "--num-threads", "1", "--comm-timeout", "4"]
@@ -80,3 +80,15 @@ def test_ffn_role_stops_when_the_attention_machine_vanishes(tiny_v3):
         for p in (ffn, attention):
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.timeout(120)
+def test_attention_role_alone_names_the_missing_ranks(tiny_v3):
+    """The rendezvous is up (the attention role hosts it) but no FFN role comes: the attention
+    ranks give up after the timeout and say which endpoints never registered."""
+    rdv, port = f"127.0.0.1:{free_port()}", free_port()
+    proc = afd("launch", "--role", "attention", "--port", str(port), "--dist-init-addr", rdv, "--rendezvous-timeout",
+               "3", "--model-path", tiny_v3, *TOPO)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 2, out
+    assert f"only 2 of 4 ranks registered at {rdv} within 3 s (missing endpoints: [2, 3])" in out

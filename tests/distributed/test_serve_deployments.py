@@ -58,7 +58,7 @@ def test_killing_an_expert_rank_fails_the_stream_quickly_and_the_server_exits(ti
                                                 max_tokens=400, temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True})
         next(iter(stream))
-        # the expert ranks start first: the lowest spawned pids
+        # the FFN ranks start first: the lowest spawned pids
         os.kill(sorted(ffn)[0], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(openai.APIError, match="the engine is unavailable"):

@@ -63,7 +63,7 @@ def test_memory_limits_the_batch():
     assert not estimate(V3, dataclasses.replace(dep, seqs_per_gpu=most + 1)).fits
     # bf16 latent cache: 61 layers x 576 x 2 bytes per token
     assert V3.kv_bytes_per_seq() == 4096 * 61 * 576 * 2
-    # all of DeepSeek-V3's experts do not fit on one F node of H800s
+    # all of DeepSeek-V3's experts do not fit on one FFN node of H800s
     assert max_seqs_by_memory(V3, Deployment("afd", 8, 8, 3, 0)) == 0
 
 

@@ -35,7 +35,7 @@ def test_per_layer_stage_budget():
 
 
 def baidu_case(mode: str) -> CommCase:
-    # 32 DP attention ranks, 128-token micro-batch each, to EP16 (2 F nodes of 8); fp8 out, bf16 back
+    # 32 DP attention ranks, 128-token micro-batch each, to EP16 (2 FFN nodes of 8); fp8 out, bf16 back
     return CommCase(tokens=128, hidden=7168, topk=8, experts=256, senders=32, receivers=16, mode=mode)
 
 
@@ -53,7 +53,7 @@ def test_baidu_direct_dispatch_plus_combine_about_550us():
 def test_two_stage_cuts_between_node_volume_4_to_8x():
     direct, two = comm_time(baidu_case("direct"), H800), comm_time(baidu_case("two-stage"), H800)
     ratio = direct.inter_node_bytes / two.inter_node_bytes
-    assert 4 <= ratio <= 8  # two F nodes: top-8 copies become <= 2 node copies
+    assert 4 <= ratio <= 8  # two FFN nodes: top-8 copies become <= 2 node copies
     assert two.total_us < direct.total_us / 3
     one_node = CommCase(tokens=128, hidden=7168, topk=8, experts=256, senders=32, receivers=8, mode="two-stage")
     direct_one = CommCase(**{**one_node.__dict__, "mode": "direct"})
