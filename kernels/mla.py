@@ -15,8 +15,30 @@ Two forms of the same attention:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+class PagedKV(NamedTuple):
+    """Where each decode sequence's cached tokens live, in two equivalent forms: per-token slot
+    tables (what the torch reference gathers with) and the page table (what paged kernels read).
+
+    slots [B, L] int64: cache slot of token j of sequence b (padding: slot 0).
+    bias [B, 1, L] fp32: 0 for tokens j < kv_lens[b], -inf for padding.
+    pages [B, P] int64: page ids of sequence b in order, P >= ceil(max(kv_lens) / page_size)
+    (entries past a sequence's last page are padding and must not be read).
+    kv_lens [B] int64: cached tokens per sequence, this step's token included.
+    page_size: tokens per page; token j of sequence b is at slot pages[b, j // page_size] *
+    page_size + j % page_size of the cache [num_slots, C + R].
+    """
+
+    slots: torch.Tensor
+    bias: torch.Tensor
+    pages: torch.Tensor
+    kv_lens: torch.Tensor
+    page_size: int
 
 
 def gather_latent(cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,23 +91,41 @@ def mla_decode_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     cache: torch.Tensor,
-    slots: torch.Tensor,
-    bias: torch.Tensor,
+    kv: PagedKV,
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence against its whole cached latent, in the absorbed form.
 
-    q_nope [B, H, Dn], q_pe [B, H, R]; slots [B, L]; bias [B, 1, L] fp32 (0 valid, -inf padding);
-    w_uk [H, Dn, C], w_uv [H, Dv, C]. Returns [B, H, Dv].
+    q_nope [B, H, Dn], q_pe [B, H, R]; cache [S, C + R]; kv: where the tokens are (slot tables
+    used here); w_uk [H, Dn, C], w_uv [H, Dv, C]. Returns [B, H, Dv].
     """
-    latent, k_pe = gather_latent(cache, slots, w_uk.shape[-1])  # [B, L, C], [B, L, R]
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
+    q_latent = absorb_query(q_nope, w_uk)  # [B, H, C]
+    return unabsorb_output(mla_decode_core(q_latent, q_pe, cache, kv, scale), w_uv)
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [B, H, Dn], W_UK [H, Dn, C] -> the query in latent space [B, H, C]."""
+    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+
+def unabsorb_output(out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """out_latent [B, H, C], W_UV [H, Dv, C] -> per-head values [B, H, Dv]."""
+    return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def mla_decode_core(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv: PagedKV,
+                    scale: float) -> torch.Tensor:
+    """The attention core of absorbed MLA decode (what FlashMLA computes).
+
+    q_latent [B, H, C], q_pe [B, H, R]; cache [S, C + R]. Returns out_latent [B, H, C]: per head,
+    softmax(scale * (q_latent . latent_j + q_pe . k_pe_j)) over j < kv_lens[b], applied to latent_j.
+    """
+    latent, k_pe = gather_latent(cache, kv.slots, q_latent.shape[-1])  # [B, L, C], [B, L, R]
     scores = torch.baddbmm(torch.bmm(q_pe, k_pe.transpose(1, 2)), q_latent, latent.transpose(1, 2))  # [B, H, L]
-    probs = torch.softmax(scores.float() * scale + bias, dim=-1).to(latent.dtype)
-    out_latent = torch.bmm(probs, latent)  # [B, H, C]
-    return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
+    probs = torch.softmax(scores.float() * scale + kv.bias, dim=-1).to(latent.dtype)
+    return torch.bmm(probs, latent)  # [B, H, C]
 
 
 class TorchMLA:
@@ -104,6 +144,6 @@ class TorchMLA:
         """See `mla_extend_attention`: padded query blocks [B, Q, H, *] -> [B, Q, H, Dv]."""
         return mla_extend_attention(q_nope, q_pe, cache, slots, kv_lens, q_positions, w_kv_b, v_head_dim, scale)
 
-    def decode(self, q_nope, q_pe, cache, slots, bias, w_uk, w_uv, scale: float):
+    def decode(self, q_nope, q_pe, cache, kv: PagedKV, w_uk, w_uv, scale: float):
         """See `mla_decode_attention`: one query per sequence [B, H, *] -> [B, H, Dv]."""
-        return mla_decode_attention(q_nope, q_pe, cache, slots, bias, w_uk, w_uv, scale)
+        return mla_decode_attention(q_nope, q_pe, cache, kv, w_uk, w_uv, scale)

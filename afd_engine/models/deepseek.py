@@ -171,7 +171,7 @@ class MLAttention(nn.Module):
             out[:n_ext] = self._extend(q_nope[:n_ext], q_pe[:n_ext], fb, cache)
         if T > n_ext:
             out[n_ext:] = self.kernels.decode(
-                q_nope[n_ext:], q_pe[n_ext:], cache, fb.dec_slots, fb.dec_bias, self.w_uk, self.w_uv, self.scale
+                q_nope[n_ext:], q_pe[n_ext:], cache, fb.paged_decode(), self.w_uk, self.w_uv, self.scale
             )
         return self.o_proj(out.view(T, cfg.num_heads * cfg.v_head_dim))
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.mla import PagedKV
+
 
 @dataclass(frozen=True)
 class SeqChunk:
@@ -39,6 +41,8 @@ class ForwardBatch:
     dec_slots: torch.Tensor  # [Bd, L] int64
     dec_kv_lens: torch.Tensor  # [Bd]
     dec_bias: torch.Tensor  # [Bd, 1, L] float32: 0 for cached tokens, -inf for padding
+    dec_pages: torch.Tensor  # [Bd, P] int64: each decode sequence's pages in order (padding: page 0)
+    page_size: int
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +66,13 @@ class ForwardBatch:
             dec_slots=dec.slots,
             dec_kv_lens=dec.kv_lens,
             dec_bias=torch.zeros(dec.slots.shape, dtype=torch.float32).masked_fill_(~dec.kv_valid, float("-inf"))[:, None],
+            dec_pages=dec.pages,
+            page_size=page_size,
         )
+
+    def paged_decode(self) -> PagedKV:
+        """Where the decode sequences' cached tokens are, for the MLA decode kernels."""
+        return PagedKV(self.dec_slots, self.dec_bias, self.dec_pages, self.dec_kv_lens, self.page_size)
 
 
 @dataclass
@@ -73,12 +83,13 @@ class _Segment:
     slots: torch.Tensor  # [B, L]
     kv_lens: torch.Tensor  # [B]
     kv_valid: torch.Tensor  # [B, L] bool
+    pages: torch.Tensor  # [B, P] page ids covering kv_lens
 
 
 def _segment(chunks: list[SeqChunk], page_table: torch.Tensor, page_size: int) -> _Segment:
     if not chunks:
         none = torch.zeros(0, 0, dtype=torch.int64)
-        return _Segment(none.bool(), none, none, none, torch.zeros(0, dtype=torch.int64), none.bool())
+        return _Segment(none.bool(), none, none, none, torch.zeros(0, dtype=torch.int64), none.bool(), none)
     rows = torch.tensor([c.row for c in chunks], dtype=torch.int64)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
     counts = torch.tensor([len(c.tokens) for c in chunks], dtype=torch.int64)
@@ -90,7 +101,8 @@ def _segment(chunks: list[SeqChunk], page_table: torch.Tensor, page_size: int) -
     kv_pos = torch.arange(kv_max)[None, :].expand(len(chunks), kv_max)  # [B, L]
     kv_valid = kv_pos < kv_lens[:, None]
     slots = torch.where(kv_valid, _slots(page_table[rows], kv_pos, page_size), 0)
-    return _Segment(q_valid, q_pos, slots.gather(1, q_pos), slots, kv_lens, kv_valid)
+    pages = page_table[rows, : -(-kv_max // page_size)]
+    return _Segment(q_valid, q_pos, slots.gather(1, q_pos), slots, kv_lens, kv_valid, pages)
 
 
 def _slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
