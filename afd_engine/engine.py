@@ -35,25 +35,28 @@ class Engine(OfflineEngine):
     """
 
     def __init__(self, args: EngineArgs | None = None, *, rank_runner: RankRunnerFactory | None = None,
-                 expert_range: tuple[int, int] | None = None, **kwargs) -> None:
+                 expert_range: tuple[int, int] | None = None, device: torch.device | None = None, **kwargs) -> None:
         """`rank_runner(model, pool)` makes the runner of one rank of a deployment (lockstep with its
-        peers); `expert_range` is which routed experts that rank holds. Without them this process
-        runs the whole model."""
+        peers); `expert_range` is which routed experts that rank holds; `device` that rank's device.
+        Without them this process runs the whole model on `args.device_for(0)`."""
         args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
         args.validate()
         if rank_runner is None and args.mode != "single":
             raise ConfigError(f"Engine(...) runs the whole model in this process, but --mode={args.mode}: use "
                               "afd_engine.make_engine(...), which starts the deployment's ranks")
         torch.set_num_threads(args.threads)
+        self.device = device or args.device_for(0)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.model_path = resolve_model_path(args.model_path)
         self.args = args
         self.config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend)
-        self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_range, kernels)
+        self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_range, kernels, self.device)
         self.context_len = min(args.context_length or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
-        self.pool = _make_pool(self.config, args, self.context_len)
+        self.pool = _make_pool(self.config, args, self.context_len, self.device)
         self.scheduler = Scheduler(self.pool, args.max_num_batched_tokens, args.max_running_requests, self.context_len)
         self.runner: StepRunner = (rank_runner or ModelRunner)(self.model, self.pool)
         self.sampler = Sampler()
@@ -137,7 +140,7 @@ class Engine(OfflineEngine):
 
     def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
         batch = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
-                                    [len(r.output_ids) for r in reqs], logits.shape[-1])
+                                    [len(r.output_ids) for r in reqs], logits.shape[-1], logits.device)
         tokens = self.sampler(logits, batch)
         _record_logprobs(reqs, logits, tokens)
         finished = []
@@ -183,7 +186,7 @@ def _record_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Te
     asking = [i for i, r in enumerate(reqs) if r.logprobs is not None]
     if not asking:
         return
-    rows = torch.tensor(asking)
+    rows = torch.tensor(asking, device=logits.device)
     logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [n, V]
     chosen = logp.gather(1, tokens[rows, None])[:, 0].tolist()
     k = max(reqs[i].params.logprobs for i in asking)
@@ -202,11 +205,11 @@ def _load_tokenizer(model_path):
         raise ModelLoadError(f"cannot load the tokenizer from {str(model_path)!r}: {exc}") from exc
 
 
-def _make_pool(cfg: ModelConfig, args: EngineArgs, context_len: int) -> KVPool:
+def _make_pool(cfg: ModelConfig, args: EngineArgs, context_len: int, device: torch.device) -> KVPool:
     page_bytes = KVPool.bytes_per_page(cfg.num_layers, cfg.kv_cache_dim, args.page_size, args.torch_dtype)
     if args.max_total_tokens is not None:
         num_pages = pages_for(args.max_total_tokens, args.page_size)
     else:
         num_pages = int(args.kv_cache_memory_mb * 2**20) // page_bytes
     return KVPool(cfg.num_layers, cfg.kv_cache_dim, num_pages, args.page_size, args.max_running_requests,
-                  pages_for(context_len, args.page_size), args.torch_dtype)
+                  pages_for(context_len, args.page_size), args.torch_dtype, device)

@@ -36,6 +36,9 @@ class EngineArgs:
     context_length: int | None = _opt(None, "longest prompt + output (default: the model's max_position_embeddings)")
     num_threads: int | None = _opt(None, "torch threads of this process (default: all cores)")
     seed: int = _opt(0, "seed for requests that do not set their own")
+    device: str = _opt("auto", "where weights, KV cache and activations live: cpu, cuda, or auto (cuda when a GPU "
+                       "is present)", choices=("auto", "cpu", "cuda"))
+    base_gpu_id: int = _opt(0, "cuda: the first GPU; rank i of a deployment takes GPU base + i")
     attention_backend: str = _opt("torch", "attention kernels of attention ranks, by name (kernels/registry.py)")
     moe_backend: str = _opt("torch", "routed-expert kernels of the ranks that hold experts, by name "
                             "(kernels/registry.py)")
@@ -81,6 +84,8 @@ class EngineArgs:
         need(not (self.mode == "colocated" and self.dispatch == "two-stage"), "dispatch",
              "the colocated baseline dispatches directly; two-stage needs --mode afd")
         need(self.comm_timeout > 0, "comm_timeout", "must be positive")
+        need(self.device in ("auto", "cpu", "cuda"), "device", "use cpu, cuda or auto")
+        need(self.base_gpu_id >= 0, "base_gpu_id", "must be >= 0")
         need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
              f"unknown backend; known: {', '.join(sorted(ATTENTION_BACKENDS))}")
         need(self.moe_backend in MOE_BACKENDS, "moe_backend", f"unknown backend; known: {', '.join(sorted(MOE_BACKENDS))}")
@@ -96,6 +101,22 @@ class EngineArgs:
     @property
     def dispatch_mode(self) -> str:
         return self.dispatch or ("two-stage" if self.mode == "afd" else "direct")
+
+    def device_for(self, rank: int = 0) -> torch.device:
+        """The device of rank `rank` (a process index within this machine's deployment): cuda:(base
+        + rank) on GPUs, else the CPU. Reads torch.cuda only when asked for (never at import)."""
+        kind = self.device
+        if kind == "auto":
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+        if kind == "cpu":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ConfigError("--device=cuda but torch sees no CUDA GPU; use --device cpu")
+        index = self.base_gpu_id + rank
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"rank {rank} needs GPU {index} (--base-gpu-id={self.base_gpu_id} + rank) but only "
+                              f"{torch.cuda.device_count()} GPUs are visible; lower --base-gpu-id or the rank count")
+        return torch.device("cuda", index)
 
     @property
     def threads(self) -> int:

@@ -5,7 +5,9 @@ to "module:factory" and imports the module only when that backend is chosen, so 
 imports (triton, CUDA extensions) never run on a machine that does not ask for it.
 
     name      attention (MLA)              MoE
-    torch     kernels.mla.TorchMLA         kernels.moe.TorchMoE     reference, any device
+    torch     kernels.mla.TorchMLA         kernels.moe.TorchMoE          reference, any device
+    triton    kernels.triton.mla.TritonMLA kernels.triton.moe.TritonMoE  CUDA GPUs; on the CPU only
+                                                                         under TRITON_INTERPRET=1 (tests)
 
 A new backend adds one line to each table it implements; `EngineArgs` refuses names not listed.
 """
@@ -14,12 +16,19 @@ from __future__ import annotations
 
 import importlib
 
-ATTENTION_BACKENDS = {"torch": "kernels.mla:TorchMLA"}
-MOE_BACKENDS = {"torch": "kernels.moe:TorchMoE"}
+import os
+
+ATTENTION_BACKENDS = {"torch": "kernels.mla:TorchMLA", "triton": "kernels.triton.mla:TritonMLA"}
+MOE_BACKENDS = {"torch": "kernels.moe:TorchMoE", "triton": "kernels.triton.moe:TritonMoE"}
+_NEEDS_TRITON = {"triton"}
 
 
 class UnknownBackendError(ValueError):
     """A backend name that no table lists."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """A listed backend that cannot run here (its package is missing, or it needs a GPU)."""
 
 
 def attention_backend(name: str):
@@ -39,5 +48,19 @@ def check_backend(table: dict[str, str], kind: str, name: str) -> None:
 
 def _make(table: dict[str, str], kind: str, name: str):
     check_backend(table, kind, name)
+    if name in _NEEDS_TRITON:
+        _require_triton(kind, name)
     module, factory = table[name].split(":")
     return getattr(importlib.import_module(module), factory)()
+
+
+def _require_triton(kind: str, name: str) -> None:
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("triton") is None:
+        raise BackendUnavailableError(f"the {name} {kind} backend needs the triton package: pip install triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BackendUnavailableError(f"the {name} {kind} backend needs a CUDA GPU; on a CPU it runs only under "
+                                      "Triton's interpreter (TRITON_INTERPRET=1, slow: for tests)")

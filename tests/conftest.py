@@ -11,6 +11,10 @@ from afd_engine.tiny_model import make_tiny_model
 
 # Tests run two workers on two cores; one torch thread each keeps them from fighting.
 torch.set_num_threads(int(os.environ.get("AFD_TEST_THREADS", "1")))
+# Without a GPU the Triton kernels run under Triton's interpreter; it must be chosen before the
+# first kernel module is imported, and engine subprocesses inherit it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # name -> (arch, overrides): the configurations every parity test runs against.
 TINY_CONFIGS = {

@@ -49,8 +49,9 @@ class PipelineRunner(StepRunner):
         self.spec, self.rank, self.transport = spec, rank, transport
         topo, config = spec.topology, spec.comm_config()
         self.sender = attention_endpoint(topo, rank, transport, config)
-        self.executor = RemoteExpertExecutor(self.sender)
-        self.server = CommExpertServer(ffn_endpoint(topo, rank, transport, config)) if topo.colocated else None
+        self.executor = RemoteExpertExecutor(self.sender, pool.device)
+        self.server = CommExpertServer(ffn_endpoint(topo, rank, transport, config), pool.device) if topo.colocated \
+            else None
         self.peers = [topo.sender_endpoint(i) for i in range(topo.num_senders) if i != rank]
         self.ffn = [] if topo.colocated else [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks)]
         self.n = spec.args.num_micro_batches
@@ -99,14 +100,15 @@ class PipelineRunner(StepRunner):
         commit(plan)
         self.timeline.end_step(self.step_id)
         self.step_id += 1
-        return inputs.samplers, torch.cat(outs) if outs else torch.empty(0)
+        return inputs.samplers, torch.cat(outs) if outs else torch.empty(0, device=self.pool.device)
 
     def _micro_batch(self, inputs: StepInputs, group: range) -> dict:
         n_ext = len(inputs.extend)
         ext = [inputs.extend[i] for i in group if i < n_ext]
         dec = [inputs.decode[i - n_ext] for i in group if i >= n_ext]
-        fb = ForwardBatch.build(ext, dec, self.pool.page_table, self.pool.page_size)
-        return {"fb": fb, "kv_cache": self.pool.cache, "rows": logit_rows(ext + dec, [inputs.samples[i] for i in group])}
+        fb = ForwardBatch.build(ext, dec, self.pool.page_table, self.pool.page_size, self.pool.device)
+        rows = logit_rows(ext + dec, [inputs.samples[i] for i in group], self.pool.device)
+        return {"fb": fb, "kv_cache": self.pool.cache, "rows": rows}
 
     def _announce(self, tokens: list[int], shutdown: bool = False) -> None:
         """The step descriptor every FFN rank checks before serving the step."""

@@ -39,10 +39,11 @@ class PeerLostError(CommError):
 
 
 class FfnWorker:
-    def __init__(self, shard, spec: DeploymentSpec, rank: int, transport: Transport) -> None:
+    def __init__(self, shard, spec: DeploymentSpec, rank: int, transport: Transport,
+                 device: torch.device | str = "cpu") -> None:
         self.shard, self.spec, self.rank, self.transport = shard, spec, rank, transport
         topo = spec.topology
-        self.server = CommExpertServer(ffn_endpoint(topo, rank, transport, spec.comm_config()))
+        self.server = CommExpertServer(ffn_endpoint(topo, rank, transport, spec.comm_config()), device)
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.n = spec.args.num_micro_batches
         self.step_id = 0

@@ -91,8 +91,10 @@ class Deployment:
         comm = self.rendezvous or dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
         ffn_ranks = [] if topo.colocated or self.role == "attention" else (
             topo.node_ranks(self.node_rank) if self.role == "ffn" else range(topo.num_ffn_ranks))
-        ffn = [(run_ffn_worker, {"args": self.args, "rank": r, "comm_addresses": comm}) for r in ffn_ranks]
         attn = [] if self.role == "ffn" else range(topo.num_senders)
+        # device index on this machine (GPU base + index): attention ranks first, then FFN ranks
+        ffn = [(run_ffn_worker, {"args": self.args, "rank": r, "comm_addresses": comm, "local_index": len(attn) + k})
+               for k, r in enumerate(ffn_ranks)]
         return ffn + [(run_attention_worker, {"args": self.args, "addrs": self.addrs, "rank": i, "comm_addresses": comm})
                       for i in attn]
 

@@ -4,6 +4,9 @@
 sends the micro-batch's tokens to the ranks holding their experts, combine waits for the results.
 `CommExpertServer` is the expert side (FFN ranks; colocated ranks for their peers). Both name
 their messages (step, layer, micro-batch); the runner advances `step` before each step.
+
+The data plane here is host memory (the ZeroMQ transport sends bytes from the CPU): tensors
+cross to the host at dispatch and come back to the rank's `device` at combine and receive.
 """
 
 from __future__ import annotations
@@ -17,28 +20,33 @@ from comm.ffn_side import FfnEndpoint
 
 
 class RemoteExpertExecutor(ExpertExecutor):
-    def __init__(self, endpoint: AttentionEndpoint) -> None:
-        self.endpoint = endpoint
+    def __init__(self, endpoint: AttentionEndpoint, device: torch.device | str = "cpu") -> None:
+        self.endpoint, self.device = endpoint, torch.device(device)
         self.step = 0
 
     def dispatch(self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> DispatchHandle:
-        return self.endpoint.dispatch(hidden, topk_ids, topk_weights, MsgKey(self.step, layer_id, micro_batch))
+        key = MsgKey(self.step, layer_id, micro_batch)
+        return self.endpoint.dispatch(hidden.cpu(), topk_ids.cpu(), topk_weights.cpu(), key)
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
-        return self.endpoint.combine(handle)
+        return self.endpoint.combine(handle).to(self.device)
 
 
 class CommExpertServer(ExpertServer):
-    def __init__(self, endpoint: FfnEndpoint) -> None:
-        self.endpoint = endpoint
+    def __init__(self, endpoint: FfnEndpoint, device: torch.device | str = "cpu") -> None:
+        self.endpoint, self.device = endpoint, torch.device(device)
         self.step = 0
 
     def post(self, layer_id: int, micro_batch: int) -> None:
         self.endpoint.post_dispatch(MsgKey(self.step, layer_id, micro_batch))
 
     def receive(self, layer_id: int, micro_batch: int) -> ExpertBatch:
-        return self.endpoint.recv_dispatch(MsgKey(self.step, layer_id, micro_batch))
+        batch = self.endpoint.recv_dispatch(MsgKey(self.step, layer_id, micro_batch))
+        if self.device.type != "cpu":
+            batch.hidden, batch.local_ids = batch.hidden.to(self.device), batch.local_ids.to(self.device)
+            batch.weights = batch.weights.to(self.device)
+        return batch
 
     def send(self, tokens: ExpertBatch, outputs: torch.Tensor) -> None:
         self.endpoint.send_combine(tokens, outputs)

@@ -34,7 +34,7 @@ def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     def runner(model, pool):
         return PipelineRunner(model, pool, spec, rank, transport)
 
-    return Engine(args, expert_range=experts, rank_runner=runner)
+    return Engine(args, expert_range=experts, rank_runner=runner, device=args.device_for(rank))
 
 
 def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int, comm_addresses) -> None:
@@ -42,15 +42,19 @@ def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int
     run_engine_process(args, addrs, ready, rank, functools.partial(_attention_engine, args, rank, comm_addresses))
 
 
-def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses) -> None:
-    """An FFN rank of an AFD deployment: loads only its experts, serves every attention rank."""
+def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_index: int) -> None:
+    """An FFN rank of an AFD deployment: loads only its experts, serves every attention rank.
+    `local_index` is its place among this machine's ranks (which GPU it takes)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     try:
         cfg = ModelConfig.from_pretrained(args.model_path)
         spec = DeploymentSpec.of(args, cfg)
+        device = args.device_for(local_index)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         shard = load_expert_shard(cfg, args.model_path, args.torch_dtype, spec.expert_range(rank),
-                                  Kernels.named(moe=args.moe_backend))
+                                  Kernels.named(moe=args.moe_backend), device)
         transport = _transport(spec.topology.ffn_endpoint(rank), comm_addresses, spec)
     except Exception as exc:  # reported to the launcher, which stops the deployment
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -58,7 +62,7 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses) -> None:
     ready.send({"ok": True})
     logging.getLogger("afd.ffn").info("FFN rank %d ready: experts %s", rank, spec.expert_range(rank))
     try:
-        FfnWorker(shard, spec, rank, transport).run()
+        FfnWorker(shard, spec, rank, transport, device).run()
     except PeerLostError as exc:  # an expected way to end: one line, exit status 1
         logging.getLogger("afd.ffn").error("%s", exc)
         raise SystemExit(1) from None

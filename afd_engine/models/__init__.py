@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
+from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
 from afd_engine.models.deepseek import DeepseekForCausalLM, ExpertShard
 from afd_engine.models.loader import load_weights
-from kernels.registry import attention_backend, moe_backend
+from kernels.registry import BackendUnavailableError, attention_backend, moe_backend
 
 MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
@@ -31,12 +32,23 @@ class Kernels:
 
     @staticmethod
     def named(attention: str = "torch", moe: str = "torch") -> Kernels:
-        return Kernels(attention_backend(attention), moe_backend(moe))
+        """The backends by name; a backend that cannot run here is a ConfigError naming its flag."""
+        return Kernels(_backend(attention_backend, attention, "attention-backend"),
+                       _backend(moe_backend, moe, "moe-backend"))
+
+
+def _backend(make, name: str, flag: str):
+    try:
+        return make(name)
+    except BackendUnavailableError as exc:
+        raise ConfigError(f"--{flag}={name}: {exc}") from None
 
 
 def load_model(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
-               expert_range: tuple[int, int] | None = None, kernels: Kernels | None = None) -> DeepseekForCausalLM:
-    """Builds the model for `cfg.architecture` in `dtype` and loads its weights from `model_path`."""
+               expert_range: tuple[int, int] | None = None, kernels: Kernels | None = None,
+               device: torch.device | str = "cpu") -> DeepseekForCausalLM:
+    """Builds the model for `cfg.architecture` in `dtype` on `device` and loads its weights from
+    `model_path` (read on the host, copied to the device tensor by tensor)."""
     with torch.device("meta"):  # no random init of weights that the checkpoint overwrites
         model = MODEL_REGISTRY[cfg.architecture](cfg, expert_range, kernels or Kernels.named())
     model.to(dtype)
@@ -44,16 +56,17 @@ def load_model(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "e_score_correction_bias"):
             gate.e_score_correction_bias = gate.e_score_correction_bias.float()
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     load_weights(model, model_path)
     return model.eval().requires_grad_(False)
 
 
 def load_expert_shard(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
-                      expert_range: tuple[int, int], kernels: Kernels | None = None) -> ExpertShard:
+                      expert_range: tuple[int, int], kernels: Kernels | None = None,
+                      device: torch.device | str = "cpu") -> ExpertShard:
     """Only the routed experts in `expert_range` of every MoE layer (an FFN rank's weights)."""
     with torch.device("meta"):
         shard = ExpertShard(cfg, expert_range, kernels or Kernels.named())
-    shard.to(dtype).to_empty(device="cpu")
+    shard.to(dtype).to_empty(device=device)
     load_weights(shard, model_path)
     return shard.eval().requires_grad_(False)

@@ -12,6 +12,7 @@ the absorbed form; both read the same paged latent cache through slot tables.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,10 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
     @staticmethod
-    def build(extend: list[SeqChunk], decode: list[SeqChunk], page_table: torch.Tensor, page_size: int) -> ForwardBatch:
-        """page_table [rows, max_pages] int64: page ids of each sequence (row) in order."""
+    def build(extend: list[SeqChunk], decode: list[SeqChunk], page_table: torch.Tensor, page_size: int,
+              device: torch.device | str = "cpu") -> ForwardBatch:
+        """page_table [rows, max_pages] int64: page ids of each sequence (row) in order. The tables
+        are built on the host and moved to `device` once per step."""
         ext = _segment(extend, page_table, page_size)
         dec = _segment(decode, page_table, page_size)
         ids = [t for c in extend for t in c.tokens] + [t for c in decode for t in c.tokens]
@@ -68,7 +71,15 @@ class ForwardBatch:
             dec_bias=torch.zeros(dec.slots.shape, dtype=torch.float32).masked_fill_(~dec.kv_valid, float("-inf"))[:, None],
             dec_pages=dec.pages,
             page_size=page_size,
-        )
+        ).to(device)
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """The same batch with every tensor on `device` (itself when already there)."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
+                                            for f in dataclasses.fields(self) if f.type == "torch.Tensor"})
 
     def paged_decode(self) -> PagedKV:
         """Where the decode sequences' cached tokens are, for the MLA decode kernels."""

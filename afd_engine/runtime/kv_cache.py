@@ -20,11 +20,13 @@ class KVPool:
     """Cache tensor [layers, num_pages * page_size, dim] plus page bookkeeping."""
 
     def __init__(self, num_layers: int, dim: int, num_pages: int, page_size: int, max_seqs: int,
-                 max_pages_per_seq: int, dtype: torch.dtype) -> None:
+                 max_pages_per_seq: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         if num_pages < 1:
             raise ConfigError("the KV cache budget holds no page; raise --kv-cache-memory-mb or lower --page-size")
         self.page_size, self.num_pages = page_size, num_pages
-        self.cache = torch.zeros(num_layers, num_pages * page_size, dim, dtype=dtype)
+        self.device = torch.device(device)
+        self.cache = torch.zeros(num_layers, num_pages * page_size, dim, dtype=dtype, device=device)
+        # bookkeeping stays on the host: ForwardBatch.build reads it and moves the step's tables
         self.page_table = torch.zeros(max_seqs, max_pages_per_seq, dtype=torch.int64)
         self._free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._free_rows = list(range(max_seqs - 1, -1, -1))

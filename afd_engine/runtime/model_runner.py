@@ -37,10 +37,10 @@ class StepInputs:
         return StepInputs(extend, decode, samples, samplers)
 
 
-def logit_rows(chunks: list[SeqChunk], samples: list[bool]) -> torch.Tensor:
+def logit_rows(chunks: list[SeqChunk], samples: list[bool], device: torch.device | str = "cpu") -> torch.Tensor:
     """Rows (last token of each sampling sequence) in the flat token order of `chunks`."""
     ends = torch.tensor([len(c.tokens) for c in chunks], dtype=torch.int64).cumsum(0) - 1
-    return ends[torch.tensor(samples, dtype=torch.bool)] if chunks else ends
+    return (ends[torch.tensor(samples, dtype=torch.bool)] if chunks else ends).to(device)
 
 
 def commit(plan: StepPlan) -> None:
@@ -92,7 +92,9 @@ class ModelRunner(StepRunner):
 
     def run(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
         inputs = StepInputs.of(plan)
-        fb = ForwardBatch.build(inputs.extend, inputs.decode, self.pool.page_table, self.pool.page_size)
-        logits = self.model(fb, self.pool.cache, logit_rows(inputs.extend + inputs.decode, inputs.samples))
+        fb = ForwardBatch.build(inputs.extend, inputs.decode, self.pool.page_table, self.pool.page_size,
+                                self.pool.device)
+        rows = logit_rows(inputs.extend + inputs.decode, inputs.samples, self.pool.device)
+        logits = self.model(fb, self.pool.cache, rows)
         commit(plan)
         return inputs.samplers, logits
