@@ -1,0 +1,145 @@
+"""TritonMLA against the torch reference (TorchMLA), under Triton's interpreter on a CPU.
+
+Every case scrambles the page order and points the page table's padding entries, and every cache
+row no sequence owns, at NaN-filled pages: a kernel that ignores the page table or reads past
+kv_lens returns NaN or another sequence's tokens. The Triton side gets no slot table or bias.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+from kernels.mla import PagedKV, TorchMLA
+from kernels.triton.mla import MAX_SPLITS, TritonMLA, num_splits_for
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = {"heads": 4, "C": 32, "R": 8, "Dn": 16, "Dv": 16}
+V3 = {"C": 512, "R": 64, "Dn": 128, "Dv": 128}  # DeepSeek-V3's head dims
+RAGGED = [1, 5, 17, 100]
+TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-5}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
+
+
+def paged_kv(kv_lens: list[int], page_size: int, g: torch.Generator) -> tuple[PagedKV, int]:
+    """A page table over scrambled pages, padded with poison page ids, and its PagedKV built the
+    way afd_engine/runtime/forward_batch.py builds it. Page 0 is the (finite) padding slot's page;
+    pages >= 1 + used are poison. Returns (kv, number of pages)."""
+    need = [-(-n // page_size) for n in kv_lens]
+    used, poison = sum(need), 3
+    order = (torch.randperm(used, generator=g) + 1).tolist()  # scrambled, never page 0
+    width = max(need)
+    pages = torch.randint(1 + used, 1 + used + poison, (len(kv_lens), width), generator=g)
+    for b, n in enumerate(need):
+        pages[b, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    lens = torch.tensor(kv_lens, dtype=torch.int64)
+    kv_pos = torch.arange(max(kv_lens))[None, :].expand(len(kv_lens), -1)  # [B, L]
+    kv_valid = kv_pos < lens[:, None]
+    page_idx = (kv_pos // page_size).clamp(max=width - 1)
+    slots = torch.where(kv_valid, pages.gather(1, page_idx) * page_size + kv_pos % page_size, 0)
+    bias = torch.zeros(slots.shape).masked_fill_(~kv_valid, float("-inf"))[:, None]
+    kv = PagedKV(slots.to(DEVICE), bias.to(DEVICE), pages.to(DEVICE), lens.to(DEVICE), page_size)
+    return kv, 1 + used + poison
+
+
+def make_case(kv_lens, page_size, heads, C, R, Dn, Dv, dtype, seed=0):
+    """Random decode inputs with O(1) scores: (q_nope, q_pe, cache, kv, w_kv_b, scale)."""
+    g = torch.Generator().manual_seed(seed)
+    kv, num_pages = paged_kv(kv_lens, page_size, g)
+    cache = torch.randn(num_pages * page_size, C + R, generator=g)
+    owned = torch.zeros(len(cache), dtype=torch.bool)
+    owned[kv.slots.cpu().flatten()] = True  # every sequence token, and slot 0 (the padding slot)
+    cache[~owned] = float("nan")
+    B = len(kv_lens)
+    q_nope, q_pe = torch.randn(B, heads, Dn, generator=g), torch.randn(B, heads, R, generator=g)
+    w_kv_b = torch.randn(heads * (Dn + Dv), C, generator=g) * C**-0.5
+    tensors = [t.to(DEVICE, dtype) for t in (q_nope, q_pe, cache, w_kv_b)]
+    return (*tensors[:3], kv, tensors[3], (Dn + R) ** -0.5)
+
+
+def decode_both(kv_lens, page_size, dims, dtype, num_splits=None, seed=0):
+    """(triton output, torch reference output) of one decode step."""
+    q_nope, q_pe, cache, kv, w_kv_b, scale = make_case(kv_lens, page_size, **dims, dtype=dtype, seed=seed)
+    H, Dn, Dv = dims["heads"], dims["Dn"], dims["Dv"]
+    w_uk, w_uv = TorchMLA().absorb(w_kv_b, H, Dn, Dv)
+    ref = TorchMLA().decode(q_nope, q_pe, cache, kv, w_uk, w_uv, scale)
+    out = TritonMLA(num_splits).decode(q_nope, q_pe, cache, kv._replace(slots=None, bias=None), w_uk, w_uv, scale)
+    return out, ref
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_decode_tiny_fp32_ragged(page_size, num_splits):
+    out, ref = decode_both(RAGGED, page_size, TINY, torch.float32, num_splits)
+    assert out.shape == (4, 4, 16) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_tiny_bf16_ragged(page_size):
+    out, ref = decode_both(RAGGED, page_size, TINY, torch.bfloat16, num_splits=3)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_v3_dims_16_heads(dtype):
+    out, ref = decode_both([1, 37, 70], 64, dict(heads=16, **V3), dtype, num_splits=2)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_v3_dims_128_heads(dtype):
+    """DeepSeek-V3's full head count: 8 head blocks of 16."""
+    out, ref = decode_both([40], 16, dict(heads=128, **V3), dtype, num_splits=2)
+    assert out.shape == (1, 128, 128)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+def test_decode_odd_dims_partial_head_block():
+    """C, R not powers of two and 20 heads (a full block plus a masked one)."""
+    dims = {"heads": 20, "C": 24, "R": 6, "Dn": 10, "Dv": 12}
+    out, ref = decode_both([3, 50], 16, dims, torch.float32, num_splits=2)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_decode_default_splits_long_sequence():
+    """A sequence long enough that the heuristic picks several splits, beside a short one."""
+    assert num_splits_for(600) == 3
+    out, ref = decode_both([600, 3], 16, TINY, torch.float32)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_decode_more_splits_than_blocks():
+    """Many splits: most are empty for every sequence and must carry zero weight."""
+    out, ref = decode_both(RAGGED, 16, TINY, torch.float32, num_splits=MAX_SPLITS)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_decode_empty_batch():
+    q_nope, q_pe, cache, _, w_kv_b, scale = make_case([1], 16, **TINY, dtype=torch.float32)
+    empty = torch.zeros(0, 1, dtype=torch.int64, device=DEVICE)
+    kv = PagedKV(None, None, empty, torch.zeros(0, dtype=torch.int64, device=DEVICE), 16)
+    w_uk, w_uv = TritonMLA().absorb(w_kv_b, 4, 16, 16)
+    out = TritonMLA().decode(q_nope[:0], q_pe[:0], cache, kv, w_uk, w_uv, scale)
+    assert out.shape == (0, 4, 16) and out.dtype == torch.float32
+
+
+def test_num_splits_heuristic():
+    assert [num_splits_for(n) for n in (1, 256, 257, 1000, 10**6)] == [1, 1, 2, 4, MAX_SPLITS]
+
+
+def test_extend_matches_reference():
+    """Extend is delegated to the torch reference: same output through the same interface."""
+    q_nope, q_pe, cache, kv, w_kv_b, scale = make_case([5, 17], 16, **TINY, dtype=torch.float32)
+    q_nope = torch.randn(2, 3, 4, 16, device=DEVICE)
+    q_pe = torch.randn(2, 3, 4, 8, device=DEVICE)
+    q_positions = torch.tensor([[2, 3, 4], [14, 15, 16]], device=DEVICE)
+    args = (q_nope, q_pe, cache, kv.slots, kv.kv_lens, q_positions, w_kv_b, 16, scale)
+    torch.testing.assert_close(TritonMLA().extend(*args), TorchMLA().extend(*args), rtol=0, atol=0)
+    assert TritonMLA.name == "triton"
