@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Kernel timings per backend: time, achieved GB/s and TFLOP/s, fraction of the device's peak.
+
+Kernels (each through the backend objects the engine uses, kernels/registry.py):
+- mla_decode: absorbed MLA decode over the paged latent cache (batch x context, page size 64)
+- fused_moe: routed experts, top-k of E, bf16/fp32 weights
+- fp8_quantize: per-128-group e4m3 quantization of activations (comm/wire.py's format)
+
+Bytes and FLOPs are analytic minimums (each operand read once, each result written once): what
+a kernel must move, so GB/s / peak says how close it is to the memory roofline. On a GPU the peak
+comes from the planner's hardware catalog when the device name matches one of it (H100, H200...).
+Every row also reports the largest relative error against the torch reference on the same inputs.
+
+    python benchmarks/bench_kernels.py                      # DeepSeek-V3 shapes (needs a GPU)
+    python benchmarks/bench_kernels.py --quick --json k.json    # tiny shapes; on a CPU the
+                                                                # triton rows run under the interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of a Triton kernel module
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from afd_engine.planner.hardware import HARDWARE  # noqa: E402
+from kernels.mla import PagedKV  # noqa: E402
+from kernels.registry import attention_backend, moe_backend  # noqa: E402
+
+# (batch, context, heads, latent C, rope R, nope Dn, value Dv)
+MLA_FULL, MLA_QUICK = (64, 4096, 128, 512, 64, 128, 128), (2, 40, 4, 32, 8, 16, 16)
+# (tokens, experts, hidden, intermediate, top-k): DeepSeek-V3's expert shape, 4K tokens
+MOE_FULL, MOE_QUICK = (4096, 256, 7168, 2048, 8), (16, 8, 64, 32, 2)
+FP8_FULL, FP8_QUICK = (4096, 7168), (16, 200)
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of `fn()` over `reps` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-12))
+
+
+def mla_case(shape, dtype, device, page_size: int = 64):
+    B, L, H, C, R, Dn, Dv = shape
+    g = torch.Generator().manual_seed(0)
+    pages_per_seq = -(-L // page_size)
+    pages = torch.randperm(B * pages_per_seq, generator=g).view(B, pages_per_seq)  # scattered pages
+    cache = torch.randn(B * pages_per_seq * page_size, C + R, generator=g).to(dtype)
+    pos = torch.arange(L)
+    slots = pages.gather(1, (pos // page_size).expand(B, L)) * page_size + pos % page_size
+    kv = PagedKV(slots, torch.zeros(B, 1, L), pages, torch.full((B,), L), page_size)
+    kv = PagedKV(*(t.to(device) for t in kv[:4]), page_size)
+    q_nope, q_pe = torch.randn(B, H, Dn, generator=g).to(dtype), torch.randn(B, H, R, generator=g).to(dtype)
+    w_uk, w_uv = (torch.randn(H, Dn, C, generator=g) / C**0.5).to(dtype), (torch.randn(H, Dv, C, generator=g) /
+                                                                          C**0.5).to(dtype)
+    args = [t.to(device) for t in (q_nope, q_pe, cache)] + [kv, w_uk.to(device), w_uv.to(device), 1 / (Dn + R)**0.5]
+    size = dtype.itemsize
+    nbytes = (B * L * (C + R) + B * H * (Dn + R + Dv) + H * (Dn + Dv) * C) * size
+    flops = 2 * B * H * L * (2 * C + R) + 2 * B * H * C * (Dn + Dv)
+    return args, nbytes, flops
+
+
+def moe_case(shape, dtype, device):
+    T, E, H, I, K = shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    weights = torch.rand(T, K, generator=g)
+    active = int(ids.unique().numel())
+    nbytes = (active * 3 * H * I + 2 * T * H) * dtype.itemsize + T * K * 12
+    flops = 2 * T * K * 3 * H * I
+    return [t.to(device) for t in (x, w13, w2, ids, weights)], nbytes, flops
+
+
+def run_rows(backends: list[str], quick: bool, dtype: torch.dtype, device: torch.device, reps: int) -> list[dict]:
+    from comm.wire import quantize_fp8
+
+    rows = []
+    mla_args, mla_bytes, mla_flops = mla_case(MLA_QUICK if quick else MLA_FULL, dtype, device)
+    moe_args, moe_bytes, moe_flops = moe_case(MOE_QUICK if quick else MOE_FULL, dtype, device)
+    fp8_shape = FP8_QUICK if quick else FP8_FULL
+    x8 = torch.randn(*fp8_shape, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
+    refs = {"mla_decode": attention_backend("torch").decode(*mla_args), "fused_moe":
+            moe_backend("torch").fused_moe(*moe_args), "fp8_quantize": quantize_fp8(x8)[0]}
+    for backend in backends:
+        mla, moe = attention_backend(backend), moe_backend(backend)
+        quant = quantize_fp8
+        if backend == "triton":
+            from kernels.triton.fp8 import quantize_fp8 as quant
+        cases = {
+            "mla_decode": (lambda mla=mla: mla.decode(*mla_args), mla_bytes, mla_flops),
+            "fused_moe": (lambda moe=moe: moe.fused_moe(*moe_args), moe_bytes, moe_flops),
+            "fp8_quantize": (lambda quant=quant: quant(x8)[0], x8.numel() * (x8.element_size() + 1) + x8.numel() // 32,
+                             4 * x8.numel()),
+        }
+        for name, (fn, nbytes, flops) in cases.items():
+            seconds = timed(fn, device, reps)
+            out = fn()
+            err = rel_err(out.view(torch.uint8).float() if name == "fp8_quantize" else out,
+                          refs[name].view(torch.uint8).float() if name == "fp8_quantize" else refs[name])
+            rows.append({"kernel": name, "backend": backend, "us": seconds * 1e6, "gb_s": nbytes / seconds / 1e9,
+                         "tflop_s": flops / seconds / 1e12, "max_rel_err_vs_torch": err})
+    return rows
+
+
+def device_peak(device: torch.device):
+    """(name, HBM TB/s, bf16 TFLOP/s) of a known GPU, else (name, None, None)."""
+    if device.type != "cuda":
+        return "cpu", None, None
+    name = torch.cuda.get_device_name(device)
+    hw = next((h for key, h in HARDWARE.items() if key in name), None)
+    return name, (hw.mem_bw_tbs if hw else None), (hw.bf16_tflops if hw else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU, tests)")
+    parser.add_argument("--backends", default="torch,triton", help="comma-separated backend names")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="default: bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per kernel (default 20; quick: 2)")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    ns = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, ns.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if device.type == "cpu" and not ns.quick:
+        print("full DeepSeek-V3 shapes need a GPU; use --quick on a CPU", file=sys.stderr)
+        return 2
+    name, bw, peak = device_peak(device)
+    rows = run_rows(ns.backends.split(","), ns.quick, dtype, device, ns.reps or (2 if ns.quick else 20))
+    for r in rows:
+        r["hbm_fraction"] = r["gb_s"] / (bw * 1000) if bw else None
+        r["bf16_peak_fraction"] = r["tflop_s"] / peak if peak else None
+    print(f"device: {name}, dtype {dtype}, {'quick' if ns.quick else 'DeepSeek-V3'} shapes"
+          + (" (triton rows run under the interpreter: not a speed figure)" if device.type == "cpu" else ""))
+    print(f"{'kernel':<14}{'backend':<8}{'us':>12}{'GB/s':>10}{'TFLOP/s':>10}{'HBM %':>8}{'peak %':>8}{'rel err':>10}")
+    for r in rows:
+        pct = [f"{100 * r[k]:.0f}" if r[k] is not None else "-" for k in ("hbm_fraction", "bf16_peak_fraction")]
+        print(f"{r['kernel']:<14}{r['backend']:<8}{r['us']:>12.1f}{r['gb_s']:>10.2f}{r['tflop_s']:>10.3f}"
+              f"{pct[0]:>8}{pct[1]:>8}{r['max_rel_err_vs_torch']:>10.1e}")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"device": name, "dtype": str(dtype), "quick": ns.quick, "rows": rows},
+                                            indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
