@@ -13,7 +13,7 @@ import torch
 
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
-from afd_engine.models.deepseek import DeepseekForCausalLM, ExpertShard
+from afd_engine.models.deepseek import DeepseekForCausalLM, ExpertShard, RoutedExperts
 from afd_engine.models.loader import load_weights
 from kernels.registry import BackendUnavailableError, attention_backend, moe_backend
 
@@ -56,6 +56,7 @@ def load_model(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "e_score_correction_bias"):
             gate.e_score_correction_bias = gate.e_score_correction_bias.float()
+    _keep_fp32_scales(model)
     model.to_empty(device=device)
     load_weights(model, model_path)
     return model.eval().requires_grad_(False)
@@ -67,6 +68,14 @@ def load_expert_shard(cfg: ModelConfig, model_path: str | Path, dtype: torch.dty
     """Only the routed experts in `expert_range` of every MoE layer (an FFN rank's weights)."""
     with torch.device("meta"):
         shard = ExpertShard(cfg, expert_range, kernels or Kernels.named())
-    shard.to(dtype).to_empty(device=device)
+    shard.to(dtype)
+    _keep_fp32_scales(shard)
+    shard.to_empty(device=device)
     load_weights(shard, model_path)
     return shard.eval().requires_grad_(False)
+
+
+def _keep_fp32_scales(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.keep_fp32()

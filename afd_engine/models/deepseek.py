@@ -101,9 +101,21 @@ class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, first: int, count: int, kernels) -> None:
         super().__init__()
         self.first, self.count, self.kernels = first, count, kernels
-        inter = cfg.moe_intermediate_size
-        self.w13 = nn.Parameter(torch.empty(count, 2 * inter, cfg.hidden_size))
-        self.w2 = nn.Parameter(torch.empty(count, cfg.hidden_size, inter))
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        self.fp8 = keeps_fp8_experts(cfg, kernels)
+        if self.fp8:  # the checkpoint's FP8 bytes (uint8, so that model.to(dtype) leaves them) + block scales
+            self.register_buffer("w13_q", torch.empty(count, 2 * inter, hidden, dtype=torch.uint8))
+            self.register_buffer("w2_q", torch.empty(count, hidden, inter, dtype=torch.uint8))
+            self.register_buffer("w13_scale", torch.empty(count, 2 * inter // 128, -(-hidden // 128)))
+            self.register_buffer("w2_scale", torch.empty(count, -(-hidden // 128), inter // 128))
+        else:
+            self.w13 = nn.Parameter(torch.empty(count, 2 * inter, hidden))
+            self.w2 = nn.Parameter(torch.empty(count, hidden, inter))
+
+    def keep_fp32(self) -> None:
+        """After model.to(dtype): the FP8 block scales stay fp32, as the checkpoint stores them."""
+        if self.fp8:
+            self.w13_scale, self.w2_scale = self.w13_scale.float(), self.w2_scale.float()
 
     def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids [T, K] -> this module's indices, -1 where another rank holds the expert."""
@@ -113,7 +125,19 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], local_ids [T, K] int64 (-1: not here), weights [T, K] fp32 -> [T, H], per token
         the weighted sum over the experts held here."""
+        if self.fp8:
+            f8 = torch.float8_e4m3fn
+            return self.kernels.fused_moe_fp8(x, self.w13_q.view(f8), self.w13_scale, self.w2_q.view(f8),
+                                              self.w2_scale, local_ids, weights)
         return self.kernels.fused_moe(x, self.w13, self.w2, local_ids, weights)
+
+
+def keeps_fp8_experts(cfg: ModelConfig, moe_kernels) -> bool:
+    """Routed experts stay FP8 (no dequantization at load) when the checkpoint is FP8 with 128x128
+    blocks, the MoE backend computes on FP8 weights, and gate and up each fill whole 128-row blocks
+    (stacked into w13, their scales then stack too)."""
+    return (cfg.fp8_block == (128, 128) and hasattr(moe_kernels, "fused_moe_fp8")
+            and cfg.moe_intermediate_size % 128 == 0)
 
 
 class MoE(nn.Module):

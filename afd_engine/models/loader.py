@@ -2,7 +2,8 @@
 
 Names are the checkpoint's own; the mapping table below only covers what the serving layout
 stores differently (stacked routed experts). Each process loads only the tensors its modules
-own, so an expert-parallel rank reads only its experts.
+own, so an expert-parallel rank reads only its experts. FP8 weights are dequantized here, except
+routed experts whose module keeps them FP8 (`w13_q`/`w2_q` with their block scales).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
             for name in names:
                 if name.endswith("_scale_inv") or _skip_layer(name, cfg.num_layers):
                     continue
+                fp8 = _fp8_expert_dest(name, params, first, last)
+                if fp8 is not None:
+                    for dest in _place_fp8_expert(f, name, fp8, params):
+                        filled[dest] += 1
+                    continue
                 tensor = _read(f, name, names, cfg.fp8_block)
                 dest = _place(name, tensor, params, first, last)
                 if dest is not None:
@@ -69,9 +75,9 @@ def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
 
 def _pieces(name: str, param: torch.Tensor) -> int:
     """How many checkpoint tensors make up one parameter (stacked experts: one or two per expert)."""
-    if name.endswith("experts.w13"):
+    if name.endswith(("experts.w13", "experts.w13_q", "experts.w13_scale")):
         return 2 * param.shape[0]
-    return param.shape[0] if name.endswith("experts.w2") else 1
+    return param.shape[0] if name.endswith(("experts.w2", "experts.w2_q", "experts.w2_scale")) else 1
 
 
 def _skip_layer(name: str, num_layers: int) -> bool:
@@ -117,3 +123,31 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ModelLoadError(f"weight {name} has shape {tuple(src.shape)}, the config implies {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+def _fp8_expert_dest(name: str, params: dict, first: int, last: int) -> tuple[int, int, str] | None:
+    """(layer, expert, projection) of a routed-expert weight this model keeps FP8, else None."""
+    m = _EXPERT.match(name)
+    if m is None or not first <= int(m.group(2)) < last:
+        return None
+    layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+    stacked = _STACK_SLOT[proj][0]
+    return (layer, expert - first, proj) if f"model.layers.{layer}.mlp.experts.{stacked}_q" in params else None
+
+
+def _place_fp8_expert(f, name: str, dest: tuple[int, int, str], params: dict) -> list[str]:
+    """Copies an expert's FP8 weight bytes and its 128x128 block scales into the stacked buffers:
+    gate rows then up rows of w13 (and of w13_scale, whole blocks since I % 128 == 0), or w2."""
+    layer, local, proj = dest
+    stacked, half = _STACK_SLOT[proj]
+    prefix = f"model.layers.{layer}.mlp.experts.{stacked}"
+    weight, scale = f.get_tensor(name), f.get_tensor(name + "_scale_inv")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ModelLoadError(f"{name} has a scale_inv but is {weight.dtype}, not float8_e4m3fn")
+    q, s = params[prefix + "_q"].data[local], params[prefix + "_scale"].data[local]
+    if half is not None:
+        q = q[half * (q.shape[0] // 2):(half + 1) * (q.shape[0] // 2)]
+        s = s[half * (s.shape[0] // 2):(half + 1) * (s.shape[0] // 2)]
+    _copy(q, weight.view(torch.uint8), name)
+    _copy(s, scale.float(), name + "_scale_inv")
+    return [prefix + "_q", prefix + "_scale"]
