@@ -56,9 +56,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from afd_engine import EngineArgs
     from afd_engine.server.launch import ServerArgs, serve
 
-    server = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
-                        default_max_tokens=ns.default_max_tokens)
-    return serve(EngineArgs.from_cli(ns), server)
+    return serve(EngineArgs.from_cli(ns), ServerArgs.from_cli(ns))
 
 
 def _launch(ns: argparse.Namespace) -> int:
@@ -81,9 +79,7 @@ def _launch(ns: argparse.Namespace) -> int:
     rdv = RendezvousSpec(ns.dist_init_addr, host_ip, ns.rendezvous_timeout)
     deployment = Deployment(args, role=ns.role, node_rank=ns.node_rank, rendezvous=rdv)
     if ns.role == "attention":
-        server = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
-                            default_max_tokens=ns.default_max_tokens)
-        return serve(args, server, deployment)
+        return serve(args, ServerArgs.from_cli(ns), deployment)
     try:
         deployment.start()
         return deployment.wait()
@@ -105,6 +101,10 @@ def _server_flags(parser: argparse.ArgumentParser, defaults) -> None:
                         help="model name in the API (default: the checkpoint directory's name)")
     parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens,
                         help="completion length when a request sets none")
+    parser.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
+                        help="larger request bodies are refused with 413 before parsing")
+    parser.add_argument("--max-prompt-chars", type=int, default=defaults.max_prompt_chars,
+                        help="characters of text one request may send to the tokenizer (400 beyond)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,5 +65,16 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
+        if any(not _is_unicode(s) for s in self.stop):
+            raise bad("stop", "stop strings must be valid Unicode (a lone UTF-16 surrogate is not)")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+
+
+def _is_unicode(text: str) -> bool:
+    """False for strings holding lone UTF-16 surrogates (legal in JSON, not encodable as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -90,17 +90,27 @@ class EngineLoop:
         for sock, _ in self.poller.poll(timeout_ms):
             while True:
                 try:
-                    msg = msgs.decode(sock.recv(zmq.NOBLOCK))
+                    raw = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                try:
+                    msg = msgs.decode(raw)
+                except Exception:  # a malformed control message must not end the engine
+                    log.exception("dropped an undecodable control message of %d bytes", len(raw))
+                    continue
                 self._handle(msg)
 
     def _handle(self, msg) -> None:
-        if isinstance(msg, msgs.AddRequest):
+        if isinstance(msg, msgs.InvalidAddRequest):
+            self._send(msgs.Rejected(msg.rid, msg.message, msg.param))
+        elif isinstance(msg, msgs.AddRequest):
             try:
                 self.engine.add_request(prompt_token_ids=msg.prompt_ids, params=msg.params, request_id=msg.rid)
             except InvalidRequestError as exc:
                 self._send(msgs.Rejected(msg.rid, str(exc), exc.param))
+            except Exception as exc:  # one request's content must fail that request only
+                log.exception("request %s could not be added", msg.rid)
+                self._send(msgs.Rejected(msg.rid, f"the engine could not take this request: {exc}"))
         elif isinstance(msg, msgs.AbortRequest):  # broadcast: only the owning rank knows the id
             self.engine.abort(msg.rid)
         elif isinstance(msg, msgs.Shutdown):

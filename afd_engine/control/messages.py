@@ -11,6 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from afd_engine.errors import InvalidRequestError
 from afd_engine.runtime.request import TokenLogprob, TokenUpdate
 from afd_engine.sampling_params import SamplingParams
 
@@ -54,6 +55,16 @@ class Rejected:
     param: str | None = None
 
 
+@dataclass(frozen=True)
+class InvalidAddRequest:
+    """What `decode` makes of an AddRequest whose parameters are invalid (never on the wire): the
+    engine answers it with Rejected instead of failing on it."""
+
+    rid: str
+    message: str
+    param: str | None = None
+
+
 _TYPES = {t.__name__: t for t in (AddRequest, AbortRequest, Shutdown, StepOutput, Rejected)}
 
 
@@ -65,7 +76,10 @@ def decode(data: bytes):
     raw = json.loads(data)
     kind, body = raw["type"], raw["body"]
     if kind == "AddRequest":
-        return AddRequest(body["rid"], body["prompt_ids"], SamplingParams(**body["params"]))
+        try:
+            return AddRequest(body["rid"], body["prompt_ids"], SamplingParams(**body["params"]))
+        except (InvalidRequestError, TypeError) as exc:  # TypeError: an unknown sampling field
+            return InvalidAddRequest(body["rid"], str(exc), getattr(exc, "param", None))
     if kind == "StepOutput":
         return StepOutput([_update(u) for u in body["updates"]], EngineStats(**body["stats"]), body["rank"])
     return _TYPES[kind](**body)

@@ -2,6 +2,12 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (native, token ids),
 GET /v1/models, GET /health, GET /metrics.
+
+The boundary is hardened in layers: a body over ``--max-request-bytes`` is refused before it is
+parsed; the schema (protocol.py) refuses invalid Unicode and unsupported fields; text over
+``--max-prompt-chars`` is refused before it reaches the tokenizer; tokenization and chat-template
+rendering run in a worker thread, so a long prompt does not stall the event loop (and with it
+every other client's stream). Every error, FastAPI's own included, is OpenAI's error JSON.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from afd_engine.errors import AFDError
@@ -23,7 +30,16 @@ from afd_engine.server import protocol as P
 from afd_engine.server.choices import Choice, make_choices, run_choices
 from afd_engine.server.engine_client import EngineClient, EngineUnavailable
 from afd_engine.control.loop import ControlAddrs
-from afd_engine.server.errors import APIError, error_body, install_exception_handlers, invalid_api_key, server_error
+from afd_engine.server.errors import (
+    APIError,
+    error_body,
+    error_responses,
+    install_exception_handlers,
+    invalid_api_key,
+    openai_error,
+    server_error,
+    without_422,
+)
 from afd_engine.server.metrics import ServerMetrics
 
 DISCONNECT_POLL_S = 0.25
@@ -39,6 +55,7 @@ class ServerState:
     default_max_tokens: int
     metrics: ServerMetrics
     logprob_format: P.LogprobFormatter
+    max_prompt_chars: int
 
 
 def build_app(model_path: str, model_name: str, server_args, start_ranks: Callable[[], dict], addrs: ControlAddrs,
@@ -60,14 +77,17 @@ def build_app(model_path: str, model_name: str, server_args, start_ranks: Callab
             raise
         client.start()
         holder["s"] = ServerState(client, tokenizer, model_name, info["context_len"], server_args.default_max_tokens,
-                                  ServerMetrics(), P.LogprobFormatter(tokenizer))
+                                  ServerMetrics(), P.LogprobFormatter(tokenizer), server_args.max_prompt_chars)
         _banner(server_args, model_name)
         yield
         await client.shutdown()
 
     app = FastAPI(title="afd-engine", lifespan=lifespan)
     install_exception_handlers(app)
-    _install_auth(app, server_args.api_key)
+    app.add_middleware(BodyLimit, max_bytes=server_args.max_request_bytes)
+    _install_auth(app, server_args.api_key)  # added last, so it runs first: no body is read for a wrong key
+    schema = app.openapi
+    app.openapi = lambda: without_422(schema())
 
     @app.exception_handler(EngineUnavailable)
     async def _engine_down(_request, exc):
@@ -87,6 +107,47 @@ def _banner(server_args, name: str) -> None:
              "\"max_tokens\": 16}'", base, auth, name)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is a 413 before anything parses it.
+
+    A declared Content-Length is checked up front; a chunked body is counted as it arrives. The
+    body is read here (FastAPI would read it whole anyway) and replayed to the app, after which
+    the app's ``receive`` is the connection's again, so disconnects are still seen.
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        response = openai_error(413, f"The request body is larger than this server's limit of {self.max_bytes} bytes "
+                                     "(--max-request-bytes).", code="request_too_large")
+        await response(scope, receive, send)
+
+
 def _install_auth(app: FastAPI, api_key: str | None) -> None:
     if not api_key:
         return
@@ -98,46 +159,82 @@ def _install_auth(app: FastAPI, api_key: str | None) -> None:
         return await call_next(request)
 
 
+# Documented responses: a generation route answers JSON, or server-sent events with "stream": true.
+# Before OpenAPI 3.2, an event stream's schema describes one event (as schemathesis reads it too).
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "one JSON chunk; the last event's data is [DONE]"}}}
+_SSE = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+_GENERATION_ERRORS = error_responses(400, 404, 413, 503)
+
+
 def _routes(app: FastAPI, state: Callable[[], ServerState]) -> None:
-    @app.get("/health")
+    @app.get("/health", response_model=P.HealthStatus, responses={503: {"model": P.HealthStatus,
+                                                                        "description": "The engine is not running"}})
     async def health():
         ok = state().client.healthy
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
     async def metrics():
         s = state()
         return Response(s.metrics.render(s.client.stats), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=P.ModelList, responses=error_responses(401))
     async def models():
         return P.ModelList(data=[P.ModelCard(id=state().model_name)])
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
+              responses={**_GENERATION_ERRORS, **error_responses(401), **_SSE})
     async def chat(body: P.ChatCompletionRequest, request: Request):
         s = state()
         _check_model(s, body.model)
-        ids = list(s.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
-                                                   tokenize=True)["input_ids"])
-        return await _serve(s, request, body, [ids], "chat")
+        _check_prompt_chars(s, body.text_chars(), "messages")
+        return await _serve(s, request, body, [await _render_chat(s, body.template_messages())], "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=P.CompletionResponse,
+              responses={**_GENERATION_ERRORS, **error_responses(401), **_SSE})
     async def completions(body: P.CompletionRequest, request: Request):
         s = state()
         _check_model(s, body.model)
-        prompts = [p if isinstance(p, list) else s.tokenizer.encode(p) for p in body.prompts()]
+        _check_prompt_chars(s, body.text_chars(), "prompt")
+        prompts = await asyncio.to_thread(lambda: [p if isinstance(p, list) else s.tokenizer.encode(p)
+                                                   for p in body.prompts()])
         return await _serve(s, request, body, prompts, "completions")
 
-    @app.post("/generate")
+    @app.post("/generate", response_model=P.GenerateResponse,
+              responses={**error_responses(400, 413, 503), **_SSE})
     async def generate(body: P.GenerateRequest, request: Request):
         s = state()
-        ids = body.input_ids if body.input_ids is not None else s.tokenizer.encode(body.text)
+        _check_prompt_chars(s, body.text_chars(), "text")
+        ids = body.input_ids if body.input_ids is not None else await asyncio.to_thread(s.tokenizer.encode, body.text)
         return await _serve(s, request, body, [ids], "generate")
 
 
 def _check_model(s: ServerState, model: str) -> None:
     if model != s.model_name:
         raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+
+
+def _check_prompt_chars(s: ServerState, chars: int, param: str) -> None:
+    if chars > s.max_prompt_chars:
+        raise APIError(400, f"The request has {chars} characters of prompt text; this server accepts at most "
+                            f"{s.max_prompt_chars} (--max-prompt-chars).", param=param)
+
+
+async def _render_chat(s: ServerState, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt's token ids through the model's chat template, in a worker thread.
+
+    A template refuses what it cannot render (a role it does not know, turns out of order) by
+    raising; that is the client's request, so it is a 400 quoting the template's reason.
+    """
+    try:
+        encoded = await asyncio.to_thread(s.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                          tokenize=True)
+    except TemplateError as exc:
+        raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
+                       param="messages") from exc
+    return list(encoded["input_ids"])
 
 
 async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]], endpoint: str):
@@ -217,8 +314,7 @@ def _usage(choices: list[Choice]) -> P.UsageInfo:
 def _chat_logprobs(s: ServerState, c: Choice, token_ids: list[int], lps) -> P.ChatLogprobs | None:
     if c.params.logprobs is None:
         return None
-    return s.logprob_format.chat_logprobs(token_ids, [lp.logprob for lp in lps],
-                                          [(lp.top_ids, lp.top_logprobs) for lp in lps])
+    return s.logprob_format.chat_logprobs(token_ids, *P.LogprobFormatter.unpack(lps))
 
 
 def _chat_response(s: ServerState, choices: list[Choice]) -> P.ChatCompletionResponse:
@@ -252,8 +348,7 @@ async def _chat_events(s: ServerState, body, choices: list[Choice], stream) -> A
 def _completion_logprobs(s: ServerState, c: Choice, token_ids, lps, offset: int):
     if c.params.logprobs is None:
         return None
-    return s.logprob_format.completion_logprobs(token_ids, [lp.logprob for lp in lps],
-                                                [(lp.top_ids, lp.top_logprobs) for lp in lps], text_offset=offset)
+    return s.logprob_format.completion_logprobs(token_ids, *P.LogprobFormatter.unpack(lps), text_offset=offset)
 
 
 def _completion_response(s: ServerState, choices: list[Choice]) -> P.CompletionResponse:
@@ -277,11 +372,11 @@ async def _completion_events(s: ServerState, body, choices: list[Choice], stream
 
 # -- native -----------------------------------------------------------------------------------
 
-def _generate_response(s: ServerState, choices: list[Choice]) -> dict:
+def _generate_response(s: ServerState, choices: list[Choice]) -> P.GenerateResponse:
     c = choices[0]
-    return {"text": c.text, "output_ids": c.token_ids,
-            "meta_info": {"finish_reason": c.finish_reason, "prompt_tokens": len(c.prompt_ids),
-                          "completion_tokens": len(c.token_ids)}}
+    meta = P.GenerateMetaInfo(finish_reason=c.finish_reason, prompt_tokens=len(c.prompt_ids),
+                              completion_tokens=len(c.token_ids))
+    return P.GenerateResponse(text=c.text, output_ids=c.token_ids, meta_info=meta)
 
 
 async def _generate_events(s: ServerState, body, choices: list[Choice], stream) -> AsyncIterator:

@@ -3,7 +3,10 @@
 OpenAI SDKs read ``error.message`` into the exception they raise and branch on the HTTP status
 (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, ...), so every error the
 server returns goes through :func:`openai_error`. Validation errors are rewritten from
-pydantic's list of dicts into one readable sentence naming the offending field.
+pydantic's list of dicts into one readable sentence naming the offending field, always with
+status 400 (the server never answers 422); FastAPI's own errors (unparsable body, unknown route,
+wrong method) and unexpected exceptions get the same shape instead of ``{"detail": ...}`` or a
+plain-text 500. :func:`error_responses` documents these in the OpenAPI schema.
 """
 
 from __future__ import annotations
@@ -13,14 +16,59 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from afd_engine.errors import InvalidRequestError
 
 
+def _printable(text: str | None) -> str | None:
+    # A message may quote the client's input, which can hold a lone surrogate ("\ud800" in JSON);
+    # writing that as UTF-8 would fail, so it is spelt as its escape instead.
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
     """The error object; also what a stream sends as its last event when it fails midway."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": type, "param": _printable(param), "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, for the OpenAPI document."""
+
+    error: ErrorDetail
+
+
+_ERROR_MEANINGS = {
+    400: "Invalid request: the message says why and `param` names the field",
+    401: "Missing or wrong API key (only when the server has one)",
+    404: "Unknown model",
+    413: "Request body larger than the server's --max-request-bytes",
+    503: "The engine is not running",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """``responses=`` for a route: each status with OpenAI's error body."""
+    return {s: {"model": ErrorResponse, "description": _ERROR_MEANINGS[s]} for s in statuses}
+
+
+def without_422(schema: dict) -> dict:
+    """The OpenAPI document minus FastAPI's automatic 422 responses: validation errors are 400s here."""
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    return schema
 
 
 def openai_error(
@@ -101,6 +149,9 @@ def validation_error_response(exc: ValidationError | RequestValidationError) -> 
     errors = exc.errors()
     if not errors:
         return openai_error(400, "Invalid request.")
+    if isinstance(getattr(exc, "body", None), (bytes, bytearray)):
+        # FastAPI hands over the raw bytes when the content type is not JSON.
+        return openai_error(400, "The request body must be a JSON object sent with 'Content-Type: application/json'.")
     first = errors[0]
     # FastAPI locates a JSON syntax error by its character position, which is no parameter.
     param = None if first.get("type") == "json_invalid" else loc_to_param(tuple(first.get("loc", ())))
@@ -134,9 +185,31 @@ def server_error(message: str = "The server had an error while processing your r
     return openai_error(status, message, type="server_error")
 
 
+def _body_parse_message(exc: BaseException | None) -> str:
+    """Why FastAPI could not parse a body; it raises a bare 400 with the cause chained."""
+    if isinstance(exc, UnicodeDecodeError):
+        return "The request body is not valid UTF-8."
+    if isinstance(exc, RecursionError):
+        return "The JSON body is nested too deeply."
+    return "We could not parse the body of your request."
+
+
+def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's and Starlette's own errors (body parsing, unknown route, wrong method)."""
+    if exc.status_code == 400:
+        message = _body_parse_message(exc.__cause__)
+    elif exc.status_code == 404:
+        message = "Unknown route; see /docs for the API."
+    else:
+        message = str(exc.detail)
+    response = openai_error(exc.status_code, message)
+    response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+    return response
+
+
 def install_exception_handlers(app) -> None:
-    """Register the mappings above on a FastAPI app: FastAPI's body validation errors,
-    InvalidRequestError and APIError.
+    """Register the mappings above on a FastAPI app: FastAPI's body validation errors and HTTP
+    errors, InvalidRequestError, APIError, and any other exception (a 500 in OpenAI's shape).
 
     A bare pydantic ``ValidationError`` is deliberately not mapped: raised from server code
     (say, while building a response) it is a server bug and must stay a 500. A handler that
@@ -153,6 +226,15 @@ def install_exception_handlers(app) -> None:
     async def on_api_error(_request, exc):
         return exc.response()
 
+    async def on_http_error(_request, exc):
+        return http_error_response(exc)
+
+    async def on_bug(_request, exc):
+        # Starlette re-raises after sending this, so the server still logs the traceback.
+        return server_error()
+
     app.add_exception_handler(RequestValidationError, on_request_validation)
     app.add_exception_handler(InvalidRequestError, on_invalid_request)
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_bug)

@@ -29,6 +29,29 @@ class ServerArgs:
     api_key: str | None = None
     served_model_name: str | None = None
     default_max_tokens: int = 256
+    # Refused before parsing (413): a body is read whole into memory and parsed on the event loop.
+    max_request_bytes: int = 16 * 1024 * 1024
+    # Characters of text one request may send to the tokenizer (400 beyond): about 4 characters a
+    # token covers a 128k-token context with room to spare, yet bounds the tokenizer's work.
+    max_prompt_chars: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_cli(cls, ns) -> ServerArgs:
+        """The server flags of a parsed command line (see ``afd_engine.cli._server_flags``)."""
+        import dataclasses
+
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+    def validate(self) -> None:
+        from afd_engine.errors import ConfigError
+
+        for flag, value in (("--max-request-bytes", self.max_request_bytes),
+                            ("--max-prompt-chars", self.max_prompt_chars)):
+            if value < 1:
+                raise ConfigError(f"{flag}={value} must be at least 1; raise it instead of turning the limit off")
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs, deployment: Deployment | None = None) -> int:

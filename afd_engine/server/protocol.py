@@ -6,7 +6,10 @@ Requests
     purpose: ``"max_tokens": "5"`` is a client bug that lax coercion would hide, so integers,
     booleans and strings must arrive as such (a JSON integer is still a valid float). Fields we
     do not know are ignored, because OpenAI clients send many optional ones; fields we know but
-    cannot honour (penalties, ``echo``) are rejected unless they are the no-op value.
+    cannot honour (penalties, ``echo``, ``tools``, ``response_format``, ...) are rejected unless
+    they are the no-op value, and their JSON schema says which value that is.
+    Every string that reaches the tokenizer, the chat template or the stop checker must be valid
+    Unicode (see :data:`Text`), and stop strings are bounded in number and length.
     Each request maps onto the engine's :class:`SamplingParams` with ``to_sampling_params``;
     ``SamplingParams``' own ``InvalidRequestError`` propagates unchanged.
 
@@ -24,9 +27,12 @@ Log-probabilities
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -57,13 +63,35 @@ OpenAITemperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
 TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 # top_k is our extension: -1 or 0 disable it, as in SamplingParams.
 TopK = Annotated[StrictInt, Field(ge=-1)]
-Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
 
 _SEED_MODULUS = 2**63
 MAX_OPENAI_STOP = 4  # OpenAI's limit on the number of stop sequences
+# /generate's own limit: the stop checker scans a window as long as the longest stop string after
+# every token, for every string, so both the count and the length bound the per-token work.
+MAX_NATIVE_STOP = 16
+MAX_STOP_CHARS = 1000
+
+# JSON's \uXXXX escapes can spell a lone UTF-16 surrogate ("\ud800"). Python keeps it in a str,
+# but no UTF-8 encoder accepts it: the tokenizer, the stop checker and the response writer would
+# all fail on it far from the request, so it is refused here, naming the field.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _stop_validator(max_items: int | None):
+def check_unicode(value: str) -> str:
+    """``value`` unchanged if it is valid Unicode; a validation error otherwise."""
+    if _LONE_SURROGATE.search(value):
+        raise PydanticCustomError("invalid_unicode",
+                                  "the string is not valid Unicode (it holds a lone UTF-16 surrogate)")
+    return value
+
+
+# A string that is safe to tokenize, render and echo back.
+Text = Annotated[StrictStr, AfterValidator(check_unicode)]
+NonEmptyText = Annotated[StrictStr, Field(min_length=1), AfterValidator(check_unicode)]
+StopText = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def _stop_validator(max_items: int):
     """A plain validator for ``stop``: a string or a list of non-empty strings, as a list.
 
     A plain validator (rather than ``Union[str, list[str]]``) gives one readable error instead of
@@ -79,7 +107,7 @@ def _stop_validator(max_items: int | None):
             items = value
         else:
             raise PydanticCustomError("stop_type", "stop must be a string or a list of strings")
-        if max_items is not None and len(items) > max_items:
+        if len(items) > max_items:
             raise PydanticCustomError(
                 "stop_too_many",
                 "at most {max_items} stop sequences are allowed, got {count}",
@@ -88,13 +116,61 @@ def _stop_validator(max_items: int | None):
         for item in items:
             if not isinstance(item, str) or not item:
                 raise PydanticCustomError("stop_item", "each stop sequence must be a non-empty string")
+            if len(item) > MAX_STOP_CHARS:
+                raise PydanticCustomError(
+                    "stop_too_long", "each stop sequence must be at most {limit} characters, got {count}",
+                    {"limit": MAX_STOP_CHARS, "count": len(item)})
+            check_unicode(item)
         return list(items)
 
-    return PlainValidator(validate, json_schema_input_type=str | list[str] | None)
+    schema = StopText | Annotated[list[StopText], Field(max_length=max_items)] | None
+    return PlainValidator(validate, json_schema_input_type=schema)
 
 
 OpenAIStop = Annotated[list[str] | None, _stop_validator(MAX_OPENAI_STOP)]
-NativeStop = Annotated[list[str] | None, _stop_validator(None)]
+NativeStop = Annotated[list[str] | None, _stop_validator(MAX_NATIVE_STOP)]
+
+
+def no_op_only(accepts: Callable[[Any], bool], schema: Any, accepted: str):
+    """A field we know but cannot honour: only its no-op value (or null) passes.
+
+    Ignoring, say, ``tools`` or ``response_format: json_object`` would return output of another
+    shape than the client asked for, so anything else is a 400 that says so. ``schema`` is what
+    the OpenAPI document shows: exactly the accepted values, so the schema never promises more.
+    """
+
+    def validate(value: Any, info: ValidationInfo) -> Any:
+        if value is None or accepts(value):
+            return value
+        raise PydanticCustomError("not_supported",
+                                  "{name} is not supported by this server (only {accepted} is accepted)",
+                                  {"name": info.field_name, "accepted": accepted})
+
+    return Annotated[Any, PlainValidator(validate, json_schema_input_type=None if schema is None else schema | None)]
+
+
+def _is_number(value: Any, target: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == target
+
+
+def _is_empty(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and not value
+
+
+class ResponseFormatText(BaseModel):
+    type: Literal["text"]
+
+
+EmptyList = Annotated[list[Any], Field(max_length=0)]
+NoTools = no_op_only(lambda v: _is_empty(v, list), EmptyList, "an empty list")
+NoToolChoice = no_op_only(lambda v: v == "none", Literal["none"], '"none"')
+NoLogitBias = no_op_only(lambda v: _is_empty(v, dict), Annotated[dict[str, Any], Field(max_length=0)],
+                         "an empty object")
+ZeroPenalty = no_op_only(lambda v: _is_number(v, 0), Literal[0], "0")
+TextOnly = no_op_only(lambda v: v == {"type": "text"}, ResponseFormatText, '{"type": "text"}')
+TextModalities = no_op_only(lambda v: v == ["text"],
+                            Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)], '["text"]')
+NullOnly = no_op_only(lambda v: False, None, "null")
 
 
 class _NullMeansDefault(BaseModel):
@@ -118,7 +194,7 @@ class TextContentPart(BaseModel):
     """One part of a multi-part message content. Only text parts are supported."""
 
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 # Text parts of one message are joined with a newline: separate parts are separate paragraphs
@@ -129,7 +205,7 @@ _PART_SEPARATOR = "\n"
 def _validate_content(value: Any) -> str | None:
     """Message content as one string: a string, a list of text parts, or null."""
     if value is None or isinstance(value, str):
-        return value
+        return value if value is None else check_unicode(value)
     if not isinstance(value, list):
         raise PydanticCustomError("content_type", "content must be a string, a list of text parts, or null")
     texts = []
@@ -147,7 +223,7 @@ def _validate_content(value: Any) -> str | None:
             )
         if not isinstance(part.get("text"), str):
             raise PydanticCustomError("content_part_text", "a text content part needs a string 'text'")
-        texts.append(part["text"])
+        texts.append(check_unicode(part["text"]))
     return _PART_SEPARATOR.join(texts)
 
 
@@ -164,11 +240,31 @@ class StreamOptions(BaseModel):
 
 
 class ChatMessage(_NullMeansDefault):
-    """One input message. Text parts are joined into ``content``; other keys are ignored."""
+    """One input message. Text parts are joined into ``content``; unknown keys are ignored.
+
+    An assistant turn's ``tool_calls`` / ``function_call`` are refused rather than dropped: the
+    template would render the turn without them and the model would see a different history.
+    """
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: MessageContent = None
-    name: StrictStr | None = None
+    name: Text | None = None
+    tool_call_id: Text | None = None  # of a "tool" message; handed to the template as is
+    tool_calls: NoTools = None
+    function_call: NullOnly = None
+
+    def template_message(self) -> dict[str, str]:
+        """The message as chat templates expect it: plain-string content, "developer" as "system".
+
+        "developer" is OpenAI's newer name for the system role; open-model templates only know
+        "system". Null content (an assistant turn that only made tool calls) becomes "". Optional
+        keys are only present when set, as templates test them with ``is defined``.
+        """
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +288,7 @@ class _OpenAISamplingRequest(_NullMeansDefault):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr
+    model: Text
     temperature: OpenAITemperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
@@ -201,19 +297,12 @@ class _OpenAISamplingRequest(_NullMeansDefault):
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    user: StrictStr | None = None
+    # 0 is what many clients send by default, and a no-op; another value would change the output.
+    presence_penalty: ZeroPenalty = None
+    frequency_penalty: ZeroPenalty = None
+    logit_bias: NoLogitBias = None
+    user: Text | None = None
     ignore_eos: StrictBool = False  # extension
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty_not_supported(cls, value: float | None, info: ValidationInfo) -> float | None:
-        # Accepting a non-zero penalty and silently ignoring it would change the output the
-        # client asked for, so it is an error; 0 (what many clients send by default) is a no-op.
-        if value:
-            raise PydanticCustomError("not_supported", "{name} is not supported (only 0 is accepted)", {"name": info.field_name})
-        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -261,14 +350,35 @@ class _OpenAISamplingRequest(_NullMeansDefault):
         return [sampling_params_for_choice(base, i) for i in range(self.n)]
 
 
+def _requires(field: str, schema: dict, then_field: str, then_schema: dict) -> dict:
+    """JSON schema for "when ``field`` matches ``schema``, ``then_field`` must match ``then_schema``",
+    so the OpenAPI document states the cross-field rules the validators enforce."""
+    return {"if": {"required": [field], "properties": {field: schema}},
+            "then": {"required": [then_field], "properties": {then_field: then_schema}}}
+
+
 class ChatCompletionRequest(_OpenAISamplingRequest):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``. Tool calling and structured output are not supported."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": [
+        _requires("top_logprobs", {"type": "integer"}, "logprobs", {"const": True}),
+        _requires("stream_options", {"type": "object"}, "stream", {"const": True}),
+    ]})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    tools: NoTools = None
+    tool_choice: NoToolChoice = None
+    functions: NoTools = None
+    function_call: NoToolChoice = None
+    response_format: TextOnly = None
+    modalities: TextModalities = None
+    audio: NullOnly = None
+    prediction: NullOnly = None
+    web_search_options: NullOnly = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -287,18 +397,20 @@ class ChatCompletionRequest(_OpenAISamplingRequest):
         return self.top_logprobs or 0
 
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages as chat templates expect them: plain-string content, "developer" as "system".
+        """Messages as chat templates expect them (see :meth:`ChatMessage.template_message`)."""
+        return [m.template_message() for m in self.messages]
 
-        "developer" is OpenAI's newer name for the system role; open-model templates only know
-        "system". Null content (an assistant turn that only made tool calls) becomes "".
-        """
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-            for m in self.messages
-        ]
+    def text_chars(self) -> int:
+        """Characters of text that go through the chat template, for the server's prompt limit."""
+        return sum(len(m.content or "") + len(m.name or "") + len(m.tool_call_id or "") for m in self.messages)
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
+_TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# What the schema shows: every form non-empty, as _validate_prompt enforces.
+_PromptText = Annotated[str, Field(min_length=1)]
+_PromptSchema = (_PromptText | Annotated[list[_PromptText], Field(min_length=1)] | _TokenIds
+                 | Annotated[list[_TokenIds], Field(min_length=1)])
 
 
 def _validate_prompt(value: Any) -> PromptInput:
@@ -310,7 +422,7 @@ def _validate_prompt(value: Any) -> PromptInput:
     if isinstance(value, str):
         if not value:
             raise PydanticCustomError("prompt_empty", "prompt must not be empty")
-        return value
+        return check_unicode(value)
     if not isinstance(value, list) or not value:
         raise PydanticCustomError(
             "prompt_type", "prompt must be a non-empty string, list of strings, list of token ids, or list of lists of token ids"
@@ -318,7 +430,7 @@ def _validate_prompt(value: Any) -> PromptInput:
     if all(isinstance(x, str) for x in value):
         if not all(value):
             raise PydanticCustomError("prompt_empty", "prompt strings must not be empty")
-        return list(value)
+        return [check_unicode(x) for x in value]
     if all(is_id(x) for x in value):
         return list(value)
     if all(isinstance(x, list) for x in value):
@@ -333,17 +445,12 @@ def _validate_prompt(value: Any) -> PromptInput:
 class CompletionRequest(_OpenAISamplingRequest):
     """``POST /v1/completions`` (the legacy text completions API)."""
 
-    prompt: Annotated[PromptInput, PlainValidator(_validate_prompt, json_schema_input_type=PromptInput)]
+    prompt: Annotated[PromptInput, PlainValidator(_validate_prompt, json_schema_input_type=_PromptSchema)]
     max_tokens: PositiveInt | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
-    echo: StrictBool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_not_supported(cls, value: bool) -> bool:
-        if value:
-            raise PydanticCustomError("not_supported", "echo is not supported")
-        return value
+    echo: no_op_only(lambda v: v is False, Literal[False], "false") = False
+    suffix: no_op_only(lambda v: v == "", Literal[""], '""') = None
+    best_of: no_op_only(lambda v: _is_number(v, 1), Literal[1], "1") = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or a list of token ids.
@@ -366,6 +473,10 @@ class CompletionRequest(_OpenAISamplingRequest):
     def _logprobs(self) -> int | None:
         return self.logprobs
 
+    def text_chars(self) -> int:
+        """Characters of text to tokenize, for the server's prompt limit."""
+        return sum(len(p) for p in self.prompts() if isinstance(p, str))
+
 
 class GenerateSamplingParams(_NullMeansDefault):
     """``sampling_params`` of ``POST /generate``: SamplingParams' names, nothing else.
@@ -377,7 +488,8 @@ class GenerateSamplingParams(_NullMeansDefault):
     model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: PositiveInt | None = None
-    temperature: Annotated[StrictFloat, Field(ge=0.0)] | None = None  # upper bound: SamplingParams'
+    # SamplingParams enforces the upper bound (with its own message); the schema shows it.
+    temperature: Annotated[StrictFloat, Field(ge=0.0, json_schema_extra={"maximum": 100.0})] | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
     seed: Seed | None = None
@@ -392,10 +504,13 @@ class GenerateSamplingParams(_NullMeansDefault):
 class GenerateRequest(_NullMeansDefault):
     """``POST /generate``: exactly one of ``text`` and ``input_ids``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
+    ]})
 
-    text: StrictStr | None = None
-    input_ids: list[NonNegativeInt] | None = Field(default=None, validate_default=True)
+    text: Text | None = None
+    input_ids: Annotated[list[NonNegativeInt], Field(min_length=1)] | None = Field(default=None, validate_default=True)
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: StrictBool = False
 
@@ -429,6 +544,8 @@ class GenerateRequest(_NullMeansDefault):
         kwargs["logprobs"] = sp.logprobs
         return SamplingParams(**kwargs)
 
+    def text_chars(self) -> int:
+        return len(self.text or "")
 
 
 from afd_engine.server.responses import *  # noqa: E402,F401,F403  (one import point for routes)

@@ -165,6 +165,24 @@ class ModelList(BaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+class GenerateMetaInfo(BaseModel):
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    """``POST /generate`` without streaming."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok", "unavailable"]
+
+
 SSE_DONE = "data: [DONE]\n\n"
 
 
