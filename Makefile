@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve lint test bench clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(VENV)/bin/afd serve
 
-test: setup
+# lint first: a formatting or lint error fails the test command (and CI) in seconds
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q -n 2 tests
 
 bench: setup

@@ -19,8 +19,15 @@ DEMO_PROMPTS = (
 def _generate(ns: argparse.Namespace) -> int:
     from afd_engine import EngineArgs, SamplingParams, make_engine
 
-    params = SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            top_k=ns.top_k, seed=ns.sample_seed, stop=tuple(ns.stop or ()), ignore_eos=ns.ignore_eos)
+    params = SamplingParams(
+        max_new_tokens=ns.max_new_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        seed=ns.sample_seed,
+        stop=tuple(ns.stop or ()),
+        ignore_eos=ns.ignore_eos,
+    )
     with make_engine(EngineArgs.from_cli(ns)) as engine:
         out = engine.generate(prompts=ns.prompt, sampling_params=params)
     for prompt, o in zip(ns.prompt, out):
@@ -39,11 +46,16 @@ def _demo(ns: argparse.Namespace) -> int:
 
     args = EngineArgs.from_cli(ns)
     with make_engine(args) as engine:
-        print(f"model: {engine.model_path} ({DEFAULT_MODEL_NAME if not args.model_path else 'user checkpoint'}; "
-              f"{ModelConfig.from_pretrained(engine.model_path).architecture}, random weights if tiny)")
+        print(
+            f"model: {engine.model_path} ({DEFAULT_MODEL_NAME if not args.model_path else 'user checkpoint'}; "
+            f"{ModelConfig.from_pretrained(engine.model_path).architecture}, random weights if tiny)"
+        )
         start = time.perf_counter()
-        outs = engine.generate(prompts=list(DEMO_PROMPTS), use_tqdm=True,
-                               sampling_params=SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=0.0))
+        outs = engine.generate(
+            prompts=list(DEMO_PROMPTS),
+            use_tqdm=True,
+            sampling_params=SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=0.0),
+        )
         elapsed = time.perf_counter() - start
     for prompt, o in zip(DEMO_PROMPTS, outs):
         print(f"{prompt!r} -> {o.token_ids[:12]}... {o.finish_reason}")
@@ -71,8 +83,10 @@ def _launch(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = EngineArgs.from_cli(ns)
     if ns.nnodes is not None and ns.nnodes != 1 + args.ffn_nodes:
-        raise ConfigError(f"--nnodes={ns.nnodes} but one attention machine + --ffn-nodes={args.ffn_nodes} "
-                          f"makes {1 + args.ffn_nodes}; make them agree")
+        raise ConfigError(
+            f"--nnodes={ns.nnodes} but one attention machine + --ffn-nodes={args.ffn_nodes} "
+            f"makes {1 + args.ffn_nodes}; make them agree"
+        )
     if not 0 <= ns.node_rank < args.ffn_nodes:
         raise ConfigError(f"--node-rank={ns.node_rank} must be in [0, --ffn-nodes={args.ffn_nodes})")
     host_ip = ns.host_ip or local_ip_towards(ns.dist_init_addr)
@@ -97,14 +111,29 @@ def _server_flags(parser: argparse.ArgumentParser, defaults) -> None:
     parser.add_argument("--host", default=defaults.host, help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=defaults.port)
     parser.add_argument("--api-key", default=defaults.api_key, help="require this bearer token on /v1 routes")
-    parser.add_argument("--served-model-name", default=defaults.served_model_name,
-                        help="model name in the API (default: the checkpoint directory's name)")
-    parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens,
-                        help="completion length when a request sets none")
-    parser.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
-                        help="larger request bodies are refused with 413 before parsing")
-    parser.add_argument("--max-prompt-chars", type=int, default=defaults.max_prompt_chars,
-                        help="characters of text one request may send to the tokenizer (400 beyond)")
+    parser.add_argument(
+        "--served-model-name",
+        default=defaults.served_model_name,
+        help="model name in the API (default: the checkpoint directory's name)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=defaults.default_max_tokens,
+        help="completion length when a request sets none",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="larger request bodies are refused with 413 before parsing",
+    )
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=defaults.max_prompt_chars,
+        help="characters of text one request may send to the tokenizer (400 beyond)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,15 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     srv_defaults = ServerArgs()
     _server_flags(srv, srv_defaults)
 
-    launch = sub.add_parser("launch", help="start one role (attention, or the FFN ranks of one FFN node) of a "
-                            "multi-machine AFD deployment")
+    launch = sub.add_parser(
+        "launch", help="start one role (attention, or the FFN ranks of one FFN node) of a multi-machine AFD deployment"
+    )
     launch.add_argument("--role", required=True, choices=("attention", "ffn"))
     launch.add_argument("--node-rank", type=int, default=0, help="ffn: which FFN node this machine is")
-    launch.add_argument("--nnodes", type=int, default=None, help="machines in the deployment, as a check "
-                        "(one attention machine + --ffn-nodes)")
+    launch.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="machines in the deployment, as a check (one attention machine + --ffn-nodes)",
+    )
     launch.add_argument("--dist-init-addr", required=True, help="HOST:PORT of the rendezvous (the attention node)")
-    launch.add_argument("--host-ip", default=None, help="address peers reach this machine at (default: the "
-                        "route towards --dist-init-addr)")
+    launch.add_argument(
+        "--host-ip",
+        default=None,
+        help="address peers reach this machine at (default: the route towards --dist-init-addr)",
+    )
     launch.add_argument("--rendezvous-timeout", type=float, default=300.0, help="seconds to wait for all ranks")
     _server_flags(launch, srv_defaults)
 
@@ -149,10 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
         EngineArgs.add_cli_args(engine_parser)
         engine_parser.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
 
-    sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (see its --help)",
-                   add_help=False)
-    sub.add_parser("plan", help="performance model: comm | deploy | sparsity | calibrate (see its --help)",
-                   add_help=False)
+    sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (see its --help)", add_help=False)
+    sub.add_parser(
+        "plan", help="performance model: comm | deploy | sparsity | calibrate (see its --help)", add_help=False
+    )
     return parser
 
 

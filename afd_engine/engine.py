@@ -34,16 +34,25 @@ class Engine(OfflineEngine):
     A rank of such a deployment builds its Engine with that rank's runner and experts.
     """
 
-    def __init__(self, args: EngineArgs | None = None, *, rank_runner: RankRunnerFactory | None = None,
-                 expert_range: tuple[int, int] | None = None, device: torch.device | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        args: EngineArgs | None = None,
+        *,
+        rank_runner: RankRunnerFactory | None = None,
+        expert_range: tuple[int, int] | None = None,
+        device: torch.device | None = None,
+        **kwargs,
+    ) -> None:
         """`rank_runner(model, pool)` makes the runner of one rank of a deployment (lockstep with its
         peers); `expert_range` is which routed experts that rank holds; `device` that rank's device.
         Without them this process runs the whole model on `args.device_for(0)`."""
         args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
         args.validate()
         if rank_runner is None and args.mode != "single":
-            raise ConfigError(f"Engine(...) runs the whole model in this process, but --mode={args.mode}: use "
-                              "afd_engine.make_engine(...), which starts the deployment's ranks")
+            raise ConfigError(
+                f"Engine(...) runs the whole model in this process, but --mode={args.mode}: use "
+                "afd_engine.make_engine(...), which starts the deployment's ranks"
+            )
         torch.set_num_threads(args.threads)
         self.device = device or args.device_for(0)
         if self.device.type == "cuda":
@@ -54,8 +63,9 @@ class Engine(OfflineEngine):
         self.tokenizer = _load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend)
         self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_range, kernels, self.device)
-        self.context_len = min(args.context_length or self.config.max_position_embeddings,
-                               self.config.max_position_embeddings)
+        self.context_len = min(
+            args.context_length or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
         self.pool = _make_pool(self.config, args, self.context_len, self.device)
         self.scheduler = Scheduler(self.pool, args.max_num_batched_tokens, args.max_running_requests, self.context_len)
         self.runner: StepRunner = (rank_runner or ModelRunner)(self.model, self.pool)
@@ -83,8 +93,13 @@ class Engine(OfflineEngine):
 
     # -- request lifecycle -------------------------------------------------------------------
 
-    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
         """Queues one request; raises InvalidRequestError (and queues nothing) if it cannot run."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt, prompt_token_ids)
@@ -121,9 +136,16 @@ class Engine(OfflineEngine):
         return updates + [self._update(r, [], True) for r in finished if r not in sampled]
 
     def _update(self, req: Request, new: list[int], finished: bool) -> TokenUpdate:
-        return TokenUpdate(req.rid, new, req.logprobs[-len(new):] if req.logprobs is not None and new else None,
-                           req.finish_reason if finished else None, req.error, req.text_trim,
-                           len(req.prompt_ids), len(req.output_ids))
+        return TokenUpdate(
+            req.rid,
+            new,
+            req.logprobs[-len(new) :] if req.logprobs is not None and new else None,
+            req.finish_reason if finished else None,
+            req.error,
+            req.text_trim,
+            len(req.prompt_ids),
+            len(req.output_ids),
+        )
 
     def _step(self) -> tuple[list[Request], list[Request]]:
         """(requests that got a token, requests that finished) of one step."""
@@ -139,8 +161,13 @@ class Engine(OfflineEngine):
         return sampled, done
 
     def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
-        batch = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
-                                    [len(r.output_ids) for r in reqs], logits.shape[-1], logits.device)
+        batch = SamplingBatch.build(
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            logits.shape[-1],
+            logits.device,
+        )
         tokens = self.sampler(logits, batch)
         _record_logprobs(reqs, logits, tokens)
         finished = []
@@ -156,8 +183,15 @@ class Engine(OfflineEngine):
 
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
-        return RequestOutput(req.rid, req.prompt_ids, list(req.output_ids), trim_text(text, req.text_trim),
-                             req.finish_reason, req.error, req.logprobs)
+        return RequestOutput(
+            req.rid,
+            req.prompt_ids,
+            list(req.output_ids),
+            trim_text(text, req.text_trim),
+            req.finish_reason,
+            req.error,
+            req.logprobs,
+        )
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
@@ -211,5 +245,13 @@ def _make_pool(cfg: ModelConfig, args: EngineArgs, context_len: int, device: tor
         num_pages = pages_for(args.max_total_tokens, args.page_size)
     else:
         num_pages = int(args.kv_cache_memory_mb * 2**20) // page_bytes
-    return KVPool(cfg.num_layers, cfg.kv_cache_dim, num_pages, args.page_size, args.max_running_requests,
-                  pages_for(context_len, args.page_size), args.torch_dtype, device)
+    return KVPool(
+        cfg.num_layers,
+        cfg.kv_cache_dim,
+        num_pages,
+        args.page_size,
+        args.max_running_requests,
+        pages_for(context_len, args.page_size),
+        args.torch_dtype,
+        device,
+    )

@@ -26,8 +26,11 @@ def _opt(default, help: str, **extra):
 @dataclass(frozen=True)
 class EngineArgs:
     model_path: str | None = _opt(None, "Hugging Face checkpoint directory (default: the embedded tiny model)")
-    dtype: str = _opt("auto", "weights and activations: float32, bfloat16 or auto (float32 on CPU)",
-                      choices=("auto", "float32", "bfloat16"))
+    dtype: str = _opt(
+        "auto",
+        "weights and activations: float32, bfloat16 or auto (float32 on CPU)",
+        choices=("auto", "float32", "bfloat16"),
+    )
     kv_cache_memory_mb: float = _opt(256.0, "memory budget of the paged KV cache, in MiB")
     max_total_tokens: int | None = _opt(None, "KV cache size in tokens; overrides --kv-cache-memory-mb")
     page_size: int = _opt(16, "tokens per KV cache page")
@@ -36,28 +39,44 @@ class EngineArgs:
     context_length: int | None = _opt(None, "longest prompt + output (default: the model's max_position_embeddings)")
     num_threads: int | None = _opt(None, "torch threads of this process (default: all cores)")
     seed: int = _opt(0, "seed for requests that do not set their own")
-    device: str = _opt("auto", "where weights, KV cache and activations live: cpu, cuda, or auto (cuda when a GPU "
-                       "is present)", choices=("auto", "cpu", "cuda"))
+    device: str = _opt(
+        "auto",
+        "where weights, KV cache and activations live: cpu, cuda, or auto (cuda when a GPU is present)",
+        choices=("auto", "cpu", "cuda"),
+    )
     base_gpu_id: int = _opt(0, "cuda: the first GPU; rank i of a deployment takes GPU base + i")
     attention_backend: str = _opt("torch", "attention kernels of attention ranks, by name (kernels/registry.py)")
-    moe_backend: str = _opt("torch", "routed-expert kernels of the ranks that hold experts, by name "
-                            "(kernels/registry.py)")
-    mode: str = _opt("single", "single (one process), colocated (DP attention + EP on the same ranks) or afd "
-                     "(attention and routed experts on separate ranks)", choices=("single", "colocated", "afd"))
+    moe_backend: str = _opt(
+        "torch", "routed-expert kernels of the ranks that hold experts, by name (kernels/registry.py)"
+    )
+    mode: str = _opt(
+        "single",
+        "single (one process), colocated (DP attention + EP on the same ranks) or afd "
+        "(attention and routed experts on separate ranks)",
+        choices=("single", "colocated", "afd"),
+    )
     dp_size: int = _opt(1, "attention (data-parallel) ranks")
     ffn_nodes: int = _opt(1, "afd: FFN nodes (machines of FFN ranks)")
     ffn_ranks_per_node: int = _opt(1, "afd: FFN ranks per FFN node")
-    ep_size: int | None = _opt(None, "expert-parallel ranks, as a check (afd: ffn-nodes x ffn-ranks-per-node; "
-                               "colocated: dp-size)")
+    ep_size: int | None = _opt(
+        None, "expert-parallel ranks, as a check (afd: ffn-nodes x ffn-ranks-per-node; colocated: dp-size)"
+    )
     micro_batches: int | None = _opt(None, "micro-batches in flight per step (default: 3 for afd, 1 otherwise)")
-    dispatch: str | None = _opt(None, "two-stage or direct (default: two-stage for afd; colocated is direct)",
-                                choices=("two-stage", "direct"))
-    dispatch_dtype: str = _opt("auto", "dispatch wire format: auto (the activations' dtype), fp32, bf16 or fp8",
-                               choices=("auto", "fp32", "bf16", "fp8"))
-    combine_dtype: str = _opt("auto", "combine wire format: auto (the activations' dtype), fp32 or bf16",
-                              choices=("auto", "fp32", "bf16"))
+    dispatch: str | None = _opt(
+        None, "two-stage or direct (default: two-stage for afd; colocated is direct)", choices=("two-stage", "direct")
+    )
+    dispatch_dtype: str = _opt(
+        "auto",
+        "dispatch wire format: auto (the activations' dtype), fp32, bf16 or fp8",
+        choices=("auto", "fp32", "bf16", "fp8"),
+    )
+    combine_dtype: str = _opt(
+        "auto", "combine wire format: auto (the activations' dtype), fp32 or bf16", choices=("auto", "fp32", "bf16")
+    )
     comm_timeout: float = _opt(30.0, "seconds a rank waits for a peer before failing the step")
-    record_timeline: str | None = _opt(None, "write per-operation timing events of every rank to PATH.<role><rank>.jsonl")
+    record_timeline: str | None = _opt(
+        None, "write per-operation timing events of every rank to PATH.<role><rank>.jsonl"
+    )
     inject_attention_delay_ms: float = _opt(0.0, "experiments: extra compute per MoE layer and micro-batch on A")
     inject_ffn_delay_ms: float = _opt(0.0, "experiments: extra compute per MoE layer and micro-batch on F")
     inject_link_delay_ms: float = _opt(0.0, "experiments: latency added to every data-plane message")
@@ -77,18 +96,31 @@ class EngineArgs:
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be at least 1")
         need(self.mode in ("single", "colocated", "afd"), "mode", "use single, colocated or afd")
         need(self.dp_size >= 1, "dp_size", "must be at least 1")
-        need(self.mode != "single" or self.dp_size == 1, "dp_size", "--mode single runs one rank; use --mode "
-             "colocated or afd for several")
+        need(
+            self.mode != "single" or self.dp_size == 1,
+            "dp_size",
+            "--mode single runs one rank; use --mode colocated or afd for several",
+        )
         need(self.ffn_nodes >= 1 and self.ffn_ranks_per_node >= 1, "ffn_nodes", "needs at least one node of one rank")
         need(self.micro_batches is None or 1 <= self.micro_batches <= 8, "micro_batches", "must be in [1, 8]")
-        need(not (self.mode == "colocated" and self.dispatch == "two-stage"), "dispatch",
-             "the colocated baseline dispatches directly; two-stage needs --mode afd")
+        need(
+            not (self.mode == "colocated" and self.dispatch == "two-stage"),
+            "dispatch",
+            "the colocated baseline dispatches directly; two-stage needs --mode afd",
+        )
         need(self.comm_timeout > 0, "comm_timeout", "must be positive")
         need(self.device in ("auto", "cpu", "cuda"), "device", "use cpu, cuda or auto")
         need(self.base_gpu_id >= 0, "base_gpu_id", "must be >= 0")
-        need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
-             f"unknown backend; known: {', '.join(sorted(ATTENTION_BACKENDS))}")
-        need(self.moe_backend in MOE_BACKENDS, "moe_backend", f"unknown backend; known: {', '.join(sorted(MOE_BACKENDS))}")
+        need(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"unknown backend; known: {', '.join(sorted(ATTENTION_BACKENDS))}",
+        )
+        need(
+            self.moe_backend in MOE_BACKENDS,
+            "moe_backend",
+            f"unknown backend; known: {', '.join(sorted(MOE_BACKENDS))}",
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -114,8 +146,10 @@ class EngineArgs:
             raise ConfigError("--device=cuda but torch sees no CUDA GPU; use --device cpu")
         index = self.base_gpu_id + rank
         if index >= torch.cuda.device_count():
-            raise ConfigError(f"rank {rank} needs GPU {index} (--base-gpu-id={self.base_gpu_id} + rank) but only "
-                              f"{torch.cuda.device_count()} GPUs are visible; lower --base-gpu-id or the rank count")
+            raise ConfigError(
+                f"rank {rank} needs GPU {index} (--base-gpu-id={self.base_gpu_id} + rank) but only "
+                f"{torch.cuda.device_count()} GPUs are visible; lower --base-gpu-id or the rank count"
+            )
         return torch.device("cuda", index)
 
     @property
@@ -130,8 +164,9 @@ class EngineArgs:
         for f in fields(EngineArgs):
             flag = "--" + f.name.replace("_", "-")
             kind = _flag_type(f.type)
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
-                                choices=f.metadata.get("choices"))
+            parser.add_argument(
+                flag, type=kind, default=f.default, help=f.metadata["help"], choices=f.metadata.get("choices")
+            )
 
     @staticmethod
     def from_cli(ns: argparse.Namespace) -> EngineArgs:

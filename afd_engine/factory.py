@@ -1,7 +1,7 @@
 """`make_engine(...)`: the engine for any mode, behind the same offline API.
 
-    make_engine(model_path=p)                           Engine: the whole model in this process
-    make_engine(model_path=p, mode="afd", dp_size=2)    DistributedEngine: the ranks as processes
+make_engine(model_path=p)                           Engine: the whole model in this process
+make_engine(model_path=p, mode="afd", dp_size=2)    DistributedEngine: the ranks as processes
 """
 
 from __future__ import annotations

@@ -79,9 +79,7 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return (
-            self.n_routed_experts > 0
-            and layer_id >= self.first_k_dense_replace
-            and layer_id % self.moe_layer_freq == 0
+            self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace and layer_id % self.moe_layer_freq == 0
         )
 
     @property
@@ -92,7 +90,9 @@ class ModelConfig:
     def from_pretrained(model_path: str | Path) -> ModelConfig:
         path = Path(model_path)
         if not path.is_dir():
-            raise ModelLoadError(f"model directory {str(path)!r} does not exist (pass --model-path to a local checkpoint)")
+            raise ModelLoadError(
+                f"model directory {str(path)!r} does not exist (pass --model-path to a local checkpoint)"
+            )
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ModelLoadError(f"{str(path)!r} has no config.json; is it a Hugging Face checkpoint directory?")
@@ -151,7 +151,9 @@ class ModelConfig:
     def validate(self) -> None:
         if self.n_routed_experts:
             if self.n_routed_experts % self.n_group:
-                raise ModelLoadError(f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}")
+                raise ModelLoadError(
+                    f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}"
+                )
             if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
                 raise ModelLoadError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, n_routed_experts]")
             if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):

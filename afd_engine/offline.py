@@ -17,8 +17,13 @@ class OfflineEngine(ABC):
     `has_unfinished`; `abort`; `close` (also as a context manager)."""
 
     @abstractmethod
-    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
         """Queues one request; raises InvalidRequestError (and queues nothing) if it cannot run."""
 
     @abstractmethod
@@ -40,10 +45,13 @@ class OfflineEngine(ABC):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompts: Sequence[str] | str | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str] | str | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
         A request that cannot run (too long, empty) gets finish_reason "error" and its message;

@@ -56,12 +56,17 @@ class SamplingParams:
             raise bad("temperature", "must be in [0, 100]")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+        if (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or (self.top_k < 1 and self.top_k not in (0, -1))
+        ):
             raise bad("top_k", "must be a positive integer, or 0 / -1 to disable")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", "must be a non-negative integer")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
             raise bad("logprobs", "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")

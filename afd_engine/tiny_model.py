@@ -57,8 +57,15 @@ _INIT_STD = {
 }
 
 
-def make_tiny_model(out_dir, arch: str = "deepseek_v3", seed: int = 0, shards: int = 1,
-                    overrides: dict | None = None, fp8: bool = False, dtype: str = "float32") -> pathlib.Path:
+def make_tiny_model(
+    out_dir,
+    arch: str = "deepseek_v3",
+    seed: int = 0,
+    shards: int = 1,
+    overrides: dict | None = None,
+    fp8: bool = False,
+    dtype: str = "float32",
+) -> pathlib.Path:
     """Write a small random DeepSeek checkpoint directory and return its path.
 
     Args:
@@ -103,8 +110,9 @@ def make_tiny_model(out_dir, arch: str = "deepseek_v3", seed: int = 0, shards: i
     return out
 
 
-def build_tiny_config(arch: str, tokenizer_info: TokenizerInfo, overrides: dict | None = None,
-                      fp8: bool = False, dtype: str = "float32") -> dict:
+def build_tiny_config(
+    arch: str, tokenizer_info: TokenizerInfo, overrides: dict | None = None, fp8: bool = False, dtype: str = "float32"
+) -> dict:
     """Return the config.json dict of a tiny checkpoint: preset, tokenizer ids, then overrides."""
     presets = load_json("tiny_models.json")
     config = dict(presets[arch])
@@ -228,8 +236,9 @@ def main_make_tiny_model(argv: list[str]) -> int:
     except SystemExit as exc:  # argparse has already printed usage and the error
         return int(exc.code or 0)
     try:
-        path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, shards=args.shards,
-                               fp8=args.fp8, dtype=args.dtype)
+        path = make_tiny_model(
+            args.out_dir, arch=args.arch, seed=args.seed, shards=args.shards, fp8=args.fp8, dtype=args.dtype
+        )
     except ConfigError as exc:
         print(f"make-tiny-model: error: {exc}", file=sys.stderr)
         return 2

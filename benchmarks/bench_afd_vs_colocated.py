@@ -35,15 +35,35 @@ def deployments(workers: int, micro_batches_afd: int) -> dict[str, list[str]]:
     a = max(1, workers // 2)
     return {
         f"colocated dp{workers}": ["--mode", "colocated", "--dp-size", str(workers), "--micro-batches", "2"],
-        f"afd {a}A + {workers - a}F": ["--mode", "afd", "--dp-size", str(a), "--ffn-nodes", "1",
-                                        "--ffn-ranks-per-node", str(workers - a), "--micro-batches",
-                                        str(micro_batches_afd)],
+        f"afd {a}A + {workers - a}F": [
+            "--mode",
+            "afd",
+            "--dp-size",
+            str(a),
+            "--ffn-nodes",
+            "1",
+            "--ffn-ranks-per-node",
+            str(workers - a),
+            "--micro-batches",
+            str(micro_batches_afd),
+        ],
     }
 
 
 def start_server(model: str | None, flags: list[str], port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "afd_engine.cli", "serve", "--port", str(port), "--served-model-name", "bench",
-           "--num-threads", "1", *flags] + (["--model-path", model] if model else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "afd_engine.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--num-threads",
+        "1",
+        *flags,
+    ] + (["--model-path", model] if model else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -65,14 +85,39 @@ def sweep(name: str, flags: list[str], args) -> list[dict]:
     try:
         for conc in args.concurrency:
             print(f"{name}: concurrency {conc}", file=sys.stderr, flush=True)
-            m = asyncio.run(run_benchmark(serving_args([
-                "--base-url", f"http://127.0.0.1:{port}", "--backend", "completions", "--dataset-name", "random-ids",
-                "--num-prompts", str(max(args.min_prompts, 2 * conc)), "--random-input-len", str(args.input_len),
-                "--random-output-len", str(args.output_len), "--max-concurrency", str(conc), "--disable-tqdm"])))
-            points.append({"concurrency": conc, "failed": m["failed"],
-                           "output_tok_s_per_worker": m["output_throughput"] / args.workers,
-                           "tpot_p50_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
-                           "ttft_p50_ms": m["median_ttft_ms"]})
+            m = asyncio.run(
+                run_benchmark(
+                    serving_args(
+                        [
+                            "--base-url",
+                            f"http://127.0.0.1:{port}",
+                            "--backend",
+                            "completions",
+                            "--dataset-name",
+                            "random-ids",
+                            "--num-prompts",
+                            str(max(args.min_prompts, 2 * conc)),
+                            "--random-input-len",
+                            str(args.input_len),
+                            "--random-output-len",
+                            str(args.output_len),
+                            "--max-concurrency",
+                            str(conc),
+                            "--disable-tqdm",
+                        ]
+                    )
+                )
+            )
+            points.append(
+                {
+                    "concurrency": conc,
+                    "failed": m["failed"],
+                    "output_tok_s_per_worker": m["output_throughput"] / args.workers,
+                    "tpot_p50_ms": m["median_tpot_ms"],
+                    "tpot_p99_ms": m["p99_tpot_ms"],
+                    "ttft_p50_ms": m["median_ttft_ms"],
+                }
+            )
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -92,11 +137,17 @@ def draw(results: dict[str, list[dict]], slo_ms: float, png: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for name, points in results.items():
-        ax.plot([p["tpot_p50_ms"] for p in points], [p["output_tok_s_per_worker"] for p in points], marker="o",
-                label=name)
+        ax.plot(
+            [p["tpot_p50_ms"] for p in points], [p["output_tok_s_per_worker"] for p in points], marker="o", label=name
+        )
         for p in points:
-            ax.annotate(str(p["concurrency"]), (p["tpot_p50_ms"], p["output_tok_s_per_worker"]), fontsize=7,
-                        textcoords="offset points", xytext=(3, 3))
+            ax.annotate(
+                str(p["concurrency"]),
+                (p["tpot_p50_ms"], p["output_tok_s_per_worker"]),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(3, 3),
+            )
     ax.axvline(slo_ms, color="grey", linestyle="--", linewidth=0.8, label=f"TPOT SLO {slo_ms:g} ms")
     ax.set_xlabel("TPOT p50 (ms)")
     ax.set_ylabel("output tokens/s per worker process")
@@ -122,12 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.input_len, args.output_len, args.min_prompts = [1, 4], 8, 4, 4
-    results = {name: sweep(name, flags, args) for name, flags in deployments(args.workers, args.afd_micro_batches).items()}
+    results = {
+        name: sweep(name, flags, args) for name, flags in deployments(args.workers, args.afd_micro_batches).items()
+    }
     print(f"{'deployment':<22} {'conc':>5} {'tok/s/worker':>13} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12}")
     for name, points in results.items():
         for pt in points:
-            print(f"{name:<22} {pt['concurrency']:>5} {pt['output_tok_s_per_worker']:>13.1f} "
-                  f"{pt['tpot_p50_ms']:>12.1f} {pt['tpot_p99_ms']:>12.1f}")
+            print(
+                f"{name:<22} {pt['concurrency']:>5} {pt['output_tok_s_per_worker']:>13.1f} "
+                f"{pt['tpot_p50_ms']:>12.1f} {pt['tpot_p99_ms']:>12.1f}"
+            )
     best = {name: at_slo(points, args.slo_tpot_ms) for name, points in results.items()}
     names = list(best)
     ratio = best[names[1]] / best[names[0]] if best[names[0]] else float("nan")
@@ -135,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"throughput per worker at TPOT p50 <= {args.slo_tpot_ms:g} ms, {name}: {value:.1f} tok/s")
     print(f"ratio {names[1]} / {names[0]} at the SLO: {ratio:.3f}")
     draw(results, args.slo_tpot_ms, args.png)
-    Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results, "at_slo": best,
-                                           "ratio_afd_over_colocated": ratio}, indent=2))
+    Path(args.json).write_text(
+        json.dumps(
+            {"settings": vars(args), "results": results, "at_slo": best, "ratio_afd_over_colocated": ratio}, indent=2
+        )
+    )
     print(f"wrote {args.json} and {args.png}")
     return 0
 

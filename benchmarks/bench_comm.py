@@ -85,13 +85,17 @@ def measure(a: int, nodes: int, per_node: int, args) -> dict:
         per_copy = volume.dispatch_copy_bytes(mode, args.hidden, args.topk, wire, torch.float32)
         measured = stats.get("dispatch", INTER_NODE)
         row[mode] = {
-            "dispatch_inter_bytes": measured.bytes, "dispatch_inter_bytes_analytic": copies * per_copy,
-            "dispatch_inter_copies": measured.messages, "dispatch_inter_copies_analytic": copies,
+            "dispatch_inter_bytes": measured.bytes,
+            "dispatch_inter_bytes_analytic": copies * per_copy,
+            "dispatch_inter_copies": measured.messages,
+            "dispatch_inter_copies_analytic": copies,
             "combine_inter_bytes": stats.get("combine", INTER_NODE).bytes,
             "combine_inter_bytes_analytic": copies * wire.combine_bytes(args.hidden),
-            "expected_copies_uniform": a * args.tokens * (
-                volume.expected_nodes_hit(args.experts, nodes, args.topk) if mode == "two-stage" else args.topk),
-            "seconds_in_process": seconds, "max_relative_error": err,
+            "expected_copies_uniform": a
+            * args.tokens
+            * (volume.expected_nodes_hit(args.experts, nodes, args.topk) if mode == "two-stage" else args.topk),
+            "seconds_in_process": seconds,
+            "max_relative_error": err,
         }
     two, direct = row["two-stage"], row["direct"]
     row["dispatch_ratio"] = two["dispatch_inter_bytes"] / direct["dispatch_inter_bytes"]
@@ -100,18 +104,25 @@ def measure(a: int, nodes: int, per_node: int, args) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'A x nodes x R':>14} {'mode':>9} {'dispatch B (between nodes)':>27} {'analytic':>13} "
-            f"{'combine B':>13} {'analytic':>13} {'copies':>8} {'E[copies]':>10} {'sec':>7}")
+    head = (
+        f"{'A x nodes x R':>14} {'mode':>9} {'dispatch B (between nodes)':>27} {'analytic':>13} "
+        f"{'combine B':>13} {'analytic':>13} {'copies':>8} {'E[copies]':>10} {'sec':>7}"
+    )
     print(head)
     for r in rows:
         topo = f"{r['a_ranks']}x{r['ffn_nodes']}x{r['ffn_ranks_per_node']}"
         for mode in ("two-stage", "direct"):
             m = r[mode]
-            print(f"{topo:>14} {mode:>9} {m['dispatch_inter_bytes']:>27,} {m['dispatch_inter_bytes_analytic']:>13,} "
-                  f"{m['combine_inter_bytes']:>13,} {m['combine_inter_bytes_analytic']:>13,} "
-                  f"{m['dispatch_inter_copies']:>8,} {m['expected_copies_uniform']:>10.0f} {m['seconds_in_process']:>7.2f}")
-        print(f"{'':>14} ratio two-stage/direct between nodes: dispatch {r['dispatch_ratio']:.4f} "
-              f"(1/{1 / r['dispatch_ratio']:.2f}), combine {r['combine_ratio']:.4f} (1/{1 / r['combine_ratio']:.2f})")
+            print(
+                f"{topo:>14} {mode:>9} {m['dispatch_inter_bytes']:>27,} {m['dispatch_inter_bytes_analytic']:>13,} "
+                f"{m['combine_inter_bytes']:>13,} {m['combine_inter_bytes_analytic']:>13,} "
+                f"{m['dispatch_inter_copies']:>8,} {m['expected_copies_uniform']:>10.0f} "
+                f"{m['seconds_in_process']:>7.2f}"
+            )
+        print(
+            f"{'':>14} ratio two-stage/direct between nodes: dispatch {r['dispatch_ratio']:.4f} "
+            f"(1/{1 / r['dispatch_ratio']:.2f}), combine {r['combine_ratio']:.4f} (1/{1 / r['combine_ratio']:.2f})"
+        )
 
 
 def parse(argv):

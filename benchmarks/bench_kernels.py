@@ -73,9 +73,11 @@ def mla_case(shape, dtype, device, page_size: int = 64):
     kv = PagedKV(slots, torch.zeros(B, 1, L), pages, torch.full((B,), L), page_size)
     kv = PagedKV(*(t.to(device) for t in kv[:4]), page_size)
     q_nope, q_pe = torch.randn(B, H, Dn, generator=g).to(dtype), torch.randn(B, H, R, generator=g).to(dtype)
-    w_uk, w_uv = (torch.randn(H, Dn, C, generator=g) / C**0.5).to(dtype), (torch.randn(H, Dv, C, generator=g) /
-                                                                          C**0.5).to(dtype)
-    args = [t.to(device) for t in (q_nope, q_pe, cache)] + [kv, w_uk.to(device), w_uv.to(device), 1 / (Dn + R)**0.5]
+    w_uk, w_uv = (
+        (torch.randn(H, Dn, C, generator=g) / C**0.5).to(dtype),
+        (torch.randn(H, Dv, C, generator=g) / C**0.5).to(dtype),
+    )
+    args = [t.to(device) for t in (q_nope, q_pe, cache)] + [kv, w_uk.to(device), w_uv.to(device), 1 / (Dn + R) ** 0.5]
     size = dtype.itemsize
     nbytes = (B * L * (C + R) + B * H * (Dn + R + Dv) + H * (Dn + Dv) * C) * size
     flops = 2 * B * H * L * (2 * C + R) + 2 * B * H * C * (Dn + Dv)
@@ -104,8 +106,11 @@ def run_rows(backends: list[str], quick: bool, dtype: torch.dtype, device: torch
     moe_args, moe_bytes, moe_flops = moe_case(MOE_QUICK if quick else MOE_FULL, dtype, device)
     fp8_shape = FP8_QUICK if quick else FP8_FULL
     x8 = torch.randn(*fp8_shape, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
-    refs = {"mla_decode": attention_backend("torch").decode(*mla_args), "fused_moe":
-            moe_backend("torch").fused_moe(*moe_args), "fp8_quantize": quantize_fp8(x8)[0]}
+    refs = {
+        "mla_decode": attention_backend("torch").decode(*mla_args),
+        "fused_moe": moe_backend("torch").fused_moe(*moe_args),
+        "fp8_quantize": quantize_fp8(x8)[0],
+    }
     for backend in backends:
         mla, moe = attention_backend(backend), moe_backend(backend)
         quant = quantize_fp8
@@ -114,16 +119,29 @@ def run_rows(backends: list[str], quick: bool, dtype: torch.dtype, device: torch
         cases = {
             "mla_decode": (lambda mla=mla: mla.decode(*mla_args), mla_bytes, mla_flops),
             "fused_moe": (lambda moe=moe: moe.fused_moe(*moe_args), moe_bytes, moe_flops),
-            "fp8_quantize": (lambda quant=quant: quant(x8)[0], x8.numel() * (x8.element_size() + 1) + x8.numel() // 32,
-                             4 * x8.numel()),
+            "fp8_quantize": (
+                lambda quant=quant: quant(x8)[0],
+                x8.numel() * (x8.element_size() + 1) + x8.numel() // 32,
+                4 * x8.numel(),
+            ),
         }
         for name, (fn, nbytes, flops) in cases.items():
             seconds = timed(fn, device, reps)
             out = fn()
-            err = rel_err(out.view(torch.uint8).float() if name == "fp8_quantize" else out,
-                          refs[name].view(torch.uint8).float() if name == "fp8_quantize" else refs[name])
-            rows.append({"kernel": name, "backend": backend, "us": seconds * 1e6, "gb_s": nbytes / seconds / 1e9,
-                         "tflop_s": flops / seconds / 1e12, "max_rel_err_vs_torch": err})
+            err = rel_err(
+                out.view(torch.uint8).float() if name == "fp8_quantize" else out,
+                refs[name].view(torch.uint8).float() if name == "fp8_quantize" else refs[name],
+            )
+            rows.append(
+                {
+                    "kernel": name,
+                    "backend": backend,
+                    "us": seconds * 1e6,
+                    "gb_s": nbytes / seconds / 1e9,
+                    "tflop_s": flops / seconds / 1e12,
+                    "max_rel_err_vs_torch": err,
+                }
+            )
     return rows
 
 
@@ -140,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU, tests)")
     parser.add_argument("--backends", default="torch,triton", help="comma-separated backend names")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                        help="default: bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16"), help="default: bfloat16 on a GPU, float32 on the CPU"
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed runs per kernel (default 20; quick: 2)")
     parser.add_argument("--json", default=None, help="write the rows here")
     ns = parser.parse_args(argv)
@@ -155,16 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["hbm_fraction"] = r["gb_s"] / (bw * 1000) if bw else None
         r["bf16_peak_fraction"] = r["tflop_s"] / peak if peak else None
-    print(f"device: {name}, dtype {dtype}, {'quick' if ns.quick else 'DeepSeek-V3'} shapes"
-          + (" (triton rows run under the interpreter: not a speed figure)" if device.type == "cpu" else ""))
+    print(
+        f"device: {name}, dtype {dtype}, {'quick' if ns.quick else 'DeepSeek-V3'} shapes"
+        + (" (triton rows run under the interpreter: not a speed figure)" if device.type == "cpu" else "")
+    )
     print(f"{'kernel':<14}{'backend':<8}{'us':>12}{'GB/s':>10}{'TFLOP/s':>10}{'HBM %':>8}{'peak %':>8}{'rel err':>10}")
     for r in rows:
         pct = [f"{100 * r[k]:.0f}" if r[k] is not None else "-" for k in ("hbm_fraction", "bf16_peak_fraction")]
-        print(f"{r['kernel']:<14}{r['backend']:<8}{r['us']:>12.1f}{r['gb_s']:>10.2f}{r['tflop_s']:>10.3f}"
-              f"{pct[0]:>8}{pct[1]:>8}{r['max_rel_err_vs_torch']:>10.1e}")
+        print(
+            f"{r['kernel']:<14}{r['backend']:<8}{r['us']:>12.1f}{r['gb_s']:>10.2f}{r['tflop_s']:>10.3f}"
+            f"{pct[0]:>8}{pct[1]:>8}{r['max_rel_err_vs_torch']:>10.1e}"
+        )
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"device": name, "dtype": str(dtype), "quick": ns.quick, "rows": rows},
-                                            indent=1) + "\n")
+        Path(ns.json).write_text(
+            json.dumps({"device": name, "dtype": str(dtype), "quick": ns.quick, "rows": rows}, indent=1) + "\n"
+        )
     return 0
 
 

@@ -48,10 +48,14 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None,
-                   help="HF checkpoint directory (default: a tiny DeepSeek-V3, seed 0, made in a temp dir)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="HF checkpoint directory (default: a tiny DeepSeek-V3, seed 0, made in a temp dir)",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
@@ -61,8 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats; the best time is reported")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--quick", action="store_true",
-                   help="batch 4, input 8, output 8, repeats 1 (smoke test)")
+    p.add_argument("--quick", action="store_true", help="batch 4, input 8, output 8, repeats 1 (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
         args.batch_size, args.input_len, args.output_len, args.repeats = 4, 8, 8, 1
@@ -114,10 +117,15 @@ class HFSide:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                do_sample=False, pad_token_id=self.pad, use_cache=True,
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=self.pad,
+                use_cache=True,
             )
-        return out[:, ids.shape[1]:].tolist()
+        return out[:, ids.shape[1] :].tolist()
 
 
 def timed(side, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
@@ -197,23 +205,33 @@ def _run(args: argparse.Namespace, path: str) -> dict:
     for i, (a, b) in enumerate(zip(tokens["afd"], tokens["transformers"])):
         pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if pos is not None:
-            divergences.append({"sequence": i, "position": pos, "afd": a[pos], "transformers": b[pos],
-                                "afd_is_eos": a[pos] in eos})
+            divergences.append(
+                {"sequence": i, "position": pos, "afd": a[pos], "transformers": b[pos], "afd_is_eos": a[pos] in eos}
+            )
     return {
         "config": {
             "model_path": args.model_path or "tiny deepseek_v3 seed 0 (temp dir)",
-            "batch_size": B, "input_len": L, "output_len": OUT, "num_threads": args.num_threads,
-            "dtype": args.dtype, "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed,
-            "torch": torch.__version__, "transformers": _hf_version(),
+            "batch_size": B,
+            "input_len": L,
+            "output_len": OUT,
+            "num_threads": args.num_threads,
+            "dtype": args.dtype,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "torch": torch.__version__,
+            "transformers": _hf_version(),
         },
         "method": METHOD,
         "statistic": "best",
         "results": results,
         "ratio_output_tok_s": afd["output_tok_s"] / hf["output_tok_s"],
-        "ratio_decode_tok_s": (afd["decode_tok_s"] / hf["decode_tok_s"]
-                               if afd["decode_tok_s"] and hf["decode_tok_s"] else None),
+        "ratio_decode_tok_s": (
+            afd["decode_tok_s"] / hf["decode_tok_s"] if afd["decode_tok_s"] and hf["decode_tok_s"] else None
+        ),
         "greedy_match": {
-            "identical_sequences": B - len(divergences), "sequences": B,
+            "identical_sequences": B - len(divergences),
+            "sequences": B,
             # transformers' min_new_tokens masks EOS out, our ignore_eos only keeps going: where EOS
             # is the argmax we emit it and transformers takes the runner-up, so the rest differs.
             "diverged_at_eos": sum(d["afd_is_eos"] for d in divergences),
@@ -237,21 +255,24 @@ def _hf_version() -> str:
 def report(res: dict) -> str:
     c = res["config"]
     lines = [
-        (f"batch {c['batch_size']}, input {c['input_len']}, output {c['output_len']}, "
-         f"{c['dtype']}, {c['num_threads']} threads, best of {c['repeats']} (warmup {c['warmup']})"),
+        (
+            f"batch {c['batch_size']}, input {c['input_len']}, output {c['output_len']}, "
+            f"{c['dtype']}, {c['num_threads']} threads, best of {c['repeats']} (warmup {c['warmup']})"
+        ),
         f"{'side':<14}{'seconds':>10}{'prefill s':>11}{'output tok/s':>14}{'decode tok/s':>14}",
     ]
     for name, r in res["results"].items():
         dec = f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "n/a"
-        lines.append(f"{name:<14}{r['seconds']:>10.3f}{r['prefill_seconds']:>11.3f}"
-                     f"{r['output_tok_s']:>14.1f}{dec:>14}")
+        lines.append(f"{name:<14}{r['seconds']:>10.3f}{r['prefill_seconds']:>11.3f}{r['output_tok_s']:>14.1f}{dec:>14}")
     lines.append(f"ratio (afd / transformers) output tok/s: {res['ratio_output_tok_s']:.2f}x")
     if res["ratio_decode_tok_s"] is not None:
         lines.append(f"ratio (afd / transformers) decode tok/s: {res['ratio_decode_tok_s']:.2f}x")
     g = res["greedy_match"]
-    lines.append(f"identical greedy sequences: {g['identical_sequences']}/{g['sequences']} "
-                 f"({g['diverged_at_eos']} of the {g['sequences'] - g['identical_sequences']} divergences are where "
-                 f"ours emitted EOS, which transformers' min_new_tokens forbids)")
+    lines.append(
+        f"identical greedy sequences: {g['identical_sequences']}/{g['sequences']} "
+        f"({g['diverged_at_eos']} of the {g['sequences'] - g['identical_sequences']} divergences are where "
+        f"ours emitted EOS, which transformers' min_new_tokens forbids)"
+    )
     if res["noisy"]:
         lines.append("warning: repeats differ by more than 1.5x (machine busy?); rerun for stable numbers")
     lines.append(f"method: {res['method']}")

@@ -43,11 +43,21 @@ def run(model_path: str, n: int, delays: tuple[float, float, float], timeline: s
     from afd_engine import SamplingParams, make_engine
 
     a, f, link = delays
-    with make_engine(model_path=model_path, mode="afd", dp_size=1, micro_batches=n, num_threads=1,
-                inject_attention_delay_ms=a, inject_ffn_delay_ms=f, inject_link_delay_ms=link,
-                record_timeline=timeline) as engine:
-        engine.generate(prompt_token_ids=[[5 + i, 6, 7] for i in range(requests)],
-                        sampling_params=SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True))
+    with make_engine(
+        model_path=model_path,
+        mode="afd",
+        dp_size=1,
+        micro_batches=n,
+        num_threads=1,
+        inject_attention_delay_ms=a,
+        inject_ffn_delay_ms=f,
+        inject_link_delay_ms=link,
+        record_timeline=timeline,
+    ) as engine:
+        engine.generate(
+            prompt_token_ids=[[5 + i, 6, 7] for i in range(requests)],
+            sampling_params=SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True),
+        )
 
 
 def load(prefix: str) -> list[dict]:
@@ -107,14 +117,24 @@ def draw(timelines: dict[str, list[dict]], png: str) -> None:
         rows = sorted({(e["role"], e["mb"]) for e in ev})
         for e in ev:
             y = rows.index((e["role"], e["mb"]))
-            ax.barh(y, (e["t1"] - e["t0"]) * 1000, left=(e["t0"] - t0) * 1000, color=colors[e["kind"]],
-                    edgecolor="black", linewidth=0.3)
+            ax.barh(
+                y,
+                (e["t1"] - e["t0"]) * 1000,
+                left=(e["t0"] - t0) * 1000,
+                color=colors[e["kind"]],
+                edgecolor="black",
+                linewidth=0.3,
+            )
         ax.set_yticks(range(len(rows)), [f"{'A' if r == 'a' else 'F'} mb{m}" for r, m in rows])
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, ["A compute", "A waits for combine", "F compute", "F waits for dispatch"], loc="upper right",
-               fontsize=8)
+    fig.legend(
+        handles,
+        ["A compute", "A waits for combine", "F compute", "F waits for dispatch"],
+        loc="upper right",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -122,8 +142,13 @@ def draw(timelines: dict[str, list[dict]], png: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", help="checkpoint (default: a tiny DeepSeek-V3 with --layers layers)")
-    p.add_argument("--layers", type=int, default=12, help="layers of the default model: the last MoE layer's "
-                   "round trip has nothing to hide behind, so few layers understate the busy fraction")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=12,
+        help="layers of the default model: the last MoE layer's "
+        "round trip has nothing to hide behind, so few layers understate the busy fraction",
+    )
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--tokens", type=int, default=6)
@@ -151,20 +176,36 @@ def main(argv: list[str] | None = None) -> int:
                 if n == 1:  # one micro-batch: A waits for exactly transport + F
                     transit[name] = max(0.0, means["wait"] - means["ffn"])
                 predicted = predicted_busy(n, means, transit[name]) if name in transit else None
-                results.append({"scenario": name, "attention_ms": delays[0], "ffn_ms": delays[1],
-                                "link_ms": delays[2], "micro_batches": n, "a_busy": busy, "decode_steps": steps,
-                                "measured_attention_ms": means["attention"] * 1e3,
-                                "measured_ffn_ms": means["ffn"] * 1e3, "predicted_a_busy": predicted})
+                results.append(
+                    {
+                        "scenario": name,
+                        "attention_ms": delays[0],
+                        "ffn_ms": delays[1],
+                        "link_ms": delays[2],
+                        "micro_batches": n,
+                        "a_busy": busy,
+                        "decode_steps": steps,
+                        "measured_attention_ms": means["attention"] * 1e3,
+                        "measured_ffn_ms": means["ffn"] * 1e3,
+                        "predicted_a_busy": predicted,
+                    }
+                )
                 if name == next(iter(scenarios)) and n in (2, 3):
                     pictures[f"{name}: {n} micro-batches (A busy {busy:.2f})"] = events
-    print(f"{'scenario':<24} {'attn ms':>7} {'ffn ms':>7} {'link ms':>7} {'micro-batches':>13} {'A busy':>7} "
-          f"{'planner':>7}")
+    print(
+        f"{'scenario':<24} {'attn ms':>7} {'ffn ms':>7} {'link ms':>7} {'micro-batches':>13} {'A busy':>7} "
+        f"{'planner':>7}"
+    )
     for r in results:
         pred = "-" if r["predicted_a_busy"] is None else f"{r['predicted_a_busy']:.3f}"
-        print(f"{r['scenario']:<24} {r['attention_ms']:>7.1f} {r['ffn_ms']:>7.1f} {r['link_ms']:>7.1f} "
-              f"{r['micro_batches']:>13} {r['a_busy']:>7.3f} {pred:>7}")
-    print("planner: busy fraction over the MoE layers predicted from the run's own stage times "
-          "(needs the 1-micro-batch run)")
+        print(
+            f"{r['scenario']:<24} {r['attention_ms']:>7.1f} {r['ffn_ms']:>7.1f} {r['link_ms']:>7.1f} "
+            f"{r['micro_batches']:>13} {r['a_busy']:>7.3f} {pred:>7}"
+        )
+    print(
+        "planner: busy fraction over the MoE layers predicted from the run's own stage times "
+        "(needs the 1-micro-batch run)"
+    )
     draw(pictures, args.png)
     print(f"timeline: {args.png}")
     if args.json:

@@ -72,32 +72,52 @@ WORDS = _WORDS_TEXT.split()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--model", default=None, help="model name (default: the first id of GET /v1/models)")
     p.add_argument("--backend", default="completions", choices=("chat", "completions", "native"))
     p.add_argument("--dataset-name", default="random-ids", choices=("random-ids", "random", "sharegpt"))
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --dataset-name sharegpt)")
-    p.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="output length of every ShareGPT request (default: the gpt reply's word count)")
+    p.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="output length of every ShareGPT request (default: the gpt reply's word count)",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--random-input-len", type=int, default=32)
     p.add_argument("--random-output-len", type=int, default=32)
-    p.add_argument("--random-range-ratio", type=float, default=1.0,
-                   help="lengths are uniform in [ratio*len, len]; 1.0 = fixed lengths")
-    p.add_argument("--random-vocab-size", type=int, default=512,
-                   help="random-ids are drawn from [5, this); 512 is valid for the tiny model and any larger vocab")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrival rate in requests/s (default inf: all requests at once)")
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="lengths are uniform in [ratio*len, len]; 1.0 = fixed lengths",
+    )
+    p.add_argument(
+        "--random-vocab-size",
+        type=int,
+        default=512,
+        help="random-ids are drawn from [5, this); 512 is valid for the tiny model and any larger vocab",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrival rate in requests/s (default inf: all requests at once)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1, help="seed of the prompts and of the arrival times")
     p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests sent before the benchmark")
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--output-file", default=None, help="append one JSONL record (metrics and settings)")
-    p.add_argument("--output-details", action="store_true",
-                   help="also write per-request TTFTs, ITLs, latencies and errors to --output-file")
+    p.add_argument(
+        "--output-details",
+        action="store_true",
+        help="also write per-request TTFTs, ITLs, latencies and errors to --output-file",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -190,7 +210,7 @@ def sharegpt_requests(args: argparse.Namespace) -> list[Request]:
     if len(pairs) < args.num_prompts:
         raise ValueError(f"{args.dataset_path} has {len(pairs)} usable conversations, fewer than --num-prompts")
     reqs = []
-    for question, answer in pairs[:args.num_prompts]:
+    for question, answer in pairs[: args.num_prompts]:
         out_len = args.sharegpt_output_len or max(1, len(answer.split()))
         reqs.append(Request(question, len(question.split()), out_len))
     return reqs
@@ -233,10 +253,19 @@ def build_payload(args: argparse.Namespace, model: str, req: Request) -> tuple[s
     """The endpoint path and JSON body of one streamed request."""
     if args.backend == "native":
         key = "text" if isinstance(req.prompt, str) else "input_ids"
-        return "/generate", {key: req.prompt, "stream": True, "sampling_params": {
-            "max_new_tokens": req.output_len, "temperature": args.temperature, "ignore_eos": True}}
-    body = {"model": model, "max_tokens": req.output_len, "temperature": args.temperature, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+        return "/generate", {
+            key: req.prompt,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": req.output_len, "temperature": args.temperature, "ignore_eos": True},
+        }
+    body = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "temperature": args.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.backend == "chat":
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": req.prompt}]}
     return "/v1/completions", {**body, "prompt": req.prompt}
@@ -265,8 +294,10 @@ def chunk_content(backend: str, chunk: dict) -> tuple[bool, int]:
 async def send_request(client: httpx.AsyncClient, args: argparse.Namespace, model: str, req: Request) -> Result:
     """Streams one request and times it; any failure is recorded in the result, never raised."""
     path, payload = build_payload(args, model, req)
-    res = Result(prompt_tokens=len(req.prompt) if isinstance(req.prompt, list) else req.prompt_len,
-                 prompt_tokens_exact=isinstance(req.prompt, list))
+    res = Result(
+        prompt_tokens=len(req.prompt) if isinstance(req.prompt, list) else req.prompt_len,
+        prompt_tokens_exact=isinstance(req.prompt, list),
+    )
     start = time.perf_counter()
     last = None  # time of the previous content chunk
     done = False
@@ -332,8 +363,9 @@ async def fetch_model(client: httpx.AsyncClient) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: str,
-                   requests: list[Request]) -> tuple[list[Result], float]:
+async def run_load(
+    client: httpx.AsyncClient, args: argparse.Namespace, model: str, requests: list[Request]
+) -> tuple[list[Result], float]:
     """Sends all requests on the arrival schedule, at most --max-concurrency at a time.
 
     Returns the results (in request order) and the benchmark duration: from the first request
@@ -343,6 +375,7 @@ async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: s
     bar = None
     if not args.disable_tqdm:
         from tqdm import tqdm
+
         bar = tqdm(total=len(requests), file=sys.stderr)
 
     async def one(req: Request) -> Result:
@@ -380,8 +413,12 @@ def _stats(name: str, values_s: list[float]) -> dict[str, float]:
     ms = np.asarray(values_s, dtype=float) * 1000.0
     if ms.size == 0:
         return {f"{k}_{name}_ms": 0.0 for k in ("mean", "median", "std", "p99")}
-    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
-            f"std_{name}_ms": float(ms.std()), f"p99_{name}_ms": float(np.percentile(ms, 99))}
+    return {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(ms.std()),
+        f"p99_{name}_ms": float(np.percentile(ms, 99)),
+    }
 
 
 def meets_slo(res: Result, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
@@ -444,9 +481,12 @@ def format_table(m: dict[str, Any], args: argparse.Namespace) -> str:
     ]
     if m["goodput"] is not None:
         rows.append(("Goodput (req/s)", m["goodput"]))
-    sections = [("Time to First Token", "ttft", "TTFT"), ("Inter-Token Latency", "itl", "ITL"),
-                ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
-                ("End-to-End Latency", "e2e_latency", "E2E Latency")]
+    sections = [
+        ("Time to First Token", "ttft", "TTFT"),
+        ("Inter-Token Latency", "itl", "ITL"),
+        ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
+        ("End-to-End Latency", "e2e_latency", "E2E Latency"),
+    ]
     lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
     lines += [_row(k, v) for k, v in rows]
     for title, key, label in sections:
@@ -487,8 +527,9 @@ async def run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> dict[st
     requests = make_requests(args)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: a proxy from the environment would sit in the timed path.
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.request_timeout),
-                                 limits=limits, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=args.base_url, timeout=httpx.Timeout(args.request_timeout), limits=limits, trust_env=False
+    ) as client:
         model = args.model or await fetch_model(client)
         for i in range(args.warmup_requests):
             warm = await send_request(client, args, model, requests[i % len(requests)])
@@ -503,9 +544,13 @@ async def run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> dict[st
     if args.output_file:
         record = dict(metrics, timestamp=time.time())
         if args.output_details:
-            record.update(ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
-                          latencies=[r.latency for r in results], output_lens=[r.output_tokens for r in results],
-                          all_errors=[r.error for r in results])
+            record.update(
+                ttfts=[r.ttft for r in results],
+                itls=[r.itl for r in results],
+                latencies=[r.latency for r in results],
+                output_lens=[r.output_tokens for r in results],
+                all_errors=[r.error for r in results],
+            )
         write_record(args.output_file, record)
     metrics["results"] = [asdict(r) for r in results]  # for callers; not in the JSONL record
     return metrics

@@ -10,6 +10,19 @@ from comm.messages import CommError, CommTimeout, KeyMismatchError, MsgKey
 from comm.topology import Topology, TopologyError
 from comm.wire import WireFormat
 
-__all__ = ["AttentionEndpoint", "CommConfig", "CommError", "CommTimeout", "DispatchHandle", "ExpertBatch",
-           "FfnEndpoint", "KeyMismatchError", "MsgKey", "Topology", "TopologyError", "WireFormat",
-           "attention_endpoint", "ffn_endpoint"]
+__all__ = [
+    "AttentionEndpoint",
+    "CommConfig",
+    "CommError",
+    "CommTimeout",
+    "DispatchHandle",
+    "ExpertBatch",
+    "FfnEndpoint",
+    "KeyMismatchError",
+    "MsgKey",
+    "Topology",
+    "TopologyError",
+    "WireFormat",
+    "attention_endpoint",
+    "ffn_endpoint",
+]

@@ -45,8 +45,9 @@ class AttentionEndpoint(Endpoint, ABC):
         super().__init__(topo, topo.sender_endpoint(sender), transport, config)
         self.sender = sender
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 key: MsgKey) -> DispatchHandle:
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: MsgKey
+    ) -> DispatchHandle:
         """Sends tokens to their experts without waiting for anyone.
 
         hidden [T, H] fp32/bf16; topk_ids [T, K] int64 logical experts; topk_weights [T, K] fp32.
@@ -83,8 +84,16 @@ class TwoStageAttentionEndpoint(AttentionEndpoint):
             rows, ids, weights = masked_rows(node_of == node, topk_ids, topk_weights)
             values, scales = self.config.wire.encode(hidden[rows])
             peer = self.topo.ffn_endpoint(self.topo.relay_rank(self.sender, node))
-            msg = DISPATCH.pack(handle.key, self.endpoint, self._meta(hidden), hidden=values, scales=scales, ids=ids,
-                                weights=weights, rows=rows.to(torch.int32))
+            msg = DISPATCH.pack(
+                handle.key,
+                self.endpoint,
+                self._meta(hidden),
+                hidden=values,
+                scales=scales,
+                ids=ids,
+                weights=weights,
+                rows=rows.to(torch.int32),
+            )
             self.send(peer, "dispatch", msg, rows.numel())
             handle.routes.append((peer, rows, None))  # the node weighted and reduced its experts already
 
@@ -98,14 +107,22 @@ class DirectAttentionEndpoint(AttentionEndpoint):
             rows, slot = (ffn_rank == rank).nonzero(as_tuple=True)  # one copy per (token, expert)
             values, scales = self.config.wire.encode(hidden[rows])
             peer = self.topo.ffn_endpoint(rank)
-            msg = DISPATCH_DIRECT.pack(handle.key, self.endpoint, self._meta(hidden), hidden=values, scales=scales,
-                                       ids=topk_ids[rows, slot].to(torch.int32), rows=rows.to(torch.int32))
+            msg = DISPATCH_DIRECT.pack(
+                handle.key,
+                self.endpoint,
+                self._meta(hidden),
+                hidden=values,
+                scales=scales,
+                ids=topk_ids[rows, slot].to(torch.int32),
+                rows=rows.to(torch.int32),
+            )
             self.send(peer, "dispatch", msg, rows.numel())
             handle.routes.append((peer, rows, topk_weights[rows, slot].float()))
 
 
-def attention_endpoint(topo: Topology, sender: int, transport: Transport,
-                       config: CommConfig = CommConfig()) -> AttentionEndpoint:
+def attention_endpoint(
+    topo: Topology, sender: int, transport: Transport, config: CommConfig = CommConfig()
+) -> AttentionEndpoint:
     """The sender endpoint of `config.mode`."""
     cls = TwoStageAttentionEndpoint if config.mode == "two-stage" else DirectAttentionEndpoint
     return cls(topo, sender, transport, config)

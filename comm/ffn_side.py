@@ -25,7 +25,7 @@ import torch
 
 from comm.endpoint import CommConfig, Endpoint, masked_rows
 from comm.messages import CommTimeout, Message, MsgKey
-from comm.protocol import COMBINE, COMBINE_DIRECT, DISPATCH, DISPATCH_DIRECT, EXPERT_OUT, FORWARD, DTYPES, Layout
+from comm.protocol import COMBINE, COMBINE_DIRECT, DISPATCH, DISPATCH_DIRECT, DTYPES, EXPERT_OUT, FORWARD, Layout
 from comm.topology import Topology
 from comm.transport.base import Transport
 
@@ -166,8 +166,16 @@ class TwoStageFfnEndpoint(FfnEndpoint):
         sent = {}
         for rank in self.topo.node_ranks(self.node):
             rows, r_ids, r_weights = masked_rows(ffn_rank == rank, ids, f["weights"])
-            out = FORWARD.pack(msg.key, self.endpoint, msg.meta, hidden=f["hidden"][rows], scales=f["scales"][rows],
-                               ids=r_ids, weights=r_weights, rows=f["rows"][rows])
+            out = FORWARD.pack(
+                msg.key,
+                self.endpoint,
+                msg.meta,
+                hidden=f["hidden"][rows],
+                scales=f["scales"][rows],
+                ids=r_ids,
+                weights=r_weights,
+                rows=f["rows"][rows],
+            )
             self.send(self.topo.ffn_endpoint(rank), "dispatch", out, rows.numel())
             sent[rank] = rows
         return sent

@@ -50,10 +50,15 @@ class Message:
 
     def header(self) -> bytes:
         """The header as bytes: kind, key, src, meta and each tensor's dtype and shape."""
-        return json.dumps({
-            "kind": self.kind, "key": [self.key.step, self.key.layer, self.key.micro_batch], "src": self.src,
-            "meta": self.meta, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in self.tensors],
-        }).encode()
+        return json.dumps(
+            {
+                "kind": self.kind,
+                "key": [self.key.step, self.key.layer, self.key.micro_batch],
+                "src": self.src,
+                "meta": self.meta,
+                "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in self.tensors],
+            }
+        ).encode()
 
     def encode(self) -> list[bytes | memoryview]:
         """Frames: the header, then each tensor's raw bytes (no copy for contiguous CPU tensors)."""

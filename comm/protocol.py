@@ -55,8 +55,10 @@ class Layout:
 
     def unpack(self, msg: Message) -> dict[str, torch.Tensor]:
         if msg.kind != self.kind or len(msg.tensors) != len(self.fields):
-            raise CommError(f"expected a {self.kind} message with {len(self.fields)} tensors, got {msg.kind} "
-                            f"with {len(msg.tensors)}")
+            raise CommError(
+                f"expected a {self.kind} message with {len(self.fields)} tensors, got {msg.kind} "
+                f"with {len(msg.tensors)}"
+            )
         return dict(zip(self.fields, msg.tensors))
 
 

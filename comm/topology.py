@@ -46,19 +46,27 @@ class Topology:
         need(self.num_senders >= 1, "needs at least one sender (attention rank)")
         need(self.num_nodes >= 1 and self.ranks_per_node >= 1, "needs at least one FFN node with one rank")
         need(self.num_experts >= 1, "needs at least one expert")
-        need(self.num_experts % self.num_ffn_ranks == 0,
-             f"{self.num_experts} experts do not divide evenly over {self.num_ffn_ranks} ranks "
-             f"({self.num_nodes} nodes x {self.ranks_per_node}); pick a rank count that divides {self.num_experts}")
-        need(not self.colocated or self.num_senders == self.num_ffn_ranks,
-             f"a colocated deployment has one sender per rank: {self.num_senders} senders != {self.num_ffn_ranks} ranks")
+        need(
+            self.num_experts % self.num_ffn_ranks == 0,
+            f"{self.num_experts} experts do not divide evenly over {self.num_ffn_ranks} ranks "
+            f"({self.num_nodes} nodes x {self.ranks_per_node}); pick a rank count that divides {self.num_experts}",
+        )
+        need(
+            not self.colocated or self.num_senders == self.num_ffn_ranks,
+            f"a colocated deployment has one sender per rank: {self.num_senders} senders != {self.num_ffn_ranks} ranks",
+        )
         if self.expert_map is not None:
-            need(sorted(self.expert_map) == list(range(self.num_experts)),
-                 "expert_map must be a permutation of 0..num_experts-1 (one physical slot per logical expert)")
+            need(
+                sorted(self.expert_map) == list(range(self.num_experts)),
+                "expert_map must be a permutation of 0..num_experts-1 (one physical slot per logical expert)",
+            )
 
     def describe(self) -> str:
         kind = "colocated" if self.colocated else "afd"
-        return f"({kind}: {self.num_senders} senders, {self.num_nodes} nodes x {self.ranks_per_node} ranks, " \
-               f"{self.num_experts} experts)"
+        return (
+            f"({kind}: {self.num_senders} senders, {self.num_nodes} nodes x {self.ranks_per_node} ranks, "
+            f"{self.num_experts} experts)"
+        )
 
     @property
     def num_ffn_ranks(self) -> int:

@@ -115,8 +115,9 @@ def unabsorb_output(out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tenso
     return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-def mla_decode_core(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv: PagedKV,
-                    scale: float) -> torch.Tensor:
+def mla_decode_core(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv: PagedKV, scale: float
+) -> torch.Tensor:
     """The attention core of absorbed MLA decode (what FlashMLA computes).
 
     q_latent [B, H, C], q_pe [B, H, R]; cache [S, C + R]. Returns out_latent [B, H, C]: per head,

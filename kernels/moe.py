@@ -14,8 +14,9 @@ import torch.nn.functional as F
 _MAX_PAD_RATIO = 4
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
     """Weighted sum over each token's local experts of SwiGLU(x).
 
     x [T, H]; topk_ids [T, K] int64 (local expert index or -1); topk_weights [T, K] fp32.
@@ -72,8 +73,9 @@ class TorchMoE:
 
     name = "torch"
 
-    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor) -> torch.Tensor:
+    def fused_moe(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         """See the module function `fused_moe`: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K]
         int64 local expert or -1, topk_weights [T, K] fp32 -> [T, H] in x.dtype."""
         return fused_moe(x, w13, w2, topk_ids, topk_weights)

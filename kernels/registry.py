@@ -15,7 +15,6 @@ A new backend adds one line to each table it implements; `EngineArgs` refuses na
 from __future__ import annotations
 
 import importlib
-
 import os
 
 ATTENTION_BACKENDS = {"torch": "kernels.mla:TorchMLA", "triton": "kernels.triton.mla:TritonMLA"}
@@ -62,5 +61,7 @@ def _require_triton(kind: str, name: str) -> None:
     if importlib.util.find_spec("triton") is None:
         raise BackendUnavailableError(f"the {name} {kind} backend needs the triton package: pip install triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise BackendUnavailableError(f"the {name} {kind} backend needs a CUDA GPU; on a CPU it runs only under "
-                                      "Triton's interpreter (TRITON_INTERPRET=1, slow: for tests)")
+        raise BackendUnavailableError(
+            f"the {name} {kind} backend needs a CUDA GPU; on a CPU it runs only under "
+            "Triton's interpreter (TRITON_INTERPRET=1, slow: for tests)"
+        )

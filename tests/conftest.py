@@ -20,15 +20,33 @@ if not torch.cuda.is_available():
 TINY_CONFIGS = {
     "v3-yarn-qlora": ("deepseek_v3", {}),
     "v3-dense0": ("deepseek_v3", {"first_k_dense_replace": 0}),
-    "v3-dense2-rope-params": ("deepseek_v3", {
-        "first_k_dense_replace": 2,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
-                            "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
-                            "mscale": 0.707, "mscale_all_dim": 1.0},
-    }),
+    "v3-dense2-rope-params": (
+        "deepseek_v3",
+        {
+            "first_k_dense_replace": 2,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 2.0,
+                "original_max_position_embeddings": 256,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 0.707,
+                "mscale_all_dim": 1.0,
+            },
+        },
+    ),
     "v2-lite": ("deepseek_v2", {}),
-    "v2-group-limited": ("deepseek_v2", {"q_lora_rank": 48, "topk_method": "group_limited_greedy",
-                                         "n_group": 4, "topk_group": 2, "first_k_dense_replace": 0}),
+    "v2-group-limited": (
+        "deepseek_v2",
+        {
+            "q_lora_rank": 48,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "first_k_dense_replace": 0,
+        },
+    ),
 }
 
 

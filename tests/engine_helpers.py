@@ -17,8 +17,11 @@ def engine_logits(engine: Engine, ids: list[int], cached: int = 0) -> torch.Tens
     try:
         assert pool.grow(row, len(ids))
         if cached:
-            engine.model(ForwardBatch.build([SeqChunk(row, 0, ids[:cached])], [], pool.page_table, pool.page_size),
-                         pool.cache, torch.tensor([cached - 1]))
+            engine.model(
+                ForwardBatch.build([SeqChunk(row, 0, ids[:cached])], [], pool.page_table, pool.page_size),
+                pool.cache,
+                torch.tensor([cached - 1]),
+            )
         new = [SeqChunk(row, cached, ids[cached:])]
         ext, dec = (new, []) if len(ids) - cached > 1 else ([], new)
         fb = ForwardBatch.build(ext, dec, pool.page_table, pool.page_size)

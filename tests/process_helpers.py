@@ -21,14 +21,21 @@ def free_port() -> int:
 
 def afd_run(*args: str, env=None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`afd ARGS` to completion, output captured."""
-    return subprocess.run([sys.executable, "-m", "afd_engine.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "afd_engine.cli", *args], capture_output=True, text=True, timeout=timeout, env=env or ENV
+    )
 
 
 def afd_start(*args: str, new_session: bool = False) -> subprocess.Popen:
     """`afd ARGS` in the background, stdout and stderr merged into one text pipe."""
-    return subprocess.Popen([sys.executable, "-m", "afd_engine.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=new_session)
+    return subprocess.Popen(
+        [sys.executable, "-m", "afd_engine.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        start_new_session=new_session,
+    )
 
 
 def wait_healthy(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:

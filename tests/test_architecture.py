@@ -107,6 +107,9 @@ def test_modes_do_not_reach_into_layers_or_kernels():
             text = path.read_text()
             rel = path.relative_to(ROOT)
             offenders += [f"{rel}: mentions {m.group(0)!r}" for m in MOE_INTERNALS.finditer(text)]
-            offenders += [f"{rel}: imports {m}" for m in imports_of(module_name(path), path, set(project_modules()))
-                          if m == "kernels" or m.startswith("kernels.")]
+            offenders += [
+                f"{rel}: imports {m}"
+                for m in imports_of(module_name(path), path, set(project_modules()))
+                if m == "kernels" or m.startswith("kernels.")
+            ]
     assert offenders == []

@@ -41,14 +41,18 @@ def test_stop_token_id_and_stop_string(engine):
     base = engine.generate(prompt_token_ids=[[11, 12, 13, 14]], sampling_params=GREEDY)[0]
     stop_id = base.token_ids[4]
     first = base.token_ids.index(stop_id)
-    out = engine.generate(prompt_token_ids=[[11, 12, 13, 14]],
-                          sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[stop_id]))[0]
+    out = engine.generate(
+        prompt_token_ids=[[11, 12, 13, 14]],
+        sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[stop_id]),
+    )[0]
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
 
-    stop = base.text[len(base.text) // 2: len(base.text) // 2 + 3]
+    stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 3]
     cut = base.text.index(stop)
-    out = engine.generate(prompt_token_ids=[[11, 12, 13, 14]],
-                          sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0, stop=[stop]))[0]
+    out = engine.generate(
+        prompt_token_ids=[[11, 12, 13, 14]],
+        sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0, stop=[stop]),
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text == base.text[:cut]
 
@@ -56,10 +60,12 @@ def test_stop_token_id_and_stop_string(engine):
 def test_seeded_sampling_is_reproducible_in_any_batch(engine):
     sampled = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
     alone = engine.generate(prompt_token_ids=[[20, 21, 22]], sampling_params=sampled)[0].token_ids
-    crowd = engine.generate(prompt_token_ids=[[1, 2], [20, 21, 22], [30] * 40],
-                            sampling_params=[GREEDY, sampled, GREEDY])[1].token_ids
-    other = engine.generate(prompt_token_ids=[[20, 21, 22]],
-                            sampling_params=SamplingParams(max_new_tokens=12, temperature=1.0, seed=8))[0].token_ids
+    crowd = engine.generate(
+        prompt_token_ids=[[1, 2], [20, 21, 22], [30] * 40], sampling_params=[GREEDY, sampled, GREEDY]
+    )[1].token_ids
+    other = engine.generate(
+        prompt_token_ids=[[20, 21, 22]], sampling_params=SamplingParams(max_new_tokens=12, temperature=1.0, seed=8)
+    )[0].token_ids
     assert alone == crowd
     assert alone != other
 
@@ -78,14 +84,17 @@ def test_generation_stops_at_the_context_length(tiny_v3):
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"temperature": -1.0}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_k": -5}, "top_k"),
-    ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"seed": -3}, "seed"),
-    ({"stop": [""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"seed": -3}, "seed"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
 def test_invalid_sampling_params_name_the_parameter(kwargs, param):
     with pytest.raises(InvalidRequestError, match=f"invalid sampling parameter {param}=") as err:
         SamplingParams(**kwargs)
@@ -121,8 +130,11 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_v3):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="unsupported architecture LlamaForCausalLM; supported architectures: "
-                                             "DeepseekV3ForCausalLM, DeepseekV2ForCausalLM"):
+    with pytest.raises(
+        ModelLoadError,
+        match="unsupported architecture LlamaForCausalLM; supported architectures: "
+        "DeepseekV3ForCausalLM, DeepseekV2ForCausalLM",
+    ):
         Engine(model_path=str(bad))
 
 
@@ -148,8 +160,9 @@ def test_logprobs_are_the_models_distribution(engine, tiny_v3):
 
 
 def test_step_updates_stream_every_token_then_finish(engine):
-    rid = engine.add_request(prompt_token_ids=[4, 5, 6], params=SamplingParams(max_new_tokens=4, temperature=0.0,
-                                                                                ignore_eos=True))
+    rid = engine.add_request(
+        prompt_token_ids=[4, 5, 6], params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    )
     updates = []
     while engine.has_unfinished():
         updates += [u for u in engine.step_updates() if u.request_id == rid]

@@ -80,29 +80,44 @@ def test_order_one_micro_batch():
 
 def test_order_two_micro_batches():
     assert trace_of(ABC, 2) == [
-        (0, 0, "a"), (1, 0, "a"),
-        (0, 1, "b"), (1, 1, "b"),
-        (0, 2, "c"), (1, 2, "c"),
+        (0, 0, "a"),
+        (1, 0, "a"),
+        (0, 1, "b"),
+        (1, 1, "b"),
+        (0, 2, "c"),
+        (1, 2, "c"),
     ]
     assert trace_of(ABC, 2, delays=[0, 1]) == [
         (0, 0, "a"),
-        (0, 1, "b"), (1, 1, "a"),
-        (0, 2, "c"), (1, 2, "b"),
+        (0, 1, "b"),
+        (1, 1, "a"),
+        (0, 2, "c"),
+        (1, 2, "b"),
         (1, 3, "c"),
     ]
 
 
 def test_order_three_micro_batches():
     assert trace_of(ABC, 3, delays=[1, 1, 1]) == [  # an equal delay only shifts the columns
-        (0, 1, "a"), (1, 1, "a"), (2, 1, "a"),
-        (0, 2, "b"), (1, 2, "b"), (2, 2, "b"),
-        (0, 3, "c"), (1, 3, "c"), (2, 3, "c"),
+        (0, 1, "a"),
+        (1, 1, "a"),
+        (2, 1, "a"),
+        (0, 2, "b"),
+        (1, 2, "b"),
+        (2, 2, "b"),
+        (0, 3, "c"),
+        (1, 3, "c"),
+        (2, 3, "c"),
     ]
     assert trace_of(ABC, 3, delays=[0, 1, 2]) == [
         (0, 0, "a"),
-        (0, 1, "b"), (1, 1, "a"),
-        (0, 2, "c"), (1, 2, "b"), (2, 2, "a"),
-        (1, 3, "c"), (2, 3, "b"),
+        (0, 1, "b"),
+        (1, 1, "a"),
+        (0, 2, "c"),
+        (1, 2, "b"),
+        (2, 2, "a"),
+        (1, 3, "c"),
+        (2, 3, "b"),
         (2, 4, "c"),
     ]
 
@@ -113,9 +128,13 @@ def test_order_with_nop_and_leading_empty_stages():
     assert trace_of(ops, 3, delays=[0, 1, 2]) == [
         (0, 0, "a"),
         (1, 1, "a"),  # column 1: micro-batch 0 is in its nop stage
-        (0, 2, "b"), (0, 2, "c"), (2, 2, "a"),
-        (1, 3, "b"), (1, 3, "c"),
-        (2, 4, "b"), (2, 4, "c"),
+        (0, 2, "b"),
+        (0, 2, "c"),
+        (2, 2, "a"),
+        (1, 3, "b"),
+        (1, 3, "c"),
+        (2, 4, "b"),
+        (2, 4, "c"),
     ]
     assert trace_of([Y, nop("a"), Y, nop("b")], 2) == [(0, 1, "a"), (1, 1, "a"), (0, 2, "b"), (1, 2, "b")]
 
@@ -137,13 +156,22 @@ def test_ffn_layout_literal_trace_three_micro_batches():
     ops = repeat_layers(lambda layer: ffn_layer(layer, 3), 2)
     assert trace_of(ops, 3, delays=[0, 1, 2]) == [
         (0, 0, "recv0"),
-        (0, 1, "mlp0"), (1, 1, "recv0"),
-        (0, 2, "combine0"), (1, 2, "mlp0"), (2, 2, "recv0"),
-        (1, 3, "combine0"), (2, 3, "mlp0"),  # micro-batch 0 is in its nop stage
-        (0, 4, "recv1"), (2, 4, "combine0"),
-        (0, 5, "mlp1"), (1, 5, "recv1"),
-        (0, 6, "combine1"), (1, 6, "mlp1"), (2, 6, "recv1"),
-        (1, 7, "combine1"), (2, 7, "mlp1"),
+        (0, 1, "mlp0"),
+        (1, 1, "recv0"),
+        (0, 2, "combine0"),
+        (1, 2, "mlp0"),
+        (2, 2, "recv0"),
+        (1, 3, "combine0"),
+        (2, 3, "mlp0"),  # micro-batch 0 is in its nop stage
+        (0, 4, "recv1"),
+        (2, 4, "combine0"),
+        (0, 5, "mlp1"),
+        (1, 5, "recv1"),
+        (0, 6, "combine1"),
+        (1, 6, "mlp1"),
+        (2, 6, "recv1"),
+        (1, 7, "combine1"),
+        (2, 7, "mlp1"),
         (2, 8, "combine1"),
     ]
 
@@ -224,11 +252,14 @@ def test_state_set_twice_and_accessors():
     assert state.pop("a") == 1 and len(state) == 0
 
 
-@pytest.mark.parametrize("inputs, delays, message", [
-    ([], None, "at least one micro-batch"),
-    ([{}, {}], [0], "got 1 delays for 2 micro-batches"),
-    ([{}, {}], [0, -1], "integers >= 0"),
-])
+@pytest.mark.parametrize(
+    "inputs, delays, message",
+    [
+        ([], None, "at least one micro-batch"),
+        ([{}, {}], [0], "got 1 delays for 2 micro-batches"),
+        ([{}, {}], [0, -1], "integers >= 0"),
+    ],
+)
 def test_invalid_runs_are_rejected(inputs, delays, message):
     with pytest.raises(ValueError, match=message):
         run_micro_batches(ABC, inputs, delays=delays)
@@ -241,23 +272,29 @@ def totals(counts, ranges):
     return [sum(counts[i] for i in r) for r in ranges]
 
 
-@pytest.mark.parametrize("counts, n, expected", [
-    ([1, 1, 1, 1], 3, [range(0, 1), range(1, 3), range(3, 4)]),
-    ([3, 1, 1, 1, 3, 1], 2, [range(0, 3), range(3, 6)]),
-    ([5, 1, 1, 1, 1, 1], 2, [range(0, 1), range(1, 6)]),
-    ([0, 2, 5, 3, 3, 13], 4, [range(0, 3), range(3, 4), range(4, 5), range(5, 6)]),
-    ([7, 9], 1, [range(0, 2)]),
-])
+@pytest.mark.parametrize(
+    "counts, n, expected",
+    [
+        ([1, 1, 1, 1], 3, [range(0, 1), range(1, 3), range(3, 4)]),
+        ([3, 1, 1, 1, 3, 1], 2, [range(0, 3), range(3, 6)]),
+        ([5, 1, 1, 1, 1, 1], 2, [range(0, 1), range(1, 6)]),
+        ([0, 2, 5, 3, 3, 13], 4, [range(0, 3), range(3, 4), range(4, 5), range(5, 6)]),
+        ([7, 9], 1, [range(0, 2)]),
+    ],
+)
 def test_split_hand_cases(counts, n, expected):
     assert split_micro_batches(counts, n) == expected
 
 
-@pytest.mark.parametrize("counts, n, expected", [
-    ([5], 3, [range(0, 0), range(0, 1), range(1, 1)]),  # fewer sequences than micro-batches
-    ([], 3, [range(0, 0)] * 3),
-    ([0, 0, 0], 3, [range(0, 1), range(1, 2), range(2, 3)]),  # zero tokens: spread the sequences
-    ([4, 4], 4, [range(0, 0), range(0, 1), range(1, 1), range(1, 2)]),
-])
+@pytest.mark.parametrize(
+    "counts, n, expected",
+    [
+        ([5], 3, [range(0, 0), range(0, 1), range(1, 1)]),  # fewer sequences than micro-batches
+        ([], 3, [range(0, 0)] * 3),
+        ([0, 0, 0], 3, [range(0, 1), range(1, 2), range(2, 3)]),  # zero tokens: spread the sequences
+        ([4, 4], 4, [range(0, 0), range(0, 1), range(1, 1), range(1, 2)]),
+    ],
+)
 def test_split_empty_micro_batches(counts, n, expected):
     assert split_micro_batches(counts, n) == expected
 

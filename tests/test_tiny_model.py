@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import transformers  # noqa: E402  (a hard dependency: the test oracle)
 from safetensors import safe_open
 
 from afd_engine.errors import ConfigError
@@ -21,8 +22,6 @@ from afd_engine.tiny_model import (
     quantize_fp8_block,
 )
 from afd_engine.tiny_tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, build_tiny_tokenizer, write_tiny_tokenizer
-
-import transformers  # noqa: E402  (a hard dependency: the test oracle)
 
 
 def _read_tensors(ckpt: pathlib.Path) -> dict[str, torch.Tensor]:
@@ -76,8 +75,13 @@ def test_hf_loads_without_missing_or_unexpected_keys(arch, ckpts, hf_models):
         assert torch.equal(loaded[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e], fused)
         assert torch.equal(loaded[f"model.layers.{layer}.mlp.experts.down_proj"][e], stored[p + "down_proj.weight"])
     # Unfused tensors arrive unchanged.
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.kv_b_proj.weight",
-                 f"model.layers.{layer}.mlp.gate.weight", f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.kv_b_proj.weight",
+        f"model.layers.{layer}.mlp.gate.weight",
+        f"model.layers.{layer}.mlp.shared_experts.up_proj.weight",
+    ):
         assert torch.equal(loaded[name], stored[name]), name
     if arch == "deepseek_v3":
         bias = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
@@ -98,8 +102,13 @@ def test_config_fields(ckpts):
     assert v3["kv_lora_rank"] == v2["kv_lora_rank"] == 32
     assert v3["q_lora_rank"] == 48 and v2["q_lora_rank"] is None
     assert v3["rope_scaling"] == {
-        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
     }
     assert v3["max_position_embeddings"] == v2["max_position_embeddings"] == 512
     assert not v2.get("rope_scaling")
@@ -205,7 +214,10 @@ def test_fp8_block_quantized_checkpoint(tmp_path):
     ref_dir = make_tiny_model(tmp_path / "ref", seed=1, fp8=False, overrides=overrides)
     config = json.loads((fp8_dir / "config.json").read_text())
     assert config["quantization_config"] == {
-        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
     }
     fp8, ref = _read_tensors(fp8_dir), _read_tensors(ref_dir)
 
@@ -213,14 +225,20 @@ def test_fp8_block_quantized_checkpoint(tmp_path):
     assert "model.layers.0.self_attn.q_a_proj.weight" in quantized
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in quantized
     assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in quantized
-    for kept in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                 "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
-                 "model.layers.0.self_attn.kv_a_layernorm.weight"):
+    for kept in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        "model.layers.0.self_attn.kv_a_layernorm.weight",
+    ):
         assert fp8[kept].dtype == torch.float32 and torch.equal(fp8[kept], ref[kept]), kept
         assert kept + "_scale_inv" not in fp8
     # Every 2-D projection of the attention and MLPs is quantized, nothing else.
-    expected = {k for k, t in ref.items() if t.dim() == 2 and k.startswith("model.layers.")
-                and ".mlp.gate.weight" not in k}
+    expected = {
+        k for k, t in ref.items() if t.dim() == 2 and k.startswith("model.layers.") and ".mlp.gate.weight" not in k
+    }
     assert set(quantized) == expected
     assert set(fp8) == set(ref) | {k + "_scale_inv" for k in quantized}
 
@@ -290,9 +308,15 @@ def test_greedy_generation_is_not_degenerate(ckpts, hf_models):
         for prompt in ("The cat", "Hello, how are", "In 1969 people", "def add(a, b):"):
             enc = tokenizer(prompt, return_tensors="pt")
             with torch.no_grad():
-                out = model.generate(**enc, max_new_tokens=16, do_sample=False, output_scores=True,
-                                     return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
-            new = out.sequences[0, enc.input_ids.shape[1]:].tolist()
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=16,
+                    do_sample=False,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            new = out.sequences[0, enc.input_ids.shape[1] :].tolist()
             assert len(set(new)) > 1, (arch, prompt, new)  # not the same token forever
             # Clear argmax decisions, so that small numeric differences do not flip greedy tokens.
             gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
@@ -310,8 +334,12 @@ def test_unknown_arch_and_cli(tmp_path, capsys):
     assert "llama" in err and "deepseek_v3" in err and "deepseek_v2" in err and "Traceback" not in err
 
     out_dir = tmp_path / "cli"
-    assert main_make_tiny_model([str(out_dir), "--arch", "deepseek_v2", "--seed", "5", "--shards", "2",
-                                 "--dtype", "bfloat16"]) == 0
+    assert (
+        main_make_tiny_model(
+            [str(out_dir), "--arch", "deepseek_v2", "--seed", "5", "--shards", "2", "--dtype", "bfloat16"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip() == str(out_dir)
     assert (out_dir / "model.safetensors.index.json").is_file() and not (out_dir / "model.safetensors").exists()
     assert main_make_tiny_model([str(out_dir), "--fp8"]) == 0

@@ -127,8 +127,9 @@ class EngineLoop:
         self.ctx.term()
 
 
-def run_engine_process(args: EngineArgs, addrs: ControlAddrs, ready, rank: int = 0,
-                       build: Callable[[], Engine] | None = None) -> None:
+def run_engine_process(
+    args: EngineArgs, addrs: ControlAddrs, ready, rank: int = 0, build: Callable[[], Engine] | None = None
+) -> None:
     """Process entry point of the single engine (or, with `build`, of an attention rank): builds the
     engine, reports readiness (or the error) through `ready`, then serves until shut down."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -137,8 +138,19 @@ def run_engine_process(args: EngineArgs, addrs: ControlAddrs, ready, rank: int =
     except Exception as exc:  # any failure to start is reported to the parent, which exits
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
-    ready.send({"ok": True, "model_path": str(engine.model_path), "context_len": engine.context_len,
-                "architecture": engine.config.architecture})
-    log.info("rank %d ready: %s, %d KV pages of %d tokens", rank, engine.model_path, engine.pool.num_pages,
-             engine.pool.page_size)
+    ready.send(
+        {
+            "ok": True,
+            "model_path": str(engine.model_path),
+            "context_len": engine.context_len,
+            "architecture": engine.config.architecture,
+        }
+    )
+    log.info(
+        "rank %d ready: %s, %d KV pages of %d tokens",
+        rank,
+        engine.model_path,
+        engine.pool.num_pages,
+        engine.pool.page_size,
+    )
     EngineLoop(engine, addrs, rank).run()

@@ -50,8 +50,9 @@ class PipelineRunner(StepRunner):
         topo, config = spec.topology, spec.comm_config()
         self.sender = attention_endpoint(topo, rank, transport, config)
         self.executor = RemoteExpertExecutor(self.sender, pool.device)
-        self.server = CommExpertServer(ffn_endpoint(topo, rank, transport, config), pool.device) if topo.colocated \
-            else None
+        self.server = (
+            CommExpertServer(ffn_endpoint(topo, rank, transport, config), pool.device) if topo.colocated else None
+        )
         self.peers = [topo.sender_endpoint(i) for i in range(topo.num_senders) if i != rank]
         self.ffn = [] if topo.colocated else [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks)]
         self.n = spec.args.num_micro_batches
@@ -61,8 +62,10 @@ class PipelineRunner(StepRunner):
         self.timeline = Timeline(spec.args.record_timeline, "a", rank)
         strategy = COLOCATED if topo.colocated else AFD_ATTENTION
         ops = model.operations(self.executor, self.server)
-        ops = ops.wrap("attention", self.timeline.timed("attention", lambda st: st.get("x").shape[0],
-                                                        spec.args.inject_attention_delay_ms))
+        ops = ops.wrap(
+            "attention",
+            self.timeline.timed("attention", lambda st: st.get("x").shape[0], spec.args.inject_attention_delay_ms),
+        )
         self.ops = strategy.arrange(ops.wrap("combine", self.timeline.timed("wait")))
         self.delays = strategy.delays(self.n)
 
@@ -77,8 +80,9 @@ class PipelineRunner(StepRunner):
         mine = sum(n for _, n in plan.extend) + len(plan.decode)
         key = MsgKey(self.sync_id, SYNC_LAYER, 0)
         for peer in self.peers:
-            self.transport.send(peer, Message("sync", key, self.sender.endpoint,
-                                              meta={"tokens": mine, "stop": self.want_stop}))
+            self.transport.send(
+                peer, Message("sync", key, self.sender.endpoint, meta={"tokens": mine, "stop": self.want_stop})
+            )
         metas = [self.sender.recv(p, "sync", key).meta for p in self.peers]
         self.sync_id += 1
         self.stopped = self.want_stop or any(m["stop"] for m in metas)
@@ -114,8 +118,9 @@ class PipelineRunner(StepRunner):
         """The step descriptor every FFN rank checks before serving the step."""
         key = MsgKey(self.step_id, STEP_LAYER, 0)
         for ep in self.ffn:
-            self.transport.send(ep, Message("step", key, self.sender.endpoint,
-                                            meta={"tokens": tokens, "shutdown": shutdown}))
+            self.transport.send(
+                ep, Message("step", key, self.sender.endpoint, meta={"tokens": tokens, "shutdown": shutdown})
+            )
         self.last_ffn_send = time.monotonic()
 
     def _keepalive(self) -> None:

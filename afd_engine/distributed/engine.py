@@ -42,8 +42,13 @@ class DistributedEngine(OfflineEngine):
         self._pending: dict[str, dict] = {}
         self._ids = itertools.count()
 
-    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", param="prompt")
         ids = list(self.tokenizer.encode(prompt)) if prompt is not None else list(prompt_token_ids)
@@ -88,8 +93,15 @@ class DistributedEngine(OfflineEngine):
 
     def _output(self, u, req: dict) -> RequestOutput:
         text = self.tokenizer.decode(req["tokens"], skip_special_tokens=req["params"].skip_special_tokens)
-        return RequestOutput(u.request_id, req["prompt"], req["tokens"], trim_text(text, u.text_trim), u.finish_reason,
-                             u.error, req["logprobs"] if req["params"].logprobs is not None else None)
+        return RequestOutput(
+            u.request_id,
+            req["prompt"],
+            req["tokens"],
+            trim_text(text, u.text_trim),
+            u.finish_reason,
+            u.error,
+            req["logprobs"] if req["params"].logprobs is not None else None,
+        )
 
     def abort(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is not None:

@@ -39,8 +39,9 @@ class PeerLostError(CommError):
 
 
 class FfnWorker:
-    def __init__(self, shard, spec: DeploymentSpec, rank: int, transport: Transport,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, shard, spec: DeploymentSpec, rank: int, transport: Transport, device: torch.device | str = "cpu"
+    ) -> None:
         self.shard, self.spec, self.rank, self.transport = shard, spec, rank, transport
         topo = spec.topology
         self.server = CommExpertServer(ffn_endpoint(topo, rank, transport, spec.comm_config()), device)
@@ -51,8 +52,10 @@ class FfnWorker:
         self.keepalives = {ep: 0 for ep in self.senders}  # next keepalive id expected from each sender
         self.timeline = Timeline(spec.args.record_timeline, "f", rank)
         ops = shard.operations(self.server).wrap("receive", self.timeline.timed("recv"))
-        ops = ops.wrap("experts", self.timeline.timed("ffn", lambda st: st.get("received").hidden.shape[0],
-                                                      spec.args.inject_ffn_delay_ms))
+        ops = ops.wrap(
+            "experts",
+            self.timeline.timed("ffn", lambda st: st.get("received").hidden.shape[0], spec.args.inject_ffn_delay_ms),
+        )
         self.ops, self.delays = AFD_FFN.arrange(ops, self.n), AFD_FFN.delays(self.n)
 
     def run(self) -> None:
@@ -83,7 +86,8 @@ class FfnWorker:
                     raise PeerLostError(
                         f"attention endpoint {ep} sent no step and no keepalive for {silent:.0f} s "
                         f"(--comm-timeout {self.spec.args.comm_timeout:g}): it stopped without shutting down "
-                        f"(killed, or its machine is gone); FFN rank {self.rank} stops") from None
+                        f"(killed, or its machine is gone); FFN rank {self.rank} stops"
+                    ) from None
                 continue
             self._take_keepalives(ep)  # the ones sent before this descriptor: none stay queued
             self.heard[ep] = time.monotonic()

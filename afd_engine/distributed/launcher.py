@@ -31,18 +31,23 @@ class Deployment:
     end, which hosts the rendezvous); "ffn": the FFN ranks of FFN node `node_rank`. Roles on
     different machines find each other through `rendezvous`."""
 
-    def __init__(self, args: EngineArgs, role: str = "all", node_rank: int = 0,
-                 rendezvous: RendezvousSpec | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, role: str = "all", node_rank: int = 0, rendezvous: RendezvousSpec | None = None
+    ) -> None:
         args.validate()
         if role != "all" and (args.mode != "afd" or rendezvous is None):
             raise ConfigError("launching by role needs --mode afd and --dist-init-addr")
         self.role, self.node_rank, self.rendezvous = role, node_rank, rendezvous
         path = resolve_model_path(args.model_path)
         cfg = ModelConfig.from_pretrained(path)
-        nprocs = 1 if args.mode == "single" else args.dp_size + (
-            args.ffn_nodes * args.ffn_ranks_per_node if args.mode == "afd" else 0)
-        self.args = args.replace(model_path=str(path), num_threads=args.num_threads or max(1, (os.cpu_count() or 1)
-                                                                                            // nprocs))
+        nprocs = (
+            1
+            if args.mode == "single"
+            else args.dp_size + (args.ffn_nodes * args.ffn_ranks_per_node if args.mode == "afd" else 0)
+        )
+        self.args = args.replace(
+            model_path=str(path), num_threads=args.num_threads or max(1, (os.cpu_count() or 1) // nprocs)
+        )
         self.spec = DeploymentSpec.of(self.args, cfg) if args.mode != "single" else None
         self.workdir = tempfile.mkdtemp(prefix="afd-")
         self.addrs = ControlAddrs(*(f"ipc://{self.workdir}/{n}" for n in ("requests", "broadcast", "outputs")))
@@ -89,14 +94,21 @@ class Deployment:
 
         topo = self.spec.topology
         comm = self.rendezvous or dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
-        ffn_ranks = [] if topo.colocated or self.role == "attention" else (
-            topo.node_ranks(self.node_rank) if self.role == "ffn" else range(topo.num_ffn_ranks))
+        ffn_ranks = (
+            []
+            if topo.colocated or self.role == "attention"
+            else (topo.node_ranks(self.node_rank) if self.role == "ffn" else range(topo.num_ffn_ranks))
+        )
         attn = [] if self.role == "ffn" else range(topo.num_senders)
         # device index on this machine (GPU base + index): attention ranks first, then FFN ranks
-        ffn = [(run_ffn_worker, {"args": self.args, "rank": r, "comm_addresses": comm, "local_index": len(attn) + k})
-               for k, r in enumerate(ffn_ranks)]
-        return ffn + [(run_attention_worker, {"args": self.args, "addrs": self.addrs, "rank": i, "comm_addresses": comm})
-                      for i in attn]
+        ffn = [
+            (run_ffn_worker, {"args": self.args, "rank": r, "comm_addresses": comm, "local_index": len(attn) + k})
+            for k, r in enumerate(ffn_ranks)
+        ]
+        return ffn + [
+            (run_attention_worker, {"args": self.args, "addrs": self.addrs, "rank": i, "comm_addresses": comm})
+            for i in attn
+        ]
 
     def _spawn(self, ctx, target, kwargs: dict):
         parent, child = ctx.Pipe(duplex=False)

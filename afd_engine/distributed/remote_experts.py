@@ -24,8 +24,9 @@ class RemoteExpertExecutor(ExpertExecutor):
         self.endpoint, self.device = endpoint, torch.device(device)
         self.step = 0
 
-    def dispatch(self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> DispatchHandle:
+    def dispatch(
+        self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
         key = MsgKey(self.step, layer_id, micro_batch)
         return self.endpoint.dispatch(hidden.cpu(), topk_ids.cpu(), topk_weights.cpu(), key)
 

@@ -48,8 +48,9 @@ def host_rendezvous(spec: RendezvousSpec):
 
     host, port = spec.address.rsplit(":", 1)
     try:
-        return TCPStore(host, int(port), is_master=True, wait_for_workers=False,
-                        timeout=timedelta(seconds=spec.timeout))
+        return TCPStore(
+            host, int(port), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=spec.timeout)
+        )
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"cannot host the rendezvous at {spec.address}: {exc}") from None
 
@@ -63,16 +64,20 @@ def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int) -> dict[in
     try:
         store = TCPStore(host, int(port), is_master=False, timeout=timeout)
     except (RuntimeError, OSError):
-        raise ConfigError(f"rank (endpoint {endpoint}) got no answer from the rendezvous at {spec.address} "
-                          f"within {spec.timeout:.0f} s: start every role with the same --dist-init-addr, and the "
-                          "attention role (which hosts it) on that address") from None
+        raise ConfigError(
+            f"rank (endpoint {endpoint}) got no answer from the rendezvous at {spec.address} "
+            f"within {spec.timeout:.0f} s: start every role with the same --dist-init-addr, and the "
+            "attention role (which hosts it) on that address"
+        ) from None
     store.set(_KEY.format(endpoint), f"tcp://{spec.host_ip}:{free_port(spec.host_ip)}")
     keys = [_KEY.format(i) for i in range(num_endpoints)]
     try:
         store.wait(keys, timeout)
     except (RuntimeError, OSError):
         missing = [i for i, k in enumerate(keys) if not store.check([k])]
-        raise ConfigError(f"rank (endpoint {endpoint}): only {num_endpoints - len(missing)} of {num_endpoints} ranks "
-                          f"registered at {spec.address} within {spec.timeout:.0f} s (missing endpoints: "
-                          f"{missing}); start every role with the same topology flags") from None
+        raise ConfigError(
+            f"rank (endpoint {endpoint}): only {num_endpoints - len(missing)} of {num_endpoints} ranks "
+            f"registered at {spec.address} within {spec.timeout:.0f} s (missing endpoints: "
+            f"{missing}); start every role with the same topology flags"
+        ) from None
     return {i: store.get(k).decode() for i, k in enumerate(keys)}

@@ -20,7 +20,7 @@ class DeploymentSpec:
     moe_layers: tuple[int, ...]
 
     @staticmethod
-    def of(args: EngineArgs, cfg: ModelConfig) -> "DeploymentSpec":
+    def of(args: EngineArgs, cfg: ModelConfig) -> DeploymentSpec:
         spec = DeploymentSpec(args, cfg.n_routed_experts, cfg.moe_layers)
         spec.validate()
         return spec
@@ -30,9 +30,11 @@ class DeploymentSpec:
         ranks = self.num_expert_ranks
         held_by = f"{ranks} FFN ranks" if a.mode == "afd" else f"{ranks} ranks"
         if self.num_experts % ranks:
-            fix = ("--ffn-nodes x --ffn-ranks-per-node" if a.mode == "afd" else "--dp-size")
-            raise ConfigError(f"the model has {self.num_experts} routed experts, which do not divide over {held_by}; "
-                              f"choose {fix} that divides {self.num_experts}")
+            fix = "--ffn-nodes x --ffn-ranks-per-node" if a.mode == "afd" else "--dp-size"
+            raise ConfigError(
+                f"the model has {self.num_experts} routed experts, which do not divide over {held_by}; "
+                f"choose {fix} that divides {self.num_experts}"
+            )
         if a.ep_size is not None and a.ep_size != ranks:
             how = "--ffn-nodes x --ffn-ranks-per-node" if a.mode == "afd" else "--dp-size"
             raise ConfigError(f"--ep-size={a.ep_size} but {how} gives {held_by}; make them agree")

@@ -32,19 +32,34 @@ class Timeline:
         try:
             yield
         finally:
-            self._events.append({"role": self.role, "rank": self.rank, "step": self.step, "kind": kind, "mb": mb,
-                                 "layer": layer, "tokens": tokens, "t0": t0, "t1": time.time()})
+            self._events.append(
+                {
+                    "role": self.role,
+                    "rank": self.rank,
+                    "step": self.step,
+                    "kind": kind,
+                    "mb": mb,
+                    "layer": layer,
+                    "tokens": tokens,
+                    "t0": t0,
+                    "t1": time.time(),
+                }
+            )
 
-    def timed(self, kind: str, tokens: Callable[[MicroBatchState], int] | None = None,
-              delay_ms: float = 0.0) -> Callable[[Operation], Operation]:
+    def timed(
+        self, kind: str, tokens: Callable[[MicroBatchState], int] | None = None, delay_ms: float = 0.0
+    ) -> Callable[[Operation], Operation]:
         """A wrapper for `ModelOps.wrap`: the operation runs inside a span of `kind`, followed by
         the injected delay; `tokens(state)`, read before it runs, is the rows it computes on."""
+
         def wrap(op: Operation) -> Operation:
             def timed_op(st: MicroBatchState) -> None:
                 with self.span(kind, st.micro_batch, op.layer, tokens(st) if tokens else -1):
                     op(st)
                     pause(delay_ms)
+
             return Operation(op.name, timed_op, op.layer)
+
         return wrap
 
     def end_step(self, step: int) -> None:

@@ -53,8 +53,9 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
         device = args.device_for(local_index)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        shard = load_expert_shard(cfg, args.model_path, args.torch_dtype, spec.expert_range(rank),
-                                  Kernels.named(moe=args.moe_backend), device)
+        shard = load_expert_shard(
+            cfg, args.model_path, args.torch_dtype, spec.expert_range(rank), Kernels.named(moe=args.moe_backend), device
+        )
         transport = _transport(spec.topology.ffn_endpoint(rank), comm_addresses, spec)
     except Exception as exc:  # reported to the launcher, which stops the deployment
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})

@@ -33,8 +33,9 @@ class Kernels:
     @staticmethod
     def named(attention: str = "torch", moe: str = "torch") -> Kernels:
         """The backends by name; a backend that cannot run here is a ConfigError naming its flag."""
-        return Kernels(_backend(attention_backend, attention, "attention-backend"),
-                       _backend(moe_backend, moe, "moe-backend"))
+        return Kernels(
+            _backend(attention_backend, attention, "attention-backend"), _backend(moe_backend, moe, "moe-backend")
+        )
 
 
 def _backend(make, name: str, flag: str):
@@ -44,9 +45,14 @@ def _backend(make, name: str, flag: str):
         raise ConfigError(f"--{flag}={name}: {exc}") from None
 
 
-def load_model(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
-               expert_range: tuple[int, int] | None = None, kernels: Kernels | None = None,
-               device: torch.device | str = "cpu") -> DeepseekForCausalLM:
+def load_model(
+    cfg: ModelConfig,
+    model_path: str | Path,
+    dtype: torch.dtype,
+    expert_range: tuple[int, int] | None = None,
+    kernels: Kernels | None = None,
+    device: torch.device | str = "cpu",
+) -> DeepseekForCausalLM:
     """Builds the model for `cfg.architecture` in `dtype` on `device` and loads its weights from
     `model_path` (read on the host, copied to the device tensor by tensor)."""
     with torch.device("meta"):  # no random init of weights that the checkpoint overwrites
@@ -62,9 +68,14 @@ def load_model(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
     return model.eval().requires_grad_(False)
 
 
-def load_expert_shard(cfg: ModelConfig, model_path: str | Path, dtype: torch.dtype,
-                      expert_range: tuple[int, int], kernels: Kernels | None = None,
-                      device: torch.device | str = "cpu") -> ExpertShard:
+def load_expert_shard(
+    cfg: ModelConfig,
+    model_path: str | Path,
+    dtype: torch.dtype,
+    expert_range: tuple[int, int],
+    kernels: Kernels | None = None,
+    device: torch.device | str = "cpu",
+) -> ExpertShard:
     """Only the routed experts in `expert_range` of every MoE layer (an FFN rank's weights)."""
     with torch.device("meta"):
         shard = ExpertShard(cfg, expert_range, kernels or Kernels.named())

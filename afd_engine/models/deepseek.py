@@ -45,7 +45,11 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _linear(hidden, inter), _linear(hidden, inter), _linear(inter, hidden)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            _linear(hidden, inter),
+            _linear(hidden, inter),
+            _linear(inter, hidden),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -75,7 +79,9 @@ class Gate(nn.Module):
             weights = scores.gather(1, ids)
         elif cfg.topk_method == "group_limited_greedy":
             group_scores = scores.view(len(x), cfg.n_group, self.group_size).amax(-1)
-            weights, ids = self._mask_groups(scores, group_scores, 0.0).topk(cfg.num_experts_per_tok, dim=-1, sorted=False)
+            weights, ids = self._mask_groups(scores, group_scores, 0.0).topk(
+                cfg.num_experts_per_tok, dim=-1, sorted=False
+            )
         else:
             weights, ids = scores.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)
         if cfg.norm_topk_prob:
@@ -127,8 +133,9 @@ class RoutedExperts(nn.Module):
         the weighted sum over the experts held here."""
         if self.fp8:
             f8 = torch.float8_e4m3fn
-            return self.kernels.fused_moe_fp8(x, self.w13_q.view(f8), self.w13_scale, self.w2_q.view(f8),
-                                              self.w2_scale, local_ids, weights)
+            return self.kernels.fused_moe_fp8(
+                x, self.w13_q.view(f8), self.w13_scale, self.w2_q.view(f8), self.w2_scale, local_ids, weights
+            )
         return self.kernels.fused_moe(x, self.w13, self.w2, local_ids, weights)
 
 
@@ -136,8 +143,9 @@ def keeps_fp8_experts(cfg: ModelConfig, moe_kernels) -> bool:
     """Routed experts stay FP8 (no dequantization at load) when the checkpoint is FP8 with 128x128
     blocks, the MoE backend computes on FP8 weights, and gate and up each fill whole 128-row blocks
     (stacked into w13, their scales then stack too)."""
-    return (cfg.fp8_block == (128, 128) and hasattr(moe_kernels, "fused_moe_fp8")
-            and cfg.moe_intermediate_size % 128 == 0)
+    return (
+        cfg.fp8_block == (128, 128) and hasattr(moe_kernels, "fused_moe_fp8") and cfg.moe_intermediate_size % 128 == 0
+    )
 
 
 class MoE(nn.Module):
@@ -148,7 +156,9 @@ class MoE(nn.Module):
         self.gate = Gate(cfg)
         self.experts = RoutedExperts(cfg, expert_range[0], expert_range[1] - expert_range[0], moe_kernels)
         self.shared_experts = (
-            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
         )
 
 
@@ -176,7 +186,9 @@ class MLAttention(nn.Module):
     def prepare(self) -> None:
         """Derive the absorbed decode weights once the checkpoint is loaded."""
         cfg = self.cfg
-        self.w_uk, self.w_uv = self.kernels.absorb(self.kv_b_proj.weight.data, cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim)
+        self.w_uk, self.w_uv = self.kernels.absorb(
+            self.kv_b_proj.weight.data, cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        )
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin, cache: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's latents into `cache` [slots, C + R]."""
@@ -205,8 +217,15 @@ class MLAttention(nn.Module):
         pad_pe = q_pe.new_zeros(*valid.shape, *q_pe.shape[1:])
         pad_nope[valid], pad_pe[valid] = q_nope, q_pe
         out = self.kernels.extend(
-            pad_nope, pad_pe, cache, fb.ext_slots, fb.ext_kv_lens, fb.ext_positions,
-            self.kv_b_proj.weight, self.cfg.v_head_dim, self.scale,
+            pad_nope,
+            pad_pe,
+            cache,
+            fb.ext_slots,
+            fb.ext_kv_lens,
+            fb.ext_positions,
+            self.kv_b_proj.weight,
+            self.cfg.v_head_dim,
+            self.scale,
         )  # [Be, Q, H, Dv]
         return out[valid]
 
@@ -217,8 +236,9 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.self_attn = MLAttention(cfg, rotary, kernels.attention)
         self.is_moe = cfg.is_moe_layer(layer_id)
-        self.mlp = MoE(cfg, expert_range, kernels.moe) if self.is_moe else DenseMLP(cfg.hidden_size,
-                                                                                    cfg.intermediate_size)
+        self.mlp = (
+            MoE(cfg, expert_range, kernels.moe) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -262,8 +282,9 @@ class DecoderLayer(nn.Module):
     def _attention(self, st) -> None:
         """x -> residual (the stream after attention) and h (the normalised MLP input), both [T, H]."""
         x = st.pop("x")
-        x = x + self.self_attn(self.input_layernorm(x), st.get("fb"), st.get("cos_sin"),
-                               st.get("kv_cache")[self.layer_id])
+        x = x + self.self_attn(
+            self.input_layernorm(x), st.get("fb"), st.get("cos_sin"), st.get("kv_cache")[self.layer_id]
+        )
         st.set("residual", x)
         st.set("h", self.post_attention_layernorm(x))
 
@@ -276,8 +297,9 @@ class DeepseekModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, expert_range, kernels)
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rotary, expert_range, kernels) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -352,8 +374,10 @@ class ExpertShard(nn.Module):
 
     def operations(self, server: ExpertServer) -> ModelOps:
         """The expert side of every MoE layer (post_dispatch, receive, experts, send_combine)."""
-        layers = tuple(LayerOps(int(i), True, (), expert_operations(int(i), holder.mlp.experts, server))
-                       for i, holder in self.model.layers.items())
+        layers = tuple(
+            LayerOps(int(i), True, (), expert_operations(int(i), holder.mlp.experts, server))
+            for i, holder in self.model.layers.items()
+        )
         return ModelOps((), layers, ())
 
     def prepare(self) -> None:

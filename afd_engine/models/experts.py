@@ -37,8 +37,9 @@ class ExpertExecutor(ABC):
     """Runs the routed experts of one (layer, micro-batch): `dispatch` starts, `combine` finishes."""
 
     @abstractmethod
-    def dispatch(self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> Any:
+    def dispatch(
+        self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> Any:
         """hidden [T, H]; topk_ids [T, K] int64 global expert ids; topk_weights [T, K] fp32.
         Returns a handle for `combine`; must not wait for other ranks."""
 
@@ -101,6 +102,12 @@ def expert_operations(layer_id: int, experts: Experts, server: ExpertServer) -> 
     def send_combine(st) -> None:
         server.send(st.pop("received"), st.pop("expert_out"))
 
-    return tuple(Operation(name, fn, layer_id) for name, fn in (
-        ("post_dispatch", post_dispatch), ("receive", receive), ("experts", run_experts),
-        ("send_combine", send_combine)))
+    return tuple(
+        Operation(name, fn, layer_id)
+        for name, fn in (
+            ("post_dispatch", post_dispatch),
+            ("receive", receive),
+            ("experts", run_experts),
+            ("send_combine", send_combine),
+        )
+    )

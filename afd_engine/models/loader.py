@@ -33,7 +33,9 @@ def checkpoint_files(model_path: Path) -> list[Path]:
         files = sorted(model_path.glob("*.safetensors"))
     missing = [f.name for f in files if not f.is_file()]
     if not files or missing:
-        raise ModelLoadError(f"no safetensors weights in {str(model_path)!r}" + (f" (missing {missing})" if missing else ""))
+        raise ModelLoadError(
+            f"no safetensors weights in {str(model_path)!r}" + (f" (missing {missing})" if missing else "")
+        )
     return files
 
 
@@ -110,7 +112,7 @@ def _place(name: str, tensor: torch.Tensor, params: dict, first: int, last: int)
         param = params[dest].data[expert - first]
         if half is not None:
             rows = param.shape[0] // 2
-            param = param[half * rows:(half + 1) * rows]
+            param = param[half * rows : (half + 1) * rows]
         _copy(param, tensor, name)
         return dest
     if name not in params:
@@ -146,8 +148,8 @@ def _place_fp8_expert(f, name: str, dest: tuple[int, int, str], params: dict) ->
         raise ModelLoadError(f"{name} has a scale_inv but is {weight.dtype}, not float8_e4m3fn")
     q, s = params[prefix + "_q"].data[local], params[prefix + "_scale"].data[local]
     if half is not None:
-        q = q[half * (q.shape[0] // 2):(half + 1) * (q.shape[0] // 2)]
-        s = s[half * (s.shape[0] // 2):(half + 1) * (s.shape[0] // 2)]
+        q = q[half * (q.shape[0] // 2) : (half + 1) * (q.shape[0] // 2)]
+        s = s[half * (s.shape[0] // 2) : (half + 1) * (s.shape[0] // 2)]
     _copy(q, weight.view(torch.uint8), name)
     _copy(s, scale.float(), name + "_scale_inv")
     return [prefix + "_q", prefix + "_scale"]

@@ -17,7 +17,7 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
     """Attention scale: 1/sqrt(d), times mscale(factor, mscale_all_dim)^2 under YaRN."""
-    scale = qk_head_dim ** -0.5
+    scale = qk_head_dim**-0.5
     if rope.kind != "default" and rope.mscale_all_dim:
         m = yarn_mscale(rope.factor, rope.mscale_all_dim)
         scale = scale * m * m
@@ -65,8 +65,10 @@ class RotaryEmbedding:
     def __init__(self, rope: RopeConfig, dim: int) -> None:
         self.interleave = rope.interleave
         with torch.device("cpu"):  # a table, not a weight: real even when the model is built on meta
-            self.inv_freq = _yarn_inv_freq(rope, dim) if rope.kind == "yarn" else 1.0 / (
-                rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+            self.inv_freq = (
+                _yarn_inv_freq(rope, dim)
+                if rope.kind == "yarn"
+                else 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
             )
         self.scaling = _attention_factor(rope)
 

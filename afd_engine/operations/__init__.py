@@ -29,7 +29,20 @@ from afd_engine.operations.state import (
 )
 
 __all__ = [
-    "OUTPUT_KEY", "DuplicateStateError", "LeftoverStateError", "MicroBatchState", "MissingStateError",
-    "Operation", "OperationsStateError", "Slot", "Stage", "TraceEvent", "YieldOperation", "repeat_layers",
-    "run_micro_batches", "schedule", "split_micro_batches", "split_stages",
+    "OUTPUT_KEY",
+    "DuplicateStateError",
+    "LeftoverStateError",
+    "MicroBatchState",
+    "MissingStateError",
+    "Operation",
+    "OperationsStateError",
+    "Slot",
+    "Stage",
+    "TraceEvent",
+    "YieldOperation",
+    "repeat_layers",
+    "run_micro_batches",
+    "schedule",
+    "split_micro_batches",
+    "split_stages",
 ]

@@ -54,14 +54,20 @@ class TraceEvent(NamedTuple):
 def schedule(num_stages: int, delays: Sequence[int]) -> list[Slot]:
     """The slots in execution order: column by column, micro-batch 0 first within a column."""
     width = max(delays) + num_stages
-    return [Slot(column, m, column - delay)
-            for column in range(width)
-            for m, delay in enumerate(delays)
-            if 0 <= column - delay < num_stages]
+    return [
+        Slot(column, m, column - delay)
+        for column in range(width)
+        for m, delay in enumerate(delays)
+        if 0 <= column - delay < num_stages
+    ]
 
 
-def run_micro_batches(ops: Sequence[object], inputs: Sequence[Mapping[str, Any]],
-                      delays: Sequence[int] | None = None, trace: list | None = None) -> list[Any]:
+def run_micro_batches(
+    ops: Sequence[object],
+    inputs: Sequence[Mapping[str, Any]],
+    delays: Sequence[int] | None = None,
+    trace: list | None = None,
+) -> list[Any]:
     """Run every micro-batch through `ops`; return each one's output (None where it set none).
 
     ops: a flat operation list with `YieldOperation` markers, or stages from `split_stages`.
@@ -116,4 +122,3 @@ def _as_stages(ops: Sequence[object]) -> list[Stage]:
     if items and all(isinstance(item, tuple) for item in items):
         return [tuple(as_operation(op) for op in stage) for stage in items]
     return split_stages(items)
-

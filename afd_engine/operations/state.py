@@ -52,7 +52,8 @@ class MicroBatchState:
         """Store `value`; a key already held is an error (pop the old value first to replace it)."""
         if name in self._values:
             raise DuplicateStateError(
-                f"micro-batch {self.micro_batch} already holds {name!r}; pop it before setting it again")
+                f"micro-batch {self.micro_batch} already holds {name!r}; pop it before setting it again"
+            )
         self._values[name] = value
 
     def pop(self, name: str) -> Any:
@@ -96,4 +97,5 @@ class MicroBatchState:
     def _missing(self, name: str) -> MissingStateError:
         return MissingStateError(
             f"micro-batch {self.micro_batch} holds no {name!r} (it holds {list(self._values)}); "
-            "was it never set, or already popped by an earlier operation?")
+            "was it never set, or already popped by an earlier operation?"
+        )

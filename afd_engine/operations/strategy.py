@@ -42,11 +42,13 @@ class ModelOps:
     def wrap(self, name: str, wrapper: Callable[[Operation], Operation]) -> ModelOps:
         """The same operations, with every MoE layer's operation called `name` replaced by
         `wrapper(op)` (timing spans and injected delays of experiments)."""
+
         def swap(ops: tuple[Operation, ...]) -> tuple[Operation, ...]:
             return tuple(wrapper(op) if op.name == name else op for op in ops)
 
-        layers = tuple(dataclasses.replace(la, ops=swap(la.ops), serve=swap(la.serve)) if la.is_moe else la
-                       for la in self.layers)
+        layers = tuple(
+            dataclasses.replace(la, ops=swap(la.ops), serve=swap(la.serve)) if la.is_moe else la for la in self.layers
+        )
         return dataclasses.replace(self, layers=layers)
 
 

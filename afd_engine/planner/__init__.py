@@ -1,9 +1,9 @@
 """The performance model: AFD and colocated deployments at cluster scale (see README.md here).
 
-    from afd_engine.planner import StageModel, SearchSpace, get_hardware, get_model, search
-    h800 = get_hardware("H800")
-    sm = StageModel(get_model("step3"), h800, h800, context=4096, attn_dtype="fp8")
-    best = search(sm, "afd", tpot_slo_ms=50)[0]      # an Estimate: tpot_ms, tokens_per_gpu_s, deployment, ...
+from afd_engine.planner import StageModel, SearchSpace, get_hardware, get_model, search
+h800 = get_hardware("H800")
+sm = StageModel(get_model("step3"), h800, h800, context=4096, attn_dtype="fp8")
+best = search(sm, "afd", tpot_slo_ms=50)[0]      # an Estimate: tpot_ms, tokens_per_gpu_s, deployment, ...
 """
 
 from afd_engine.planner.calibration import Calibration, calibrate
@@ -15,6 +15,26 @@ from afd_engine.planner.search import SearchSpace, search
 from afd_engine.planner.sparsity import min_sparsity, stage_budget_us
 from afd_engine.planner.stages import StageModel
 
-__all__ = ["Calibration", "CommCase", "CommTime", "Deployment", "Efficiency", "Estimate", "HARDWARE", "Hardware",
-           "MODELS", "ModelSpec", "SearchSpace", "StageModel", "calibrate", "comm_time", "estimate", "get_hardware",
-           "get_model", "load_hardware_file", "min_sparsity", "search", "stage_budget_us"]
+__all__ = [
+    "Calibration",
+    "CommCase",
+    "CommTime",
+    "Deployment",
+    "Efficiency",
+    "Estimate",
+    "HARDWARE",
+    "Hardware",
+    "MODELS",
+    "ModelSpec",
+    "SearchSpace",
+    "StageModel",
+    "calibrate",
+    "comm_time",
+    "estimate",
+    "get_hardware",
+    "get_model",
+    "load_hardware_file",
+    "min_sparsity",
+    "search",
+    "stage_budget_us",
+]

@@ -66,8 +66,9 @@ def fit_line(points: list[tuple[float, float]]) -> LinearFit:
 def read_timeline(prefix: str) -> list[dict]:
     files = sorted(glob.glob(f"{prefix}.*.jsonl"))
     if not files:
-        raise ConfigError(f"--timeline {prefix}: no files {prefix}.<role><rank>.jsonl (record them with "
-                          "--record-timeline)")
+        raise ConfigError(
+            f"--timeline {prefix}: no files {prefix}.<role><rank>.jsonl (record them with --record-timeline)"
+        )
     events = []
     for f in files:
         with open(f) as fh:
@@ -84,7 +85,9 @@ def calibrate(prefix: str, source: str = "", skip_steps: int = 1) -> Calibration
 
     attn, ffn = points("attention"), points("ffn")
     if not attn or not ffn:
-        raise ConfigError(f"--timeline {prefix}: needs 'attention' and 'ffn' events with token counts from an "
-                          "AFD run past its first step (found "
-                          f"{len(attn)} and {len(ffn)})")
+        raise ConfigError(
+            f"--timeline {prefix}: needs 'attention' and 'ffn' events with token counts from an "
+            "AFD run past its first step (found "
+            f"{len(attn)} and {len(ffn)})"
+        )
     return Calibration(fit_line(attn), fit_line(ffn), source)

@@ -28,9 +28,18 @@ def _comm(ns) -> dict:
     mode = ns.dispatch or ("direct" if symmetric else "two-stage")
     if symmetric and mode == "two-stage":
         raise ConfigError("--dispatch two-stage needs --attn-gpus (AFD: attention GPUs sending to --ep-size F GPUs)")
-    case = CommCase(tokens=ns.tokens, hidden=ns.hidden, topk=ns.topk, experts=ns.experts,
-                    senders=ns.ep_size if symmetric else ns.attn_gpus, receivers=ns.ep_size, mode=mode,
-                    dispatch_dtype=ns.dispatch_dtype, combine_dtype=ns.combine_dtype, symmetric=symmetric)
+    case = CommCase(
+        tokens=ns.tokens,
+        hidden=ns.hidden,
+        topk=ns.topk,
+        experts=ns.experts,
+        senders=ns.ep_size if symmetric else ns.attn_gpus,
+        receivers=ns.ep_size,
+        mode=mode,
+        dispatch_dtype=ns.dispatch_dtype,
+        combine_dtype=ns.combine_dtype,
+        symmetric=symmetric,
+    )
     if ns.topk > ns.experts or ns.ep_size > ns.experts or ns.ep_size < 1:
         raise ConfigError("need 1 <= --topk <= --experts and 1 <= --ep-size <= --experts")
     out = comm_time(case, hw).as_dict()
@@ -41,24 +50,33 @@ def _stage_model(ns, model) -> StageModel:
     attn_hw = _hw(ns, ns.attn_hw)
     ffn_hw = _hw(ns, ns.ffn_hw) if ns.ffn_hw else attn_hw
     calib = Calibration.load(ns.calibration) if ns.calibration else None
-    return StageModel(model, attn_hw, ffn_hw, ns.context, ns.attn_dtype or model.default_attn_dtype, calib,
-                      ns.weight_dtype)
+    return StageModel(
+        model, attn_hw, ffn_hw, ns.context, ns.attn_dtype or model.default_attn_dtype, calib, ns.weight_dtype
+    )
 
 
 def _space(ns, mode: str) -> SearchSpace:
     def ints(v):
         return tuple(v) if v else None
-    return SearchSpace(attn_gpus=ints(ns.attn_gpus), ffn_gpus=ints(ns.ffn_gpus) if mode == "afd" else None,
-                       micro_batches=ints(ns.micro_batches), total_gpus=ns.gpus, dispatch=ns.dispatch,
-                       shared_expert=("attention", "ffn") if ns.shared_expert == "any" else (ns.shared_expert,))
+
+    return SearchSpace(
+        attn_gpus=ints(ns.attn_gpus),
+        ffn_gpus=ints(ns.ffn_gpus) if mode == "afd" else None,
+        micro_batches=ints(ns.micro_batches),
+        total_gpus=ns.gpus,
+        dispatch=ns.dispatch,
+        shared_expert=("attention", "ffn") if ns.shared_expert == "any" else (ns.shared_expert,),
+    )
 
 
 def _best(sm: StageModel, ns, mode: str) -> list[Estimate]:
     found = search(sm, mode, ns.tpot_slo_ms, _space(ns, mode))
     if not found:
-        raise ConfigError(f"no {mode} deployment of {sm.model.name} meets TPOT <= {ns.tpot_slo_ms} ms at context "
-                          f"{sm.context} on {sm.attn_hw.name} within memory; raise --tpot-slo-ms, shorten "
-                          "--context or allow more GPUs")
+        raise ConfigError(
+            f"no {mode} deployment of {sm.model.name} meets TPOT <= {ns.tpot_slo_ms} ms at context "
+            f"{sm.context} on {sm.attn_hw.name} within memory; raise --tpot-slo-ms, shorten "
+            "--context or allow more GPUs"
+        )
     return found
 
 
@@ -69,13 +87,16 @@ def _deploy(ns) -> dict:
     out = {}
     for mode in modes:
         found = _best(sm, ns, mode)
-        out[mode] = {**found[0].as_dict(), "alternatives": [e.as_dict() for e in found[1:ns.top]]}
+        out[mode] = {**found[0].as_dict(), "alternatives": [e.as_dict() for e in found[1 : ns.top]]}
     if ns.plot:
         from afd_engine.planner.plot import plot_frontier
 
         plot_frontier(sm, {m: _space(ns, m) for m in modes}, ns.plot, ns.tpot_slo_ms)
-    stages = f"measured ({ns.calibration}: {sm.calibration.source or 'no source given'})" if sm.calibration \
+    stages = (
+        f"measured ({ns.calibration}: {sm.calibration.source or 'no source given'})"
+        if sm.calibration
         else f"roofline ({sm.attn_hw.name} efficiency factors)"
+    )
     info = {"model": model.name, "context": ns.context, "stage_times": stages}
     if len(modes) == 1:
         return {**out[modes[0]], **info}
@@ -112,14 +133,22 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("comm", help="dispatch and combine time of one micro-batch")
     c.add_argument("--hw", default="H800")
     c.add_argument("--ep-size", type=int, required=True, help="GPUs holding the routed experts")
-    c.add_argument("--attn-gpus", type=int, default=None, help="AFD: attention GPUs sending (default: colocated "
-                   "EP, every EP rank sends)")
+    c.add_argument(
+        "--attn-gpus",
+        type=int,
+        default=None,
+        help="AFD: attention GPUs sending (default: colocated EP, every EP rank sends)",
+    )
     c.add_argument("--tokens", type=int, default=128, help="tokens per sending GPU")
     c.add_argument("--hidden", type=int, default=7168)
     c.add_argument("--topk", type=int, default=8)
     c.add_argument("--experts", type=int, default=256)
-    c.add_argument("--dispatch", choices=("direct", "two-stage"), default=None,
-                   help="default: two-stage for AFD, direct for colocated")
+    c.add_argument(
+        "--dispatch",
+        choices=("direct", "two-stage"),
+        default=None,
+        help="default: two-stage for AFD, direct for colocated",
+    )
     c.add_argument("--dispatch-dtype", default="fp8", choices=("fp8", "bf16", "fp32"))
     c.add_argument("--combine-dtype", default="bf16", choices=("bf16", "fp32"))
     common(c)
@@ -132,17 +161,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--context", type=int, default=4096, help="average cached tokens per sequence")
     d.add_argument("--tpot-slo-ms", type=float, default=50.0)
     d.add_argument("--gpus", type=int, default=None, help="exactly this many GPUs in all")
-    d.add_argument("--attn-dtype", choices=("fp8", "bf16"), default=None,
-                   help="attention core and KV cache precision (default: the model's usual one)")
-    d.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8",
-                   help="weights of projections, experts and dense FFNs (fp8: 8-bit)")
-    d.add_argument("--attn-gpus", type=int, nargs="+", default=None,
-                   help="attention GPU candidates; colocated: GPU counts (default: 1-16 nodes; colocated 8-256)")
+    d.add_argument(
+        "--attn-dtype",
+        choices=("fp8", "bf16"),
+        default=None,
+        help="attention core and KV cache precision (default: the model's usual one)",
+    )
+    d.add_argument(
+        "--weight-dtype",
+        choices=("fp8", "bf16"),
+        default="fp8",
+        help="weights of projections, experts and dense FFNs (fp8: 8-bit)",
+    )
+    d.add_argument(
+        "--attn-gpus",
+        type=int,
+        nargs="+",
+        default=None,
+        help="attention GPU candidates; colocated: GPU counts (default: 1-16 nodes; colocated 8-256)",
+    )
     d.add_argument("--ffn-gpus", type=int, nargs="+", default=None, help="AFD FFN GPU candidates (default: 1-16 nodes)")
     d.add_argument("--micro-batches", type=int, nargs="+", default=None, help="candidates (AFD 1-4, colocated 1-2)")
     d.add_argument("--dispatch", choices=("direct", "two-stage"), default="two-stage")
-    d.add_argument("--shared-expert", choices=("attention", "ffn", "any"), default="any",
-                   help="AFD: where the shared expert runs")
+    d.add_argument(
+        "--shared-expert", choices=("attention", "ffn", "any"), default="any", help="AFD: where the shared expert runs"
+    )
     d.add_argument("--calibration", default=None, help="measured stage times from `afd plan calibrate`")
     d.add_argument("--top", type=int, default=5, help="alternatives to list")
     d.add_argument("--plot", default=None, help="write the throughput-vs-TPOT frontier to this PNG")
@@ -172,23 +215,29 @@ def _print_human(what: str, out: dict) -> None:
     if what == "reference":
         print(f"{'figure':<50} {'source':<16} {'published':>10} {'model':>10}  ok")
         for r in out["checks"]:
-            print(f"{r['figure']:<50} {r['source']:<16} {r['published']:>10.4g} {r['model']:>10.4g}  "
-                  f"{'yes' if r['ok'] else 'NO'}")
+            print(
+                f"{r['figure']:<50} {r['source']:<16} {r['published']:>10.4g} {r['model']:>10.4g}  "
+                f"{'yes' if r['ok'] else 'NO'}"
+            )
         return
     if what != "deploy":
         for key, value in out.items():
             print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
         return
     bests = [out[m] for m in ("afd", "colocated") if m in out] or [out]
-    print(f"{'':<2}{'mode':<10} {'GPUs A+F':>9} {'mb':>3} {'shared':>9} {'seqs/GPU':>8} {'TPOT ms':>8} "
-          f"{'tok/GPU/s':>10} {'bound':>10}")
+    print(
+        f"{'':<2}{'mode':<10} {'GPUs A+F':>9} {'mb':>3} {'shared':>9} {'seqs/GPU':>8} {'TPOT ms':>8} "
+        f"{'tok/GPU/s':>10} {'bound':>10}"
+    )
     for best in bests:
         for i, e in enumerate([best] + best.get("alternatives", [])):
             d = e["deployment"]
             shared = d["shared_expert"] if d["mode"] == "afd" else "-"
-            print(f"{'*' if i == 0 else '':<2}{d['mode']:<10} {d['attn_gpus']:>4}+{d['ffn_gpus']:<4} "
-                  f"{d['micro_batches']:>3} {shared:>9} {d['seqs_per_gpu']:>8} {e['tpot_ms']:>8.1f} "
-                  f"{e['tokens_per_gpu_s']:>10.0f} {e['bound']:>10}")
+            print(
+                f"{'*' if i == 0 else '':<2}{d['mode']:<10} {d['attn_gpus']:>4}+{d['ffn_gpus']:<4} "
+                f"{d['micro_batches']:>3} {shared:>9} {d['seqs_per_gpu']:>8} {e['tpot_ms']:>8.1f} "
+                f"{e['tokens_per_gpu_s']:>10.0f} {e['bound']:>10}"
+            )
     print("* best of its mode; seqs/GPU: running sequences per attention GPU")
     print(f"{out['model']}, context {out['context']}, stage times: {out['stage_times']}")
     if "afd_over_colocated_per_gpu" in out:
@@ -198,8 +247,13 @@ def _print_human(what: str, out: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        out = {"comm": _comm, "deploy": _deploy, "sparsity": _sparsity, "calibrate": _calibrate,
-               "reference": _reference}[ns.what](ns)
+        out = {
+            "comm": _comm,
+            "deploy": _deploy,
+            "sparsity": _sparsity,
+            "calibrate": _calibrate,
+            "reference": _reference,
+        }[ns.what](ns)
     except AFDError as exc:
         print(f"afd plan {ns.what}: error: {exc}", file=sys.stderr)
         return 2

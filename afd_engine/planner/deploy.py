@@ -48,7 +48,9 @@ class Deployment:
             raise ConfigError(f"--mode {self.mode!r} must be 'afd' or 'colocated'")
         if self.attn_gpus < 1 or self.micro_batches < 1 or self.seqs_per_gpu < 0:
             raise ConfigError("attention GPUs and micro-batches must be >= 1, sequences >= 0")
-        if self.shared_expert not in ("attention", "ffn") or (self.mode == "colocated" and self.shared_expert != "attention"):
+        if self.shared_expert not in ("attention", "ffn") or (
+            self.mode == "colocated" and self.shared_expert != "attention"
+        ):
             raise ConfigError(f"shared expert placement {self.shared_expert!r} must be 'attention' or (AFD only) 'ffn'")
         if self.mode == "afd" and self.ffn_gpus < 1:
             raise ConfigError("an AFD deployment needs at least one FFN GPU")
@@ -77,12 +79,12 @@ class Estimate:
         return {"deployment": asdict(self.deployment), **out}
 
 
-def pipeline_period(n: int, attention: float, ffn: float, dispatch_busy: float, combine_busy: float,
-                    round_trip: float, afd: bool = True) -> tuple[float, str]:
+def pipeline_period(
+    n: int, attention: float, ffn: float, dispatch_busy: float, combine_busy: float, round_trip: float, afd: bool = True
+) -> tuple[float, str]:
     """Period of one MoE layer with n micro-batches, and the term that sets it (formula above)."""
     if afd:
-        terms = {"attention": n * attention, "dispatch": n * dispatch_busy, "ffn": n * ffn,
-                 "combine": n * combine_busy}
+        terms = {"attention": n * attention, "dispatch": n * dispatch_busy, "ffn": n * ffn, "combine": n * combine_busy}
     else:
         terms = {"compute": n * (attention + ffn), "network": n * (dispatch_busy + combine_busy)}
     terms["round trip"] = round_trip
@@ -104,23 +106,50 @@ def estimate(sm: StageModel, dep: Deployment) -> Estimate:
     shared_on_f = dep.shared_expert == "ffn"
     t_a = sm.attention_us(b, shared_expert=not shared_on_f)
     t_f = sm.experts_us(b * dep.attn_gpus, ep, hw=sm.ffn_hw if afd else sm.attn_hw, shared_expert=shared_on_f)
-    case = CommCase(tokens=round(b), hidden=m.hidden, topk=m.topk, experts=m.experts, senders=dep.attn_gpus,
-                    receivers=ep, mode=dep.dispatch if afd else "direct", symmetric=not afd)
+    case = CommCase(
+        tokens=round(b),
+        hidden=m.hidden,
+        topk=m.topk,
+        experts=m.experts,
+        senders=dep.attn_gpus,
+        receivers=ep,
+        mode=dep.dispatch if afd else "direct",
+        symmetric=not afd,
+    )
     comm = comm_time(case, sm.attn_hw, sm.ffn_hw if afd else None)
     t_d, t_c = comm.dispatch_us, comm.combine_us
     round_trip = t_a + t_d + t_f + t_c
     period, bound = pipeline_period(n, t_a, t_f, comm.dispatch_busy_us, comm.combine_busy_us, round_trip, afd)
     a_work = t_a if afd else t_a + t_f
     moe_us = moe_layers_time(m.moe_layers, n, period, a_work, round_trip)
-    step_us = (sm.attn_hw.efficiency.step_overhead_us + sm.head_us(dep.seqs_per_gpu)
-               + m.dense_layers * n * sm.dense_layer_us(b) + moe_us)
+    step_us = (
+        sm.attn_hw.efficiency.step_overhead_us
+        + sm.head_us(dep.seqs_per_gpu)
+        + m.dense_layers * n * sm.dense_layer_us(b)
+        + moe_us
+    )
     tokens_per_s = dep.seqs_per_gpu * dep.attn_gpus / (step_us * 1e-6) if dep.seqs_per_gpu else 0.0
     attn_gb, ffn_gb = memory_gb(sm, dep)
-    fits = (attn_gb <= sm.attn_hw.mem_gb * (1 - MEMORY_RESERVE)
-            and (not afd or ffn_gb <= sm.ffn_hw.mem_gb * (1 - MEMORY_RESERVE)))
-    return Estimate(dep, step_us / 1e3, tokens_per_s / dep.gpus, tokens_per_s, t_a, t_f, t_d, t_c, period,
-                    n * a_work / period if period else 0.0, n * t_f / period if period else 0.0, bound,
-                    attn_gb, ffn_gb, fits)
+    fits = attn_gb <= sm.attn_hw.mem_gb * (1 - MEMORY_RESERVE) and (
+        not afd or ffn_gb <= sm.ffn_hw.mem_gb * (1 - MEMORY_RESERVE)
+    )
+    return Estimate(
+        dep,
+        step_us / 1e3,
+        tokens_per_s / dep.gpus,
+        tokens_per_s,
+        t_a,
+        t_f,
+        t_d,
+        t_c,
+        period,
+        n * a_work / period if period else 0.0,
+        n * t_f / period if period else 0.0,
+        bound,
+        attn_gb,
+        ffn_gb,
+        fits,
+    )
 
 
 def memory_gb(sm: StageModel, dep: Deployment) -> tuple[float, float]:
@@ -128,8 +157,10 @@ def memory_gb(sm: StageModel, dep: Deployment) -> tuple[float, float]:
     kv = dep.seqs_per_gpu * sm.kv_bytes_per_seq()
     if dep.mode == "afd":
         shared_on_f = dep.shared_expert == "ffn"
-        return ((sm.attention_weight_bytes(shared_expert=not shared_on_f) + kv) / GB,
-                sm.expert_weight_bytes(dep.ffn_gpus, shared_expert=shared_on_f) / GB)
+        return (
+            (sm.attention_weight_bytes(shared_expert=not shared_on_f) + kv) / GB,
+            sm.expert_weight_bytes(dep.ffn_gpus, shared_expert=shared_on_f) / GB,
+        )
     return (sm.attention_weight_bytes() + sm.expert_weight_bytes(dep.attn_gpus) + kv) / GB, 0.0
 
 

@@ -88,22 +88,88 @@ class Hardware:
 # profile, see planner/README); every other type inherits them: unmeasured, not tuned.
 _HOPPER = Efficiency()
 
-HARDWARE: dict[str, Hardware] = {h.name: h for h in (
-    Hardware("H800", 989, 1979, 3.35, 80, scaleup_gbs=200, nic_gbps=400, efficiency=_HOPPER,
-             note="NVLink 400 GB/s bidirectional; CX7 400 Gb/s per GPU"),
-    Hardware("H100", 989, 1979, 3.35, 80, scaleup_gbs=450, nic_gbps=400, efficiency=_HOPPER,
-             note="SXM; NVLink 900 GB/s bidirectional"),
-    Hardware("H200", 989, 1979, 4.8, 141, scaleup_gbs=450, nic_gbps=400, efficiency=_HOPPER,
-             note="H100 compute with 4.8 TB/s HBM3e"),
-    Hardware("H20", 148, 296, 4.0, 96, scaleup_gbs=450, nic_gbps=400, efficiency=_HOPPER,
-             note="Step-3 Table 4: roofline 74"),
-    Hardware("A800", 312, None, 2.0, 80, scaleup_gbs=200, nic_gbps=200, efficiency=_HOPPER,
-             note="no fp8: 8-bit weights, bf16 math; 8 x 200 Gb/s"),
-    Hardware("L20", 119.5, 239, 0.864, 48, scaleup_gbs=32, nic_gbps=200, efficiency=_HOPPER,
-             note="PCIe Gen4 card: no NVLink; NIC count assumed 8 x 200 Gb/s"),
-    Hardware("910B", 280, None, 1.6, 64, scaleup_gbs=196, nic_gbps=200, efficiency=_HOPPER,
-             note="Ascend 910B: HCCS scale-up; 8 x 200 Gb/s as in Step-3's table"),
-)}
+HARDWARE: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        Hardware(
+            "H800",
+            989,
+            1979,
+            3.35,
+            80,
+            scaleup_gbs=200,
+            nic_gbps=400,
+            efficiency=_HOPPER,
+            note="NVLink 400 GB/s bidirectional; CX7 400 Gb/s per GPU",
+        ),
+        Hardware(
+            "H100",
+            989,
+            1979,
+            3.35,
+            80,
+            scaleup_gbs=450,
+            nic_gbps=400,
+            efficiency=_HOPPER,
+            note="SXM; NVLink 900 GB/s bidirectional",
+        ),
+        Hardware(
+            "H200",
+            989,
+            1979,
+            4.8,
+            141,
+            scaleup_gbs=450,
+            nic_gbps=400,
+            efficiency=_HOPPER,
+            note="H100 compute with 4.8 TB/s HBM3e",
+        ),
+        Hardware(
+            "H20",
+            148,
+            296,
+            4.0,
+            96,
+            scaleup_gbs=450,
+            nic_gbps=400,
+            efficiency=_HOPPER,
+            note="Step-3 Table 4: roofline 74",
+        ),
+        Hardware(
+            "A800",
+            312,
+            None,
+            2.0,
+            80,
+            scaleup_gbs=200,
+            nic_gbps=200,
+            efficiency=_HOPPER,
+            note="no fp8: 8-bit weights, bf16 math; 8 x 200 Gb/s",
+        ),
+        Hardware(
+            "L20",
+            119.5,
+            239,
+            0.864,
+            48,
+            scaleup_gbs=32,
+            nic_gbps=200,
+            efficiency=_HOPPER,
+            note="PCIe Gen4 card: no NVLink; NIC count assumed 8 x 200 Gb/s",
+        ),
+        Hardware(
+            "910B",
+            280,
+            None,
+            1.6,
+            64,
+            scaleup_gbs=196,
+            nic_gbps=200,
+            efficiency=_HOPPER,
+            note="Ascend 910B: HCCS scale-up; 8 x 200 Gb/s as in Step-3's table",
+        ),
+    )
+}
 
 
 def get_hardware(name: str, extra: dict[str, Hardware] | None = None) -> Hardware:

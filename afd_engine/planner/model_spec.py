@@ -114,23 +114,60 @@ class ModelSpec:
         return self.layers * a + self.dense_layers * self.dense_params + moe + 2 * self.vocab * self.hidden
 
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (
-    ModelSpec("deepseek-v3", layers=61, hidden=7168, vocab=129280,
-              attention=Attention("mla", heads=128, head_dim=128, q_lora_rank=1536, kv_lora_rank=512,
-                                  qk_nope_dim=128, qk_rope_dim=64),
-              dense_layers=3, dense_width=18432, experts=256, topk=8, expert_width=2048,
-              shared_experts=1, shared_width=2048, default_attn_dtype="bf16"),
-    # Step-3 text model: 48 routed experts top-3 + 1 shared (S = 4/49 = 0.08); dense FFN in the first
-    # four layers and the last one.
-    ModelSpec("step3", layers=61, hidden=7168, vocab=128815,
-              attention=Attention("mfa", heads=64, head_dim=256, q_lora_rank=2048),
-              dense_layers=5, dense_width=18432, experts=48, topk=3, expert_width=5120,
-              shared_experts=1, shared_width=5120, default_attn_dtype="fp8"),
-    ModelSpec("qwen3-235b-a22b", layers=94, hidden=4096, vocab=151936,
-              attention=Attention("gqa", heads=64, head_dim=128, kv_heads=4),
-              dense_layers=0, dense_width=0, experts=128, topk=8, expert_width=1536,
-              shared_experts=0, shared_width=0, default_attn_dtype="fp8"),
-)}
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        ModelSpec(
+            "deepseek-v3",
+            layers=61,
+            hidden=7168,
+            vocab=129280,
+            attention=Attention(
+                "mla", heads=128, head_dim=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64
+            ),
+            dense_layers=3,
+            dense_width=18432,
+            experts=256,
+            topk=8,
+            expert_width=2048,
+            shared_experts=1,
+            shared_width=2048,
+            default_attn_dtype="bf16",
+        ),
+        # Step-3 text model: 48 routed experts top-3 + 1 shared (S = 4/49 = 0.08); dense FFN in the first
+        # four layers and the last one.
+        ModelSpec(
+            "step3",
+            layers=61,
+            hidden=7168,
+            vocab=128815,
+            attention=Attention("mfa", heads=64, head_dim=256, q_lora_rank=2048),
+            dense_layers=5,
+            dense_width=18432,
+            experts=48,
+            topk=3,
+            expert_width=5120,
+            shared_experts=1,
+            shared_width=5120,
+            default_attn_dtype="fp8",
+        ),
+        ModelSpec(
+            "qwen3-235b-a22b",
+            layers=94,
+            hidden=4096,
+            vocab=151936,
+            attention=Attention("gqa", heads=64, head_dim=128, kv_heads=4),
+            dense_layers=0,
+            dense_width=0,
+            experts=128,
+            topk=8,
+            expert_width=1536,
+            shared_experts=0,
+            shared_width=0,
+            default_attn_dtype="fp8",
+        ),
+    )
+}
 
 
 def get_model(name_or_path: str) -> ModelSpec:
@@ -161,42 +198,88 @@ def model_from_hf_config(cfg: dict, name: str) -> ModelSpec:
             return _step3(cfg, name)
     except KeyError as exc:
         raise ConfigError(f"model {name}: config.json lacks {exc.args[0]!r}") from None
-    raise ConfigError(f"model {name}: model_type {model_type!r} is not supported by the planner "
-                      "(deepseek_v2, deepseek_v3, qwen3_moe, step3)")
+    raise ConfigError(
+        f"model {name}: model_type {model_type!r} is not supported by the planner "
+        "(deepseek_v2, deepseek_v3, qwen3_moe, step3)"
+    )
 
 
 def _deepseek(cfg: dict, name: str) -> ModelSpec:
-    attn = Attention("mla", heads=cfg["num_attention_heads"], head_dim=cfg["v_head_dim"],
-                     q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
-                     qk_nope_dim=cfg["qk_nope_head_dim"], qk_rope_dim=cfg["qk_rope_head_dim"])
-    return ModelSpec(name, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], vocab=cfg["vocab_size"],
-                     attention=attn, dense_layers=cfg.get("first_k_dense_replace", 0),
-                     dense_width=cfg["intermediate_size"], experts=cfg["n_routed_experts"],
-                     topk=cfg["num_experts_per_tok"], expert_width=cfg["moe_intermediate_size"],
-                     shared_experts=cfg.get("n_shared_experts") or 0, shared_width=cfg["moe_intermediate_size"],
-                     default_attn_dtype="bf16")
+    attn = Attention(
+        "mla",
+        heads=cfg["num_attention_heads"],
+        head_dim=cfg["v_head_dim"],
+        q_lora_rank=cfg.get("q_lora_rank") or 0,
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_dim=cfg["qk_nope_head_dim"],
+        qk_rope_dim=cfg["qk_rope_head_dim"],
+    )
+    return ModelSpec(
+        name,
+        layers=cfg["num_hidden_layers"],
+        hidden=cfg["hidden_size"],
+        vocab=cfg["vocab_size"],
+        attention=attn,
+        dense_layers=cfg.get("first_k_dense_replace", 0),
+        dense_width=cfg["intermediate_size"],
+        experts=cfg["n_routed_experts"],
+        topk=cfg["num_experts_per_tok"],
+        expert_width=cfg["moe_intermediate_size"],
+        shared_experts=cfg.get("n_shared_experts") or 0,
+        shared_width=cfg["moe_intermediate_size"],
+        default_attn_dtype="bf16",
+    )
 
 
 def _qwen3_moe(cfg: dict, name: str) -> ModelSpec:
     heads = cfg["num_attention_heads"]
-    attn = Attention("gqa", heads=heads, head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                     kv_heads=cfg["num_key_value_heads"])
+    attn = Attention(
+        "gqa",
+        heads=heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        kv_heads=cfg["num_key_value_heads"],
+    )
     sparse_step = cfg.get("decoder_sparse_step", 1)
     dense = len(cfg.get("mlp_only_layers", [])) + (0 if sparse_step == 1 else cfg["num_hidden_layers"] // sparse_step)
-    return ModelSpec(name, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], vocab=cfg["vocab_size"],
-                     attention=attn, dense_layers=dense, dense_width=cfg.get("intermediate_size", 0),
-                     experts=cfg["num_experts"], topk=cfg["num_experts_per_tok"],
-                     expert_width=cfg["moe_intermediate_size"], shared_experts=0, shared_width=0)
+    return ModelSpec(
+        name,
+        layers=cfg["num_hidden_layers"],
+        hidden=cfg["hidden_size"],
+        vocab=cfg["vocab_size"],
+        attention=attn,
+        dense_layers=dense,
+        dense_width=cfg.get("intermediate_size", 0),
+        experts=cfg["num_experts"],
+        topk=cfg["num_experts_per_tok"],
+        expert_width=cfg["moe_intermediate_size"],
+        shared_experts=0,
+        shared_width=0,
+    )
 
 
 def _step3(cfg: dict, name: str) -> ModelSpec:
     layers = cfg["num_hidden_layers"]
     moe_layers = cfg.get("moe_layers_enum")
     n_moe = len(str(moe_layers).split(",")) if moe_layers else layers
-    attn = Attention("mfa", heads=cfg["num_attention_heads"], head_dim=cfg["head_dim"],
-                     kv_heads=cfg.get("num_attention_groups", 1), q_lora_rank=cfg.get("share_q_dim", 0))
+    attn = Attention(
+        "mfa",
+        heads=cfg["num_attention_heads"],
+        head_dim=cfg["head_dim"],
+        kv_heads=cfg.get("num_attention_groups", 1),
+        q_lora_rank=cfg.get("share_q_dim", 0),
+    )
     shared_width = cfg.get("share_expert_dim", 0)
-    return ModelSpec(name, layers=layers, hidden=cfg["hidden_size"], vocab=cfg["vocab_size"], attention=attn,
-                     dense_layers=layers - n_moe, dense_width=cfg["intermediate_size"],
-                     experts=cfg["moe_num_experts"], topk=cfg["moe_top_k"], expert_width=cfg["moe_intermediate_size"],
-                     shared_experts=1 if shared_width else 0, shared_width=shared_width)
+    return ModelSpec(
+        name,
+        layers=layers,
+        hidden=cfg["hidden_size"],
+        vocab=cfg["vocab_size"],
+        attention=attn,
+        dense_layers=layers - n_moe,
+        dense_width=cfg["intermediate_size"],
+        experts=cfg["moe_num_experts"],
+        topk=cfg["moe_top_k"],
+        expert_width=cfg["moe_intermediate_size"],
+        shared_experts=1 if shared_width else 0,
+        shared_width=shared_width,
+    )

@@ -73,10 +73,16 @@ class CommTime:
         return self.dispatch_us + self.combine_us
 
     def as_dict(self) -> dict:
-        return {"dispatch_us": self.dispatch_us, "combine_us": self.combine_us, "total_us": self.total_us,
-                "sender_nic_us": self.sender_nic_us, "receiver_nic_us": self.receiver_nic_us,
-                "scaleup_us": self.scaleup_us, "inter_node_bytes": self.inter_node_bytes,
-                "copies_per_token": self.copies_per_token}
+        return {
+            "dispatch_us": self.dispatch_us,
+            "combine_us": self.combine_us,
+            "total_us": self.total_us,
+            "sender_nic_us": self.sender_nic_us,
+            "receiver_nic_us": self.receiver_nic_us,
+            "scaleup_us": self.scaleup_us,
+            "inter_node_bytes": self.inter_node_bytes,
+            "copies_per_token": self.copies_per_token,
+        }
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ def plot_frontier(sm: StageModel, spaces: dict[str, SearchSpace], png: str, slo_
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, space in spaces.items():
         points = frontier(sm, mode, SLOS_MS, space)
-        ax.plot([e.tpot_ms for e in points], [e.tokens_per_gpu_s for e in points], marker="o", markersize=3,
-                label=mode)
+        ax.plot([e.tpot_ms for e in points], [e.tokens_per_gpu_s for e in points], marker="o", markersize=3, label=mode)
     if slo_ms:
         ax.axvline(slo_ms, color="grey", linestyle="--", linewidth=1, label=f"SLO {slo_ms:g} ms")
     ax.set_xlabel("TPOT (ms)")

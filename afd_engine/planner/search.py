@@ -56,8 +56,14 @@ def candidates(sm: StageModel, mode: str, space: SearchSpace) -> list[Deployment
     a_gpus = space.attn_gpus or tuple(k * sm.attn_hw.gpus_per_node for k in NODE_COUNTS)
     f_gpus = space.ffn_gpus or tuple(k * sm.ffn_hw.gpus_per_node for k in NODE_COUNTS)
     mbs = space.micro_batches or (1, 2, 3, 4)
-    return [Deployment("afd", a, f, n, 0, space.dispatch, s) for a in a_gpus for f in f_gpus for n in mbs
-            for s in space.shared_expert if f <= experts and (space.total_gpus is None or a + f == space.total_gpus)]
+    return [
+        Deployment("afd", a, f, n, 0, space.dispatch, s)
+        for a in a_gpus
+        for f in f_gpus
+        for n in mbs
+        for s in space.shared_expert
+        if f <= experts and (space.total_gpus is None or a + f == space.total_gpus)
+    ]
 
 
 def search(sm: StageModel, mode: str, tpot_slo_ms: float, space: SearchSpace = SearchSpace()) -> list[Estimate]:
@@ -66,8 +72,9 @@ def search(sm: StageModel, mode: str, tpot_slo_ms: float, space: SearchSpace = S
         raise ConfigError(f"--tpot-slo-ms must be > 0 (got {tpot_slo_ms})")
     cands = candidates(sm, mode, space)
     if not cands:
-        raise ConfigError(f"no {mode} topology matches the constraints (GPUs {space.total_gpus}, "
-                          f"{sm.model.experts} experts)")
+        raise ConfigError(
+            f"no {mode} topology matches the constraints (GPUs {space.total_gpus}, {sm.model.experts} experts)"
+        )
     found = [e for e in (best_batch(sm, d, tpot_slo_ms) for d in cands) if e is not None]
     return sorted(found, key=lambda e: (-e.tokens_per_gpu_s, e.deployment.gpus))
 

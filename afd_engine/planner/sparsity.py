@@ -36,8 +36,13 @@ class SparsityBound:
         return self.b_dense / sparsity
 
     def as_dict(self) -> dict:
-        return {"min_sparsity": self.min_sparsity, "roofline": self.roofline, "b_dense": self.b_dense,
-                "network_gbs": self.network_gbs, "budget_ms": self.budget_ms}
+        return {
+            "min_sparsity": self.min_sparsity,
+            "roofline": self.roofline,
+            "b_dense": self.b_dense,
+            "network_gbs": self.network_gbs,
+            "budget_ms": self.budget_ms,
+        }
 
 
 def min_sparsity(hw: Hardware, hidden: int, layers: int, tpot_ms: float = 50.0, stages: int = 3) -> SparsityBound:

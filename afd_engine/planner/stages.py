@@ -72,8 +72,13 @@ class StageModel:
         shared = gemm_us(hw, seqs, m.shared_params, self.w_bytes, self.weight_dtype) if shared_expert else 0.0
         if self.calibration is not None:
             return self.calibration.attention(seqs) + shared
-        return (self.attention_core_us(seqs) + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), self.w_bytes, self.weight_dtype)
-                + gemm_us(hw, seqs, m.gate_params, 2, "bf16") + shared + hw.efficiency.layer_overhead_us)
+        return (
+            self.attention_core_us(seqs)
+            + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), self.w_bytes, self.weight_dtype)
+            + gemm_us(hw, seqs, m.gate_params, 2, "bf16")
+            + shared
+            + hw.efficiency.layer_overhead_us
+        )
 
     def attention_core_us(self, seqs: float) -> float:
         a, hw = self.model.attention, self.attn_hw
@@ -88,11 +93,16 @@ class StageModel:
         if seqs <= 0:
             return 0.0
         m, hw = self.model, self.attn_hw
-        return (self.attention_core_us(seqs)
-                + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), self.w_bytes, self.weight_dtype)
-                + gemm_us(hw, seqs, m.dense_params, self.w_bytes, self.weight_dtype) + hw.efficiency.layer_overhead_us)
+        return (
+            self.attention_core_us(seqs)
+            + gemm_us(hw, seqs, m.attention.linear_params(m.hidden), self.w_bytes, self.weight_dtype)
+            + gemm_us(hw, seqs, m.dense_params, self.w_bytes, self.weight_dtype)
+            + hw.efficiency.layer_overhead_us
+        )
 
-    def experts_us(self, tokens: float, ffn_gpus: int, hw: Hardware | None = None, shared_expert: bool = False) -> float:
+    def experts_us(
+        self, tokens: float, ffn_gpus: int, hw: Hardware | None = None, shared_expert: bool = False
+    ) -> float:
         """Routed experts on the busiest of `ffn_gpus` GPUs for `tokens` tokens in all (one layer,
         one micro-batch): a grouped GEMM over the GPU's experts that received any token; with
         `shared_expert` the GPU also runs the (replicated) shared expert on its 1/ffn_gpus of the tokens."""
@@ -100,7 +110,9 @@ class StageModel:
         m = self.model
         if tokens <= 0:
             return 0.0
-        shared = gemm_us(hw, tokens / ffn_gpus, m.shared_params, self.w_bytes, self.weight_dtype) if shared_expert else 0.0
+        shared = (
+            gemm_us(hw, tokens / ffn_gpus, m.shared_params, self.w_bytes, self.weight_dtype) if shared_expert else 0.0
+        )
         local_experts = m.experts / ffn_gpus
         copies = expected_max_load(tokens * m.topk / ffn_gpus, ffn_gpus)
         if self.calibration is not None:

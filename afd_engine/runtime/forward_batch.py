@@ -50,8 +50,13 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
     @staticmethod
-    def build(extend: list[SeqChunk], decode: list[SeqChunk], page_table: torch.Tensor, page_size: int,
-              device: torch.device | str = "cpu") -> ForwardBatch:
+    def build(
+        extend: list[SeqChunk],
+        decode: list[SeqChunk],
+        page_table: torch.Tensor,
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
         """page_table [rows, max_pages] int64: page ids of each sequence (row) in order. The tables
         are built on the host and moved to `device` once per step."""
         ext = _segment(extend, page_table, page_size)
@@ -68,7 +73,9 @@ class ForwardBatch:
             ext_kv_lens=ext.kv_lens,
             dec_slots=dec.slots,
             dec_kv_lens=dec.kv_lens,
-            dec_bias=torch.zeros(dec.slots.shape, dtype=torch.float32).masked_fill_(~dec.kv_valid, float("-inf"))[:, None],
+            dec_bias=torch.zeros(dec.slots.shape, dtype=torch.float32).masked_fill_(~dec.kv_valid, float("-inf"))[
+                :, None
+            ],
             dec_pages=dec.pages,
             page_size=page_size,
         ).to(device)
@@ -78,8 +85,14 @@ class ForwardBatch:
         device = torch.device(device)
         if self.input_ids.device == device:
             return self
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
-                                            for f in dataclasses.fields(self) if f.type == "torch.Tensor"})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device, non_blocking=True)
+                for f in dataclasses.fields(self)
+                if f.type == "torch.Tensor"
+            },
+        )
 
     def paged_decode(self) -> PagedKV:
         """Where the decode sequences' cached tokens are, for the MLA decode kernels."""

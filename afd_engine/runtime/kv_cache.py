@@ -19,8 +19,17 @@ def pages_for(tokens: int, page_size: int) -> int:
 class KVPool:
     """Cache tensor [layers, num_pages * page_size, dim] plus page bookkeeping."""
 
-    def __init__(self, num_layers: int, dim: int, num_pages: int, page_size: int, max_seqs: int,
-                 max_pages_per_seq: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        dim: int,
+        num_pages: int,
+        page_size: int,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if num_pages < 1:
             raise ConfigError("the KV cache budget holds no page; raise --kv-cache-memory-mb or lower --page-size")
         self.page_size, self.num_pages = page_size, num_pages

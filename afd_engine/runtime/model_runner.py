@@ -27,7 +27,7 @@ class StepInputs:
     samplers: list[Request]
 
     @staticmethod
-    def of(plan: StepPlan) -> "StepInputs":
+    def of(plan: StepPlan) -> StepInputs:
         extend = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + n)) for r, n in plan.extend]
         decode = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + 1)) for r in plan.decode]
         # A request samples when this step completes its pending tokens: the last token of a
@@ -92,8 +92,9 @@ class ModelRunner(StepRunner):
 
     def run(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
         inputs = StepInputs.of(plan)
-        fb = ForwardBatch.build(inputs.extend, inputs.decode, self.pool.page_table, self.pool.page_size,
-                                self.pool.device)
+        fb = ForwardBatch.build(
+            inputs.extend, inputs.decode, self.pool.page_table, self.pool.page_size, self.pool.device
+        )
         rows = logit_rows(inputs.extend + inputs.decode, inputs.samples, self.pool.device)
         logits = self.model(fb, self.pool.cache, rows)
         commit(plan)

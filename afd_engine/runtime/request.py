@@ -26,7 +26,7 @@ class Request:
     error: str | None = None
     text_trim: int | None = None  # stop-string cut, as a character index into the output text
     num_preemptions: int = 0
-    logprobs: list["TokenLogprob"] | None = None  # one per output token when params.logprobs is set
+    logprobs: list[TokenLogprob] | None = None  # one per output token when params.logprobs is set
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -52,7 +52,7 @@ class Request:
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):end - n]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from afd_engine.control.loop import ControlAddrs
 from afd_engine.errors import AFDError
 from afd_engine.server import protocol as P
 from afd_engine.server.choices import Choice, make_choices, run_choices
 from afd_engine.server.engine_client import EngineClient, EngineUnavailable
-from afd_engine.control.loop import ControlAddrs
 from afd_engine.server.errors import (
     APIError,
     error_body,
@@ -58,8 +58,15 @@ class ServerState:
     max_prompt_chars: int
 
 
-def build_app(model_path: str, model_name: str, server_args, start_ranks: Callable[[], dict], addrs: ControlAddrs,
-              num_ranks: int = 1, alive: Callable[[], bool] = lambda: True) -> FastAPI:
+def build_app(
+    model_path: str,
+    model_name: str,
+    server_args,
+    start_ranks: Callable[[], dict],
+    addrs: ControlAddrs,
+    num_ranks: int = 1,
+    alive: Callable[[], bool] = lambda: True,
+) -> FastAPI:
     """The app; at startup it binds the control sockets, then `start_ranks()` brings the engine up
     (the port opens only once every rank is ready)."""
     from transformers import AutoTokenizer
@@ -76,8 +83,16 @@ def build_app(model_path: str, model_name: str, server_args, start_ranks: Callab
             log.error("%s", exc)
             raise
         client.start()
-        holder["s"] = ServerState(client, tokenizer, model_name, info["context_len"], server_args.default_max_tokens,
-                                  ServerMetrics(), P.LogprobFormatter(tokenizer), server_args.max_prompt_chars)
+        holder["s"] = ServerState(
+            client,
+            tokenizer,
+            model_name,
+            info["context_len"],
+            server_args.default_max_tokens,
+            ServerMetrics(),
+            P.LogprobFormatter(tokenizer),
+            server_args.max_prompt_chars,
+        )
         _banner(server_args, model_name)
         yield
         await client.shutdown()
@@ -102,9 +117,14 @@ def _banner(server_args, name: str) -> None:
     auth = f' -H "Authorization: Bearer {server_args.api_key}"' if server_args.api_key else ""
     if "random" in name:
         log.warning("serving the embedded tiny model %s: RANDOM WEIGHTS, its text is noise", name)
-    log.info("ready; try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s "
-             "-d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
-             "\"max_tokens\": 16}'", base, auth, name)
+    log.info(
+        "ready; try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s "
+        '-d \'{"model": "%s", "messages": [{"role": "user", "content": "Hello"}], '
+        '"max_tokens": 16}\'',
+        base,
+        auth,
+        name,
+    )
 
 
 class BodyLimit:
@@ -143,8 +163,11 @@ class BodyLimit:
         await self.app(scope, replayed, send)
 
     async def _refuse(self, scope, receive, send) -> None:
-        response = openai_error(413, f"The request body is larger than this server's limit of {self.max_bytes} bytes "
-                                     "(--max-request-bytes).", code="request_too_large")
+        response = openai_error(
+            413,
+            f"The request body is larger than this server's limit of {self.max_bytes} bytes (--max-request-bytes).",
+            code="request_too_large",
+        )
         await response(scope, receive, send)
 
 
@@ -161,21 +184,30 @@ def _install_auth(app: FastAPI, api_key: str | None) -> None:
 
 # Documented responses: a generation route answers JSON, or server-sent events with "stream": true.
 # Before OpenAPI 3.2, an event stream's schema describes one event (as schemathesis reads it too).
-_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
-    "type": "string", "description": "one JSON chunk; the last event's data is [DONE]"}}}
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "one JSON chunk; the last event's data is [DONE]"}},
+}
 _SSE = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 _GENERATION_ERRORS = error_responses(400, 404, 413, 503)
 
 
 def _routes(app: FastAPI, state: Callable[[], ServerState]) -> None:
-    @app.get("/health", response_model=P.HealthStatus, responses={503: {"model": P.HealthStatus,
-                                                                        "description": "The engine is not running"}})
+    @app.get(
+        "/health",
+        response_model=P.HealthStatus,
+        responses={503: {"model": P.HealthStatus, "description": "The engine is not running"}},
+    )
     async def health():
         ok = state().client.healthy
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus text exposition format"}})
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format"}},
+    )
     async def metrics():
         s = state()
         return Response(s.metrics.render(s.client.stats), media_type=CONTENT_TYPE_LATEST)
@@ -184,26 +216,32 @@ def _routes(app: FastAPI, state: Callable[[], ServerState]) -> None:
     async def models():
         return P.ModelList(data=[P.ModelCard(id=state().model_name)])
 
-    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
-              responses={**_GENERATION_ERRORS, **error_responses(401), **_SSE})
+    @app.post(
+        "/v1/chat/completions",
+        response_model=P.ChatCompletionResponse,
+        responses={**_GENERATION_ERRORS, **error_responses(401), **_SSE},
+    )
     async def chat(body: P.ChatCompletionRequest, request: Request):
         s = state()
         _check_model(s, body.model)
         _check_prompt_chars(s, body.text_chars(), "messages")
         return await _serve(s, request, body, [await _render_chat(s, body.template_messages())], "chat")
 
-    @app.post("/v1/completions", response_model=P.CompletionResponse,
-              responses={**_GENERATION_ERRORS, **error_responses(401), **_SSE})
+    @app.post(
+        "/v1/completions",
+        response_model=P.CompletionResponse,
+        responses={**_GENERATION_ERRORS, **error_responses(401), **_SSE},
+    )
     async def completions(body: P.CompletionRequest, request: Request):
         s = state()
         _check_model(s, body.model)
         _check_prompt_chars(s, body.text_chars(), "prompt")
-        prompts = await asyncio.to_thread(lambda: [p if isinstance(p, list) else s.tokenizer.encode(p)
-                                                   for p in body.prompts()])
+        prompts = await asyncio.to_thread(
+            lambda: [p if isinstance(p, list) else s.tokenizer.encode(p) for p in body.prompts()]
+        )
         return await _serve(s, request, body, prompts, "completions")
 
-    @app.post("/generate", response_model=P.GenerateResponse,
-              responses={**error_responses(400, 413, 503), **_SSE})
+    @app.post("/generate", response_model=P.GenerateResponse, responses={**error_responses(400, 413, 503), **_SSE})
     async def generate(body: P.GenerateRequest, request: Request):
         s = state()
         _check_prompt_chars(s, body.text_chars(), "text")
@@ -218,8 +256,12 @@ def _check_model(s: ServerState, model: str) -> None:
 
 def _check_prompt_chars(s: ServerState, chars: int, param: str) -> None:
     if chars > s.max_prompt_chars:
-        raise APIError(400, f"The request has {chars} characters of prompt text; this server accepts at most "
-                            f"{s.max_prompt_chars} (--max-prompt-chars).", param=param)
+        raise APIError(
+            400,
+            f"The request has {chars} characters of prompt text; this server accepts at most "
+            f"{s.max_prompt_chars} (--max-prompt-chars).",
+            param=param,
+        )
 
 
 async def _render_chat(s: ServerState, messages: list[dict[str, str]]) -> list[int]:
@@ -229,17 +271,20 @@ async def _render_chat(s: ServerState, messages: list[dict[str, str]]) -> list[i
     raising; that is the client's request, so it is a 400 quoting the template's reason.
     """
     try:
-        encoded = await asyncio.to_thread(s.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                          tokenize=True)
+        encoded = await asyncio.to_thread(
+            s.tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True
+        )
     except TemplateError as exc:
-        raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
-                       param="messages") from exc
+        raise APIError(400, f"The model's chat template cannot render these messages: {exc}", param="messages") from exc
     return list(encoded["input_ids"])
 
 
 async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]], endpoint: str):
-    params = body.choice_sampling_params(_max_tokens_left(s, prompts)) if endpoint != "generate" else \
-        [body.to_sampling_params(_max_tokens_left(s, prompts))]
+    params = (
+        body.choice_sampling_params(_max_tokens_left(s, prompts))
+        if endpoint != "generate"
+        else [body.to_sampling_params(_max_tokens_left(s, prompts))]
+    )
     _check_lengths(s, prompts, params[0].max_new_tokens)
     choices = make_choices(s.tokenizer, P.random_id("req"), prompts, params)
     start = time.monotonic()
@@ -255,7 +300,8 @@ async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]
         return Response(status_code=499)
     s.metrics.requests.labels(endpoint, "ok").inc()
     return {"chat": _chat_response, "completions": _completion_response, "generate": _generate_response}[endpoint](
-        s, choices)
+        s, choices
+    )
 
 
 def _max_tokens_left(s: ServerState, prompts: list[list[int]]) -> int:
@@ -267,10 +313,14 @@ def _check_lengths(s: ServerState, prompts: list[list[int]], max_new: int) -> No
         if len(p) == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         if len(p) + max_new > s.context_len:
-            raise APIError(400, f"This model's maximum context length is {s.context_len} tokens. However, you "
-                                f"requested {len(p) + max_new} tokens ({len(p)} in the prompt, {max_new} for the "
-                                "completion). Please reduce the prompt or the completion length.",
-                           param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {s.context_len} tokens. However, you "
+                f"requested {len(p) + max_new} tokens ({len(p)} in the prompt, {max_new} for the "
+                "completion). Please reduce the prompt or the completion length.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
 
 
 async def _drain(stream: AsyncIterator) -> bool:
@@ -311,6 +361,7 @@ def _usage(choices: list[Choice]) -> P.UsageInfo:
 
 # -- chat -------------------------------------------------------------------------------------
 
+
 def _chat_logprobs(s: ServerState, c: Choice, token_ids: list[int], lps) -> P.ChatLogprobs | None:
     if c.params.logprobs is None:
         return None
@@ -318,9 +369,15 @@ def _chat_logprobs(s: ServerState, c: Choice, token_ids: list[int], lps) -> P.Ch
 
 
 def _chat_response(s: ServerState, choices: list[Choice]) -> P.ChatCompletionResponse:
-    out = [P.ChatCompletionChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
-                                  finish_reason=c.finish_reason, logprobs=_chat_logprobs(s, c, c.token_ids, c.logprobs))
-           for c in choices]
+    out = [
+        P.ChatCompletionChoice(
+            index=c.index,
+            message=P.ChatResponseMessage(content=c.text),
+            finish_reason=c.finish_reason,
+            logprobs=_chat_logprobs(s, c, c.token_ids, c.logprobs),
+        )
+        for c in choices
+    ]
     return P.ChatCompletionResponse(model=s.model_name, choices=out, usage=_usage(choices))
 
 
@@ -328,8 +385,11 @@ async def _chat_events(s: ServerState, body, choices: list[Choice], stream) -> A
     rid = P.random_id("chatcmpl")
 
     def chunk(c: Choice, delta: P.DeltaMessage, finish=None, logprobs=None) -> P.ChatCompletionChunk:
-        return P.ChatCompletionChunk(id=rid, model=s.model_name, choices=[
-            P.ChatCompletionStreamChoice(index=c.index, delta=delta, finish_reason=finish, logprobs=logprobs)])
+        return P.ChatCompletionChunk(
+            id=rid,
+            model=s.model_name,
+            choices=[P.ChatCompletionStreamChoice(index=c.index, delta=delta, finish_reason=finish, logprobs=logprobs)],
+        )
 
     for c in choices:
         yield chunk(c, P.DeltaMessage(role="assistant", content=""))
@@ -345,6 +405,7 @@ async def _chat_events(s: ServerState, body, choices: list[Choice], stream) -> A
 
 # -- completions ------------------------------------------------------------------------------
 
+
 def _completion_logprobs(s: ServerState, c: Choice, token_ids, lps, offset: int):
     if c.params.logprobs is None:
         return None
@@ -352,8 +413,15 @@ def _completion_logprobs(s: ServerState, c: Choice, token_ids, lps, offset: int)
 
 
 def _completion_response(s: ServerState, choices: list[Choice]) -> P.CompletionResponse:
-    out = [P.CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                              logprobs=_completion_logprobs(s, c, c.token_ids, c.logprobs, 0)) for c in choices]
+    out = [
+        P.CompletionChoice(
+            index=c.index,
+            text=c.text,
+            finish_reason=c.finish_reason,
+            logprobs=_completion_logprobs(s, c, c.token_ids, c.logprobs, 0),
+        )
+        for c in choices
+    ]
     return P.CompletionResponse(model=s.model_name, choices=out, usage=_usage(choices))
 
 
@@ -363,26 +431,46 @@ async def _completion_events(s: ServerState, body, choices: list[Choice], stream
         if delta or update.finish_reason is not None or update.logprobs:
             offset = len(c.text) - len(delta)
             lps = _completion_logprobs(s, c, update.token_ids, update.logprobs or [], offset)
-            yield P.CompletionChunk(id=rid, model=s.model_name, choices=[
-                P.CompletionChoice(index=c.index, text=delta, finish_reason=c.finish_reason if update.finish_reason
-                                   else None, logprobs=lps)])
+            yield P.CompletionChunk(
+                id=rid,
+                model=s.model_name,
+                choices=[
+                    P.CompletionChoice(
+                        index=c.index,
+                        text=delta,
+                        finish_reason=c.finish_reason if update.finish_reason else None,
+                        logprobs=lps,
+                    )
+                ],
+            )
     if body.include_usage:
         yield P.CompletionChunk(id=rid, model=s.model_name, choices=[], usage=_usage(choices))
 
 
 # -- native -----------------------------------------------------------------------------------
 
+
 def _generate_response(s: ServerState, choices: list[Choice]) -> P.GenerateResponse:
     c = choices[0]
-    meta = P.GenerateMetaInfo(finish_reason=c.finish_reason, prompt_tokens=len(c.prompt_ids),
-                              completion_tokens=len(c.token_ids))
+    meta = P.GenerateMetaInfo(
+        finish_reason=c.finish_reason, prompt_tokens=len(c.prompt_ids), completion_tokens=len(c.token_ids)
+    )
     return P.GenerateResponse(text=c.text, output_ids=c.token_ids, meta_info=meta)
 
 
 async def _generate_events(s: ServerState, body, choices: list[Choice], stream) -> AsyncIterator:
     async for c, delta, update in stream:
-        yield "data: " + json.dumps({"text": delta, "output_ids": update.token_ids,
-                                     "finish_reason": c.finish_reason if update.finish_reason else None}) + "\n\n"
+        yield (
+            "data: "
+            + json.dumps(
+                {
+                    "text": delta,
+                    "output_ids": update.token_ids,
+                    "finish_reason": c.finish_reason if update.finish_reason else None,
+                }
+            )
+            + "\n\n"
+        )
 
 
 __all__ = ["build_app", "EngineUnavailable"]

@@ -57,8 +57,9 @@ def make_choices(tokenizer, rid: str, prompts: list[list[int]], params: list[Sam
     return out
 
 
-async def run_choices(client: EngineClient, choices: list[Choice], metrics: ServerMetrics,
-                      start: float) -> AsyncIterator[tuple[Choice, str, TokenUpdate]]:
+async def run_choices(
+    client: EngineClient, choices: list[Choice], metrics: ServerMetrics, start: float
+) -> AsyncIterator[tuple[Choice, str, TokenUpdate]]:
     """Yields (choice, text delta, update) as updates arrive from the engine."""
     queue: asyncio.Queue = asyncio.Queue()
 

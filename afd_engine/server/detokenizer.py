@@ -68,7 +68,9 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None and hasattr(backend, "decode"):
             return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return lambda ids: tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     # --- public API -----------------------------------------------------------------------
 

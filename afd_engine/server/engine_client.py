@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
+from afd_engine.control import messages as msgs
+from afd_engine.control.loop import HEARTBEAT_S, ControlAddrs, FrontEndSockets
 from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.runtime.request import TokenUpdate
 from afd_engine.sampling_params import SamplingParams
-from afd_engine.control import messages as msgs
-from afd_engine.control.loop import HEARTBEAT_S, ControlAddrs, FrontEndSockets
 
 DEAD_AFTER_S = 5.0  # no message for this long: the engine is considered gone
 
@@ -51,8 +51,9 @@ class EngineClient:
     def stats(self) -> msgs.EngineStats:
         """The deployment's counters: the sum over attention ranks."""
         s = list(self.rank_stats.values())
-        return msgs.EngineStats(*(sum(getattr(x, f) for x in s) for f in ("running", "waiting", "kv_pages_used",
-                                                                       "kv_pages_total")))
+        return msgs.EngineStats(
+            *(sum(getattr(x, f) for x in s) for f in ("running", "waiting", "kv_pages_used", "kv_pages_total"))
+        )
 
     async def _read(self) -> None:
         while True:

@@ -28,7 +28,9 @@ def _printable(text: str | None) -> str | None:
     return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     """The error object; also what a stream sends as its last event when it fails midway."""
     return {"error": {"message": _printable(message), "type": type, "param": _printable(param), "code": code}}
 
@@ -88,7 +90,14 @@ class APIError(Exception):
     :func:`install_exception_handlers` turns it into the response.
     """
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -180,7 +189,9 @@ def invalid_api_key() -> JSONResponse:
     return openai_error(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
-def server_error(message: str = "The server had an error while processing your request.", status: int = 500) -> JSONResponse:
+def server_error(
+    message: str = "The server had an error while processing your request.", status: int = 500
+) -> JSONResponse:
     """500 (or 503 while the engine is down): OpenAI clients retry these."""
     return openai_error(status, message, type="server_error")
 

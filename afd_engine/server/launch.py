@@ -48,8 +48,10 @@ class ServerArgs:
     def validate(self) -> None:
         from afd_engine.errors import ConfigError
 
-        for flag, value in (("--max-request-bytes", self.max_request_bytes),
-                            ("--max-prompt-chars", self.max_prompt_chars)):
+        for flag, value in (
+            ("--max-request-bytes", self.max_request_bytes),
+            ("--max-prompt-chars", self.max_prompt_chars),
+        ):
             if value < 1:
                 raise ConfigError(f"{flag}={value} must be at least 1; raise it instead of turning the limit off")
 
@@ -86,10 +88,20 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
 
     # the checkpoint directory's name; the embedded default's says it has random weights
     name = server_args.served_model_name or Path(args.model_path).name
-    app = build_app(args.model_path, name, server_args, start_ranks, deployment.addrs,
-                    deployment.num_attention_ranks, alive=deployment.alive)
-    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    app = build_app(
+        args.model_path,
+        name,
+        server_args,
+        start_ranks,
+        deployment.addrs,
+        deployment.num_attention_ranks,
+        alive=deployment.alive,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=server_args.host, port=server_args.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    )
     watcher = threading.Thread(target=_watch, args=(deployment, server, holder), daemon=True)
     watcher.start()
     try:

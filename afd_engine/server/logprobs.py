@@ -8,9 +8,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-
-
-
 from afd_engine.server.responses import ChatLogprobs, CompletionLogprobs
 
 # --------------------------------------------------------------------------------------------
@@ -124,7 +121,9 @@ class LogprobFormatter:
                 for alt_id, alt_lp in zip(*top[i]):
                     a = self.token_text(alt_id)
                     alternatives.append({"token": a.token, "logprob": _finite(alt_lp), "bytes": list(a.raw)})
-            content.append({"token": t.token, "logprob": _finite(lp), "bytes": list(t.raw), "top_logprobs": alternatives})
+            content.append(
+                {"token": t.token, "logprob": _finite(lp), "bytes": list(t.raw), "top_logprobs": alternatives}
+            )
         return ChatLogprobs.model_validate({"content": content})
 
     def completion_logprobs(
@@ -166,4 +165,3 @@ class LogprobFormatter:
         """(logprobs, top) from the engine's per-token records (``.logprob``, ``.top_ids``,
         ``.top_logprobs``, as in ``afd_engine.runtime.request.TokenLogprob``)."""
         return [e.logprob for e in entries], [(e.top_ids, e.top_logprobs) for e in entries]
-

@@ -13,14 +13,20 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("afd_requests", "HTTP generation requests by endpoint and outcome",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "afd_requests", "HTTP generation requests by endpoint and outcome", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("afd_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("afd_generation_tokens", "tokens generated", registry=r)
-        self.ttft = Histogram("afd_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS,
-                              registry=r)
-        self.tpot = Histogram("afd_time_per_output_token_seconds", "time between output tokens of a request",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "afd_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "afd_time_per_output_token_seconds",
+            "time between output tokens of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("afd_num_requests_running", "requests in the engine's running batch", registry=r)
         self.waiting = Gauge("afd_num_requests_waiting", "requests waiting for admission", registry=r)
         self.kv_used = Gauge("afd_kv_pages_used", "KV cache pages in use", registry=r)

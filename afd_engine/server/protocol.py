@@ -49,7 +49,6 @@ from pydantic_core import PydanticCustomError
 
 from afd_engine.sampling_params import SamplingParams
 
-
 # --------------------------------------------------------------------------------------------
 # Field types
 # --------------------------------------------------------------------------------------------
@@ -80,8 +79,9 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 def check_unicode(value: str) -> str:
     """``value`` unchanged if it is valid Unicode; a validation error otherwise."""
     if _LONE_SURROGATE.search(value):
-        raise PydanticCustomError("invalid_unicode",
-                                  "the string is not valid Unicode (it holds a lone UTF-16 surrogate)")
+        raise PydanticCustomError(
+            "invalid_unicode", "the string is not valid Unicode (it holds a lone UTF-16 surrogate)"
+        )
     return value
 
 
@@ -118,8 +118,10 @@ def _stop_validator(max_items: int):
                 raise PydanticCustomError("stop_item", "each stop sequence must be a non-empty string")
             if len(item) > MAX_STOP_CHARS:
                 raise PydanticCustomError(
-                    "stop_too_long", "each stop sequence must be at most {limit} characters, got {count}",
-                    {"limit": MAX_STOP_CHARS, "count": len(item)})
+                    "stop_too_long",
+                    "each stop sequence must be at most {limit} characters, got {count}",
+                    {"limit": MAX_STOP_CHARS, "count": len(item)},
+                )
             check_unicode(item)
         return list(items)
 
@@ -142,9 +144,11 @@ def no_op_only(accepts: Callable[[Any], bool], schema: Any, accepted: str):
     def validate(value: Any, info: ValidationInfo) -> Any:
         if value is None or accepts(value):
             return value
-        raise PydanticCustomError("not_supported",
-                                  "{name} is not supported by this server (only {accepted} is accepted)",
-                                  {"name": info.field_name, "accepted": accepted})
+        raise PydanticCustomError(
+            "not_supported",
+            "{name} is not supported by this server (only {accepted} is accepted)",
+            {"name": info.field_name, "accepted": accepted},
+        )
 
     return Annotated[Any, PlainValidator(validate, json_schema_input_type=None if schema is None else schema | None)]
 
@@ -164,12 +168,14 @@ class ResponseFormatText(BaseModel):
 EmptyList = Annotated[list[Any], Field(max_length=0)]
 NoTools = no_op_only(lambda v: _is_empty(v, list), EmptyList, "an empty list")
 NoToolChoice = no_op_only(lambda v: v == "none", Literal["none"], '"none"')
-NoLogitBias = no_op_only(lambda v: _is_empty(v, dict), Annotated[dict[str, Any], Field(max_length=0)],
-                         "an empty object")
+NoLogitBias = no_op_only(
+    lambda v: _is_empty(v, dict), Annotated[dict[str, Any], Field(max_length=0)], "an empty object"
+)
 ZeroPenalty = no_op_only(lambda v: _is_number(v, 0), Literal[0], "0")
 TextOnly = no_op_only(lambda v: v == {"type": "text"}, ResponseFormatText, '{"type": "text"}')
-TextModalities = no_op_only(lambda v: v == ["text"],
-                            Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)], '["text"]')
+TextModalities = no_op_only(
+    lambda v: v == ["text"], Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)], '["text"]'
+)
 NullOnly = no_op_only(lambda v: False, None, "null")
 
 
@@ -214,7 +220,9 @@ def _validate_content(value: Any) -> str | None:
             texts.append(part.text)
             continue
         if not isinstance(part, dict):
-            raise PydanticCustomError("content_part", 'each content part must be an object with "type": "text" and a string "text"')
+            raise PydanticCustomError(
+                "content_part", 'each content part must be an object with "type": "text" and a string "text"'
+            )
         if part.get("type") != "text":
             raise PydanticCustomError(
                 "content_part_type",
@@ -353,17 +361,24 @@ class _OpenAISamplingRequest(_NullMeansDefault):
 def _requires(field: str, schema: dict, then_field: str, then_schema: dict) -> dict:
     """JSON schema for "when ``field`` matches ``schema``, ``then_field`` must match ``then_schema``",
     so the OpenAPI document states the cross-field rules the validators enforce."""
-    return {"if": {"required": [field], "properties": {field: schema}},
-            "then": {"required": [then_field], "properties": {then_field: then_schema}}}
+    return {
+        "if": {"required": [field], "properties": {field: schema}},
+        "then": {"required": [then_field], "properties": {then_field: then_schema}},
+    }
 
 
 class ChatCompletionRequest(_OpenAISamplingRequest):
     """``POST /v1/chat/completions``. Tool calling and structured output are not supported."""
 
-    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": [
-        _requires("top_logprobs", {"type": "integer"}, "logprobs", {"const": True}),
-        _requires("stream_options", {"type": "object"}, "stream", {"const": True}),
-    ]})
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "allOf": [
+                _requires("top_logprobs", {"type": "integer"}, "logprobs", {"const": True}),
+                _requires("stream_options", {"type": "object"}, "stream", {"const": True}),
+            ]
+        },
+    )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: PositiveInt | None = None
@@ -409,8 +424,12 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 _TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 # What the schema shows: every form non-empty, as _validate_prompt enforces.
 _PromptText = Annotated[str, Field(min_length=1)]
-_PromptSchema = (_PromptText | Annotated[list[_PromptText], Field(min_length=1)] | _TokenIds
-                 | Annotated[list[_TokenIds], Field(min_length=1)])
+_PromptSchema = (
+    _PromptText
+    | Annotated[list[_PromptText], Field(min_length=1)]
+    | _TokenIds
+    | Annotated[list[_TokenIds], Field(min_length=1)]
+)
 
 
 def _validate_prompt(value: Any) -> PromptInput:
@@ -425,7 +444,8 @@ def _validate_prompt(value: Any) -> PromptInput:
         return check_unicode(value)
     if not isinstance(value, list) or not value:
         raise PydanticCustomError(
-            "prompt_type", "prompt must be a non-empty string, list of strings, list of token ids, or list of lists of token ids"
+            "prompt_type",
+            "prompt must be a non-empty string, list of strings, list of token ids, or list of lists of token ids",
         )
     if all(isinstance(x, str) for x in value):
         if not all(value):
@@ -435,10 +455,13 @@ def _validate_prompt(value: Any) -> PromptInput:
         return list(value)
     if all(isinstance(x, list) for x in value):
         if not all(x and all(is_id(t) for t in x) for x in value):
-            raise PydanticCustomError("prompt_ids", "each token-id prompt must be a non-empty list of non-negative integers")
+            raise PydanticCustomError(
+                "prompt_ids", "each token-id prompt must be a non-empty list of non-negative integers"
+            )
         return [list(x) for x in value]
     raise PydanticCustomError(
-        "prompt_type", "prompt must be a non-empty string, list of strings, list of token ids, or list of lists of token ids"
+        "prompt_type",
+        "prompt must be a non-empty string, list of strings, list of token ids, or list of lists of token ids",
     )
 
 
@@ -504,10 +527,15 @@ class GenerateSamplingParams(_NullMeansDefault):
 class GenerateRequest(_NullMeansDefault):
     """``POST /generate``: exactly one of ``text`` and ``input_ids``."""
 
-    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
-        {"required": ["text"], "properties": {"text": {"type": "string"}}},
-        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
-    ]})
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["text"], "properties": {"text": {"type": "string"}}},
+                {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
+            ]
+        },
+    )
 
     text: Text | None = None
     input_ids: Annotated[list[NonNegativeInt], Field(min_length=1)] | None = Field(default=None, validate_default=True)
@@ -548,6 +576,6 @@ class GenerateRequest(_NullMeansDefault):
         return len(self.text or "")
 
 
+from afd_engine.server.logprobs import LogprobFormatter  # noqa: E402,F401
 from afd_engine.server.responses import *  # noqa: E402,F401,F403  (one import point for routes)
 from afd_engine.server.responses import random_id  # noqa: E402,F401
-from afd_engine.server.logprobs import LogprobFormatter  # noqa: E402,F401

@@ -12,8 +12,6 @@ from pydantic import (
     model_serializer,
 )
 
-
-
 # --------------------------------------------------------------------------------------------
 # Responses
 # --------------------------------------------------------------------------------------------
@@ -35,7 +33,11 @@ class UsageInfo(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class TopLogprob(BaseModel):
@@ -189,5 +191,3 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse_event(payload: BaseModel) -> str:
     """One server-sent event carrying ``payload`` as JSON, as OpenAI streams do."""
     return f"data: {payload.model_dump_json()}\n\n"
-
-

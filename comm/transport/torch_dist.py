@@ -61,11 +61,15 @@ HEADER_BYTES = 4096
 _CLOSE = "__close__"  # control message kind: the sender is closing, stop receiving from it
 
 
-def init_torch_dist(backend: str, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0,
-                    device_id: str | None = None) -> None:
+def init_torch_dist(
+    backend: str, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0, device_id: str | None = None
+) -> None:
     """Initialises the default process group (e.g. "gloo", "tcp://127.0.0.1:29500")."""
     dist.init_process_group(
-        backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
         **({"device_id": torch.device(device_id)} if device_id else {}),
     )
@@ -75,17 +79,19 @@ def pack_header(msg: Message) -> torch.Tensor:
     """msg's header as an int64 CPU tensor of HEADER_BYTES: [length, bytes...]."""
     raw = msg.header()
     if len(raw) > HEADER_BYTES - 8:
-        raise CommError(f"{msg.kind} {msg.key}: header of {len(raw)} bytes exceeds {HEADER_BYTES - 8}; "
-                        "keep meta small and send large data as tensors")
+        raise CommError(
+            f"{msg.kind} {msg.key}: header of {len(raw)} bytes exceeds {HEADER_BYTES - 8}; "
+            "keep meta small and send large data as tensors"
+        )
     head = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
     head[0] = len(raw)
-    head[1:].view(torch.uint8)[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    head[1:].view(torch.uint8)[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return head
 
 
 def unpack_header(head: torch.Tensor) -> dict:
     head = head.cpu()
-    return json.loads(head[1:].view(torch.uint8)[:int(head[0])].numpy().tobytes())
+    return json.loads(head[1:].view(torch.uint8)[: int(head[0])].numpy().tobytes())
 
 
 def _wire_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -101,8 +107,13 @@ class TorchDistTransport(Transport):
     thread's stream: a consumer that frees one while its own stream may still read it must call
     `tensor.record_stream(its_stream)` first, as with any tensor crossing streams."""
 
-    def __init__(self, device: str | torch.device = "cpu", peers: Iterable[int] | None = None,
-                 close_timeout_s: float = 2.0, backend_timeout_s: float = 365 * 24 * 3600.0) -> None:
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        peers: Iterable[int] | None = None,
+        close_timeout_s: float = 2.0,
+        backend_timeout_s: float = 365 * 24 * 3600.0,
+    ) -> None:
         if not dist.is_initialized():
             raise CommError("TorchDistTransport needs dist.init_process_group (see init_torch_dist) first")
         self.endpoint, self.device = dist.get_rank(), torch.device(device)
@@ -111,8 +122,9 @@ class TorchDistTransport(Transport):
         self._close_timeout_s = close_timeout_s
         timeout = datetime.timedelta(seconds=backend_timeout_s)
         self._head_groups = _ordered_pair_groups(world, "gloo", timeout)
-        self._data_groups = (self._head_groups if self.device.type == "cpu"
-                             else _ordered_pair_groups(world, None, timeout))
+        self._data_groups = (
+            self._head_groups if self.device.type == "cpu" else _ordered_pair_groups(world, None, timeout)
+        )
         self._inbox = Inbox(self.endpoint)
         self._queues: dict[int, queue.Queue] = {}
         self._senders: dict[int, threading.Thread] = {}
@@ -129,8 +141,9 @@ class TorchDistTransport(Transport):
         if self._error is not None:
             raise CommError(f"endpoint {self.endpoint}: {self._error}")
         if dst == self.endpoint:  # no self-send in torch.distributed: deliver directly
-            self._inbox.put(Message(msg.kind, msg.key, msg.src, [t.to(self.device, copy=True) for t in msg.tensors],
-                                    dict(msg.meta)))
+            self._inbox.put(
+                Message(msg.kind, msg.key, msg.src, [t.to(self.device, copy=True) for t in msg.tensors], dict(msg.meta))
+            )
             return
         if dst in self._closed_peers:
             raise CommError(f"endpoint {self.endpoint}: endpoint {dst} has closed its transport")
@@ -228,8 +241,9 @@ class TorchDistTransport(Transport):
     # -- threads ---------------------------------------------------------------------------
 
     def _thread(self, loop, peer: int, role: str) -> threading.Thread:
-        thread = threading.Thread(target=self._guard, args=(loop, peer, role), daemon=True,
-                                  name=f"torch-dist-{role}-{self.endpoint}-{peer}")
+        thread = threading.Thread(
+            target=self._guard, args=(loop, peer, role), daemon=True, name=f"torch-dist-{role}-{self.endpoint}-{peer}"
+        )
         thread.start()
         return thread
 

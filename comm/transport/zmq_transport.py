@@ -45,8 +45,16 @@ class ZmqTransport(Transport):
     """endpoint: this endpoint's id. addresses: endpoint id -> ZMQ address ("tcp://host:port");
     this endpoint binds `bind_address` (default: its own entry) and connects to peers lazily."""
 
-    def __init__(self, endpoint: int, addresses: dict[int, str], *, bind_address: str | None = None,
-                 hwm: int = 100_000, linger_ms: int = 1000, link_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        endpoint: int,
+        addresses: dict[int, str],
+        *,
+        bind_address: str | None = None,
+        hwm: int = 100_000,
+        linger_ms: int = 1000,
+        link_delay_s: float = 0.0,
+    ) -> None:
         if endpoint not in addresses and bind_address is None:
             raise CommError(f"endpoint {endpoint} has no address in {addresses}")
         self.endpoint, self.addresses = endpoint, dict(addresses)
@@ -108,7 +116,8 @@ class ZmqTransport(Transport):
             except zmq.Again as e:
                 raise CommError(
                     f"endpoint {self.endpoint}: {self._hwm} messages already queued for endpoint {dst} "
-                    f"({self.addresses[dst]}): the peer is down or not keeping up") from e
+                    f"({self.addresses[dst]}): the peer is down or not keeping up"
+                ) from e
 
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
         return self._inbox.take([src], kind, key, timeout)

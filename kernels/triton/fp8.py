@@ -57,8 +57,19 @@ def cast_rtne(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, H, stride_xt, stride_xh, stride_qt, stride_st,
-                     GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_qt,
+    stride_st,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)  # row offsets can pass 2^31 elements
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)  # [GROUP]
@@ -71,8 +82,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, H, stride_xt, stride_xh, stride_qt, st
 
 
 @triton.jit
-def _dequantize_kernel(q_ptr, s_ptr, out_ptr, H, stride_qt, stride_qh, stride_st, stride_ot,
-                       GROUP: tl.constexpr):
+def _dequantize_kernel(q_ptr, s_ptr, out_ptr, H, stride_qt, stride_qh, stride_st, stride_ot, GROUP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)  # row offsets can pass 2^31 elements
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)  # [GROUP]
@@ -97,8 +107,19 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(T, groups, dtype=torch.float32, device=x.device)
     if T == 0 or H == 0:
         return q, scales
-    _quantize_kernel[(T, groups)](x, q, scales, H, x.stride(0), x.stride(1), q.stride(0), scales.stride(0),
-                                  GROUP=FP8_GROUP, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE)
+    _quantize_kernel[(T, groups)](
+        x,
+        q,
+        scales,
+        H,
+        x.stride(0),
+        x.stride(1),
+        q.stride(0),
+        scales.stride(0),
+        GROUP=FP8_GROUP,
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=_MIN_SCALE,
+    )
     return q, scales
 
 
@@ -114,11 +135,13 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
     if q.dtype != torch.float8_e4m3fn or dtype not in _TL_DTYPES:
         raise ValueError(f"dequantize_fp8 takes float8_e4m3fn values to fp32/bf16/fp16, got {q.dtype} -> {dtype}")
     if scales.shape != (T, groups) or scales.dtype != torch.float32 or (T and scales.stride(1) != 1):
-        raise ValueError(f"scales must be [{T}, {groups}] fp32 with unit group stride, got "
-                         f"{tuple(scales.shape)} {scales.dtype}")
+        raise ValueError(
+            f"scales must be [{T}, {groups}] fp32 with unit group stride, got {tuple(scales.shape)} {scales.dtype}"
+        )
     out = torch.empty(T, H, dtype=dtype, device=q.device)
     if T == 0 or H == 0:
         return out
-    _dequantize_kernel[(T, groups)](q, scales, out, H, q.stride(0), q.stride(1), scales.stride(0), out.stride(0),
-                                    GROUP=FP8_GROUP)
+    _dequantize_kernel[(T, groups)](
+        q, scales, out, H, q.stride(0), q.stride(1), scales.stride(0), out.stride(0), GROUP=FP8_GROUP
+    )
     return out

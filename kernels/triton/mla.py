@@ -55,13 +55,35 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _split_kv_kernel(
-    q_latent_ptr, q_pe_ptr, cache_ptr, pages_ptr, kv_lens_ptr, o_part_ptr, lse_part_ptr,
-    qk_scale, num_heads,
-    stride_ql_b, stride_ql_h, stride_qp_b, stride_qp_h, stride_cache, stride_pages_b,
-    stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
-    C: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    q_latent_ptr,
+    q_pe_ptr,
+    cache_ptr,
+    pages_ptr,
+    kv_lens_ptr,
+    o_part_ptr,
+    lse_part_ptr,
+    qk_scale,
+    num_heads,
+    stride_ql_b,
+    stride_ql_h,
+    stride_qp_b,
+    stride_qp_h,
+    stride_cache,
+    stride_pages_b,
+    stride_o_b,
+    stride_o_h,
+    stride_o_s,
+    stride_lse_b,
+    stride_lse_h,
+    C: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """One program: sequence b, heads [h0, h0 + BLOCK_H), split s -> o_part [BLOCK_H, C], lse_part."""
     b, s = tl.program_id(0), tl.program_id(2)
@@ -69,10 +91,16 @@ def _split_kv_kernel(
     offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
     h_mask, c_mask, r_mask = offs_h < num_heads, offs_c < C, offs_r < R
 
-    q_lat = tl.load(q_latent_ptr + b * stride_ql_b + offs_h[:, None] * stride_ql_h + offs_c[None, :],
-                    mask=h_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_C]
-    q_pe = tl.load(q_pe_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_r[None, :],
-                   mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_R]
+    q_lat = tl.load(
+        q_latent_ptr + b * stride_ql_b + offs_h[:, None] * stride_ql_h + offs_c[None, :],
+        mask=h_mask[:, None] & c_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_H, BLOCK_C]
+    q_pe = tl.load(
+        q_pe_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_r[None, :],
+        mask=h_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_H, BLOCK_R]
 
     # This split's tokens [lo, hi): the sequence divided evenly, chunks aligned to BLOCK_N.
     kv_len = tl.load(kv_lens_ptr + b)
@@ -89,10 +117,12 @@ def _split_kv_kernel(
         # Page table -> cache row; padding pages past kv_len are never loaded (masked).
         page = tl.load(pages_ptr + b * stride_pages_b + offs_n // PAGE_SIZE, mask=n_mask, other=0)
         row = (page * PAGE_SIZE + offs_n % PAGE_SIZE) * stride_cache  # [BLOCK_N] int64
-        latent = tl.load(cache_ptr + row[:, None] + offs_c[None, :],
-                         mask=n_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_C]
-        k_pe = tl.load(cache_ptr + row[:, None] + C + offs_r[None, :],
-                       mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+        latent = tl.load(
+            cache_ptr + row[:, None] + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0
+        ).to(tl.float32)  # [BLOCK_N, BLOCK_C]
+        k_pe = tl.load(
+            cache_ptr + row[:, None] + C + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+        ).to(tl.float32)  # [BLOCK_N, BLOCK_R]
 
         scores = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
@@ -109,26 +139,44 @@ def _split_kv_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-    tl.store(o_part_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + s * stride_o_s + offs_c[None, :],
-             o, mask=h_mask[:, None] & c_mask[None, :])
+    tl.store(
+        o_part_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + s * stride_o_s + offs_c[None, :],
+        o,
+        mask=h_mask[:, None] & c_mask[None, :],
+    )
     tl.store(lse_part_ptr + b * stride_lse_b + offs_h * stride_lse_h + s, lse, mask=h_mask)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr,
-    stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h, stride_out_b, stride_out_h,
-    C: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    o_part_ptr,
+    lse_part_ptr,
+    out_ptr,
+    stride_o_b,
+    stride_o_h,
+    stride_o_s,
+    stride_lse_b,
+    stride_lse_h,
+    stride_out_b,
+    stride_out_h,
+    C: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """One program: sequence b, head h -> out [C], the splits weighted by exp2(lse_s - max lse)."""
     b, h = tl.program_id(0), tl.program_id(1)
     offs_s, offs_c = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_C)
     s_mask, c_mask = offs_s < NUM_SPLITS, offs_c < C
 
-    lse = tl.load(lse_part_ptr + b * stride_lse_b + h * stride_lse_h + offs_s, mask=s_mask,
-                  other=float("-inf"))  # [BLOCK_S]
-    o = tl.load(o_part_ptr + b * stride_o_b + h * stride_o_h + offs_s[:, None] * stride_o_s + offs_c[None, :],
-                mask=s_mask[:, None] & c_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_C]
+    lse = tl.load(
+        lse_part_ptr + b * stride_lse_b + h * stride_lse_h + offs_s, mask=s_mask, other=float("-inf")
+    )  # [BLOCK_S]
+    o = tl.load(
+        o_part_ptr + b * stride_o_b + h * stride_o_h + offs_s[:, None] * stride_o_s + offs_c[None, :],
+        mask=s_mask[:, None] & c_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_C]
     lse_max = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # all-empty: weights 0
     total = tl.sum(weight, 0)
@@ -136,8 +184,14 @@ def _merge_splits_kernel(
     tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
 
 
-def mla_decode_core_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv: PagedKV,
-                           scale: float, num_splits: int | None = None) -> torch.Tensor:
+def mla_decode_core_triton(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    kv: PagedKV,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """The attention core of absorbed MLA decode over the paged cache (`kernels.mla.mla_decode_core`).
 
     q_latent [B, H, C], q_pe [B, H, R]: fp32 or bf16, same dtype as the cache; last dim contiguous.
@@ -165,17 +219,44 @@ def mla_decode_core_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: to
     lse_part = torch.empty(B, H, splits, dtype=torch.float32, device=q_latent.device)
     block_c = triton.next_power_of_2(max(C, 16))
     _split_kv_kernel[(B, triton.cdiv(H, BLOCK_H), splits)](
-        q_latent, q_pe, cache, kv.pages, kv.kv_lens, o_part, lse_part,
-        scale * LOG2E, H,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
-        kv.pages.stride(0), *o_part.stride()[:3], *lse_part.stride()[:2],
-        C=C, R=R, PAGE_SIZE=kv.page_size, NUM_SPLITS=splits,
+        q_latent,
+        q_pe,
+        cache,
+        kv.pages,
+        kv.kv_lens,
+        o_part,
+        lse_part,
+        scale * LOG2E,
+        H,
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        cache.stride(0),
+        kv.pages.stride(0),
+        *o_part.stride()[:3],
+        *lse_part.stride()[:2],
+        C=C,
+        R=R,
+        PAGE_SIZE=kv.page_size,
+        NUM_SPLITS=splits,
         DOT_PRECISION=_dot_precision(q_latent.dtype),
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(max(R, 16)),
+        BLOCK_H=BLOCK_H,
+        BLOCK_N=BLOCK_N,
+        BLOCK_C=block_c,
+        BLOCK_R=triton.next_power_of_2(max(R, 16)),
     )
     _merge_splits_kernel[(B, H)](
-        o_part, lse_part, out, *o_part.stride()[:3], *lse_part.stride()[:2], *out.stride()[:2],
-        C=C, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=block_c,
+        o_part,
+        lse_part,
+        out,
+        *o_part.stride()[:3],
+        *lse_part.stride()[:2],
+        *out.stride()[:2],
+        C=C,
+        NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_C=block_c,
     )
     return out
 
@@ -213,5 +294,6 @@ class TritonMLA:
         cache [S, C + R], w_uk [H, Dn, C], w_uv [H, Dv, C] -> [B, H, Dv] (see `mla_decode_core_triton`).
         """
         q_latent = absorb_query(q_nope, w_uk).contiguous()  # [B, H, C]
-        return unabsorb_output(mla_decode_core_triton(q_latent, q_pe.contiguous(), cache, kv, scale,
-                                                      self.num_splits), w_uv)
+        return unabsorb_output(
+            mla_decode_core_triton(q_latent, q_pe.contiguous(), cache, kv, scale, self.num_splits), w_uv
+        )

@@ -61,8 +61,10 @@ class MoEBlocks:
 
     def check_fp8(self) -> None:
         if FP8_GROUP % self.block_k or self.block_n != FP8_GROUP:
-            raise ValueError(f"fp8 MoE needs block_k dividing {FP8_GROUP} (one scale per K tile) and "
-                             f"block_n == {FP8_GROUP} (act quantized per tile); got {self}")
+            raise ValueError(
+                f"fp8 MoE needs block_k dividing {FP8_GROUP} (one scale per K tile) and "
+                f"block_n == {FP8_GROUP} (act quantized per tile); got {self}"
+            )
 
 
 FP8_BLOCKS = MoEBlocks(block_m=16, block_n=128, block_k=128)
@@ -102,19 +104,43 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     rank = torch.arange(order.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
     sorted_pairs = torch.full((num_rows,), n, dtype=torch.int32, device=flat.device)
     sorted_pairs[starts[expert] + rank] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32),
-                                           padded // block_m)
+    block_expert = torch.repeat_interleave(
+        torch.arange(num_experts, device=flat.device, dtype=torch.int32), padded // block_m
+    )
     return ExpertBlocks(sorted_pairs, block_expert)
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, as_ptr, pairs_ptr, block_expert_ptr,
-    num_pairs, H, I, topk,
-    stride_xt, stride_xst, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
-    stride_at, stride_ast,
-    FP8: tl.constexpr, UPCAST: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    act_ptr,
+    as_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    H,
+    I,
+    topk,
+    stride_xt,
+    stride_xst,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_at,
+    stride_ast,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -163,10 +189,31 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
-    num_pairs, H, I,
-    stride_at, stride_ast, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_ot,
-    FP8: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    act_ptr,
+    as_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    weights_ptr,
+    num_pairs,
+    H,
+    I,
+    stride_at,
+    stride_ast,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_ot,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -188,8 +235,9 @@ def _down_kernel(
         if FP8:
             kb = k0 // GROUP
             a_s = tl.load(as_ptr + rows.to(tl.int64) * stride_ast + kb, mask=valid, other=0.0)  # [BLOCK_M]
-            w_s = tl.load(ws_ptr + expert * stride_wse + (cols // GROUP) * stride_wsn + kb * stride_wsk,
-                          mask=col_ok, other=0.0)  # [BLOCK_N]
+            w_s = tl.load(
+                ws_ptr + expert * stride_wse + (cols // GROUP) * stride_wsn + kb * stride_wsk, mask=col_ok, other=0.0
+            )  # [BLOCK_N]
             acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         else:
             if UPCAST:
@@ -207,8 +255,14 @@ def _down_kernel(
 _INTERPRETED = isinstance(_down_kernel, InterpretedFunction)
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, blocks: MoEBlocks = MoEBlocks()) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    blocks: MoEBlocks = MoEBlocks(),
+) -> torch.Tensor:
     """Weighted sum over each token's local experts of SwiGLU(x); equals kernels.moe.fused_moe.
 
     x [T, H] fp32 or bf16 (rows may be strided; unit stride along H is made if missing).
@@ -227,9 +281,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     return _moe(x, w13, None, w2, None, topk_ids, topk_weights, blocks)
 
 
-def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
-                  w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  blocks: MoEBlocks = FP8_BLOCKS) -> torch.Tensor:
+def fused_moe_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    blocks: MoEBlocks = FP8_BLOCKS,
+) -> torch.Tensor:
     """`fused_moe` with FP8 block-quantized weights, as DeepSeek-V3 checkpoints ship them.
 
     x [T, H] fp32 or bf16; quantized here per token per 128 values along H (quantize_fp8).
@@ -247,12 +308,16 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     blocks.check_fp8()
     E, two_i, H = w13.shape
     I = two_i // 2
-    expected = {"w13": (w13, (E, -(-two_i // FP8_GROUP), -(-H // FP8_GROUP))),
-                "w2": (w2, (E, -(-H // FP8_GROUP), -(-I // FP8_GROUP)))}
+    expected = {
+        "w13": (w13, (E, -(-two_i // FP8_GROUP), -(-H // FP8_GROUP))),
+        "w2": (w2, (E, -(-H // FP8_GROUP), -(-I // FP8_GROUP))),
+    }
     for (name, (w, shape)), scale in zip(expected.items(), (w13_scale, w2_scale)):
         if w.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or tuple(scale.shape) != shape:
-            raise ValueError(f"fused_moe_fp8: {name} must be float8_e4m3fn with {name}_scale {list(shape)} fp32, "
-                             f"got {w.dtype} and {scale.dtype} {list(scale.shape)}")
+            raise ValueError(
+                f"fused_moe_fp8: {name} must be float8_e4m3fn with {name}_scale {list(shape)} fp32, "
+                f"got {w.dtype} and {scale.dtype} {list(scale.shape)}"
+            )
     return _moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, blocks)
 
 
@@ -262,11 +327,14 @@ def _check_routing(x, w13, w2, topk_ids, topk_weights) -> None:
     T, H = x.shape
     E, two_i = w13.shape[:2]
     if w13.shape != (E, two_i, H) or two_i % 2 or w2.shape != (E, H, two_i // 2):
-        raise ValueError(f"fused_moe: need w13 [E, 2I, {H}] and w2 [E, {H}, I], "
-                         f"got {list(w13.shape)} and {list(w2.shape)}")
+        raise ValueError(
+            f"fused_moe: need w13 [E, 2I, {H}] and w2 [E, {H}, I], got {list(w13.shape)} and {list(w2.shape)}"
+        )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"fused_moe: topk_ids and topk_weights must be [{T}, K], got {list(topk_ids.shape)} "
-                         f"and {list(topk_weights.shape)}")
+        raise ValueError(
+            f"fused_moe: topk_ids and topk_weights must be [{T}, K], got {list(topk_ids.shape)} "
+            f"and {list(topk_weights.shape)}"
+        )
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"fused_moe: topk_weights must be fp32, got {topk_weights.dtype}")
 
@@ -293,18 +361,57 @@ def _moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, blocks: MoEBlo
         a_scale = act_scale = w13_scale = w2_scale = torch.zeros(1, 1, 1, device=x.device)  # unused
         act = torch.empty(R, I, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(R // bm, triton.cdiv(I, bn))](
-        a, a_scale, w13, w13_scale, act, act_scale, aligned.sorted_pairs, aligned.block_expert,
-        T * K, H, I, K,
-        a.stride(0), a_scale.stride(0), *w13.stride(), *w13_scale.stride(), act.stride(0), act_scale.stride(0),
-        FP8=fp8, UPCAST=upcast, FP8_MAX=FP8_MAX, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=FP8_GROUP,
+        a,
+        a_scale,
+        w13,
+        w13_scale,
+        act,
+        act_scale,
+        aligned.sorted_pairs,
+        aligned.block_expert,
+        T * K,
+        H,
+        I,
+        K,
+        a.stride(0),
+        a_scale.stride(0),
+        *w13.stride(),
+        *w13_scale.stride(),
+        act.stride(0),
+        act_scale.stride(0),
+        FP8=fp8,
+        UPCAST=upcast,
+        FP8_MAX=FP8_MAX,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP=FP8_GROUP,
     )
     contrib = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)  # [T * K, H], rows of -1 slots stay 0
     weights = topk_weights.reshape(-1).contiguous()  # [T * K]
     _down_kernel[(R // bm, triton.cdiv(H, bn))](
-        act, act_scale, w2, w2_scale, contrib, aligned.sorted_pairs, aligned.block_expert, weights,
-        T * K, H, I,
-        act.stride(0), act_scale.stride(0), *w2.stride(), *w2_scale.stride(), contrib.stride(0),
-        FP8=fp8, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=FP8_GROUP,
+        act,
+        act_scale,
+        w2,
+        w2_scale,
+        contrib,
+        aligned.sorted_pairs,
+        aligned.block_expert,
+        weights,
+        T * K,
+        H,
+        I,
+        act.stride(0),
+        act_scale.stride(0),
+        *w2.stride(),
+        *w2_scale.stride(),
+        contrib.stride(0),
+        FP8=fp8,
+        UPCAST=upcast,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP=FP8_GROUP,
     )
     return contrib.view(T, K, H).sum(1).to(x.dtype)
 
@@ -322,14 +429,23 @@ class TritonMoE:
         self.blocks = blocks
         self.fp8_blocks = fp8_blocks
 
-    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor) -> torch.Tensor:
+    def fused_moe(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         """See the module function `fused_moe`: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K]
         int64 local expert or -1, topk_weights [T, K] fp32 -> [T, H] in x.dtype."""
         return fused_moe(x, w13, w2, topk_ids, topk_weights, self.blocks)
 
-    def fused_moe_fp8(self, x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
-                      w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def fused_moe_fp8(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
         """See the module function `fused_moe_fp8`: w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn with
         fp32 scales per 128x128 block [E, ceil(2I/128), ceil(H/128)] / [E, ceil(H/128), ceil(I/128)]."""
         return fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, self.fp8_blocks)

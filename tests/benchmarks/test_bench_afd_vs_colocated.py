@@ -9,8 +9,22 @@ import sys
 
 def test_quick_sweep_writes_json_and_png(tmp_path, tiny_v3):
     out, png = tmp_path / "avc.json", tmp_path / "avc.png"
-    res = subprocess.run([sys.executable, "benchmarks/bench_afd_vs_colocated.py", "--quick", "--model-path", tiny_v3,
-                          "--json", str(out), "--png", str(png)], capture_output=True, text=True, timeout=400)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_afd_vs_colocated.py",
+            "--quick",
+            "--model-path",
+            tiny_v3,
+            "--json",
+            str(out),
+            "--png",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads(out.read_text())
     assert sorted(data["results"]) == ["afd 1A + 1F", "colocated dp2"]

@@ -9,8 +9,12 @@ import sys
 
 def run(tmp_path, *args: str) -> list[dict]:
     out = tmp_path / "comm.json"
-    res = subprocess.run([sys.executable, "benchmarks/bench_comm.py", *args, "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "benchmarks/bench_comm.py", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "ratio two-stage/direct between nodes" in res.stdout
     return json.loads(out.read_text())["rows"]

@@ -12,8 +12,12 @@ import torch
 
 def test_quick_rows_cover_every_kernel_and_backend(tmp_path):
     out = tmp_path / "kernels.json"
-    res = subprocess.run([sys.executable, "benchmarks/bench_kernels.py", "--quick", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "benchmarks/bench_kernels.py", "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "triton rows run under the interpreter" in res.stdout
     report = json.loads(out.read_text())

@@ -18,7 +18,12 @@ def test_bench_offline_quick(tmp_path):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--num-threads", "1", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "ratio (afd / transformers) output tok/s:" in proc.stdout

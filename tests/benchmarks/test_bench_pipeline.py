@@ -9,8 +9,12 @@ import sys
 
 def test_quick_run_records_a_timeline_and_busy_fractions(tmp_path):
     out, png = tmp_path / "pipe.json", tmp_path / "pipe.png"
-    res = subprocess.run([sys.executable, "benchmarks/bench_pipeline.py", "--quick", "--json", str(out),
-                          "--png", str(png)], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "benchmarks/bench_pipeline.py", "--quick", "--json", str(out), "--png", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
     assert [r["micro_batches"] for r in results] == [1, 3]

@@ -32,13 +32,26 @@ def server(tiny_v3):
 def run_bench(server: Server, tmp_path: Path, *extra: str) -> dict:
     """Runs the script; returns its (single) JSONL record after checking the exit code and table."""
     out = tmp_path / "tmp.jsonl"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--base-url", server.url, *QUICK,
-                           "--output-file", str(out), *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--base-url", server.url, *QUICK, "--output-file", str(out), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    for name in ("Successful requests", "Benchmark duration (s)", "Total generated tokens",
-                 "Request throughput (req/s)", "Output token throughput (tok/s)", "Mean TTFT (ms)",
-                 "P99 ITL (ms)", "Median TPOT (ms)", "Mean E2E Latency (ms)"):
+    for name in (
+        "Successful requests",
+        "Benchmark duration (s)",
+        "Total generated tokens",
+        "Request throughput (req/s)",
+        "Output token throughput (tok/s)",
+        "Mean TTFT (ms)",
+        "P99 ITL (ms)",
+        "Median TPOT (ms)",
+        "Mean E2E Latency (ms)",
+    ):
         assert name in proc.stdout, name
     lines = out.read_text().splitlines()
     assert len(lines) == 1
@@ -51,8 +64,7 @@ def check_quick_record(rec: dict) -> None:
     assert rec["total_input_tokens"] > 0 and not rec["input_tokens_estimated"]
     assert rec["duration"] > 0 and rec["request_throughput"] > 0 and rec["output_throughput"] > 0
     assert math.isclose(rec["output_throughput"], 32 / rec["duration"])
-    for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
-                "mean_e2e_latency_ms"):
+    for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2e_latency_ms"):
         assert rec[key] > 0, key
     assert rec["mean_e2e_latency_ms"] >= rec["mean_ttft_ms"]
     assert rec["settings"]["model"] == "tiny"
@@ -69,8 +81,18 @@ def test_backend_quick(server, tmp_path, backend):
 
 
 def test_rate_concurrency_goodput(server, tmp_path):
-    rec = run_bench(server, tmp_path, "--request-rate", "20", "--max-concurrency", "2",
-                    "--slo-tpot-ms", "10000", "--slo-ttft-ms", "10000")
+    rec = run_bench(
+        server,
+        tmp_path,
+        "--request-rate",
+        "20",
+        "--max-concurrency",
+        "2",
+        "--slo-tpot-ms",
+        "10000",
+        "--slo-ttft-ms",
+        "10000",
+    )
     check_quick_record(rec)
     assert rec["settings"]["request_rate"] == 20 and rec["settings"]["max_concurrency"] == 2
     assert rec["goodput"] == pytest.approx(rec["request_throughput"])
@@ -79,8 +101,10 @@ def test_rate_concurrency_goodput(server, tmp_path):
 
 # -- pure helpers (no server) -------------------------------------------------------------------
 
+
 def _module():
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["bench_serving"] = mod  # dataclasses look their module up there

@@ -14,7 +14,9 @@ from comm.transport.factory import make_transport
 from tests.comm.harness import ffn_work, sender_work
 
 
-def run_endpoint(topo: Topology, config: CommConfig, endpoint: int, transport_kwargs: dict, inputs, keys, results) -> None:
+def run_endpoint(
+    topo: Topology, config: CommConfig, endpoint: int, transport_kwargs: dict, inputs, keys, results
+) -> None:
     """inputs: per sender (hidden, topk_ids, weights). Senders report their combine outputs."""
     torch.set_num_threads(1)
     transport = make_transport("zmq", endpoint, **transport_kwargs)

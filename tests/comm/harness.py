@@ -35,15 +35,19 @@ def routing(topo: Topology, tokens: list[int], k: int, seed: int, hidden: int = 
 
 def _pick(topo: Topology, t: int, k: int, g, case: str) -> torch.Tensor:
     if case == "one-node":  # every expert of a token on one node
-        per_node = [[e for e in range(topo.num_experts) if int(topo.node_of_expert[e]) == n] for n in range(topo.num_nodes)]
+        per_node = [
+            [e for e in range(topo.num_experts) if int(topo.node_of_expert[e]) == n] for n in range(topo.num_nodes)
+        ]
         rows = []
         for _ in range(t):
             node = per_node[int(torch.randint(topo.num_nodes, (1,), generator=g))]
             rows.append(torch.tensor(node)[torch.randperm(len(node), generator=g)[:k]])
         return torch.stack(rows) if rows else torch.zeros(0, k, dtype=torch.int64)
     if case == "spread":  # each expert on a different node (k <= nodes)
-        rows = [torch.stack([_expert_on(topo, int(n), g) for n in torch.randperm(topo.num_nodes, generator=g)[:k]])
-                for _ in range(t)]
+        rows = [
+            torch.stack([_expert_on(topo, int(n), g) for n in torch.randperm(topo.num_nodes, generator=g)[:k]])
+            for _ in range(t)
+        ]
         return torch.stack(rows) if rows else torch.zeros(0, k, dtype=torch.int64)
     return torch.rand(t, topo.num_experts, generator=g).argsort(dim=1)[:, :k]
 
@@ -80,8 +84,13 @@ def run_inproc(topo: Topology, config: CommConfig, xs, ids, ws, keys=(KEY,), exp
         except BaseException as exc:  # noqa: BLE001 - reported to the test thread below
             errors.append(exc)
 
-    threads = [threading.Thread(target=guard, args=(lambda i=i: results.__setitem__(
-        i, sender_work(senders[i], xs[i], ids[i], ws[i], keys)),)) for i in range(topo.num_senders)]
+    threads = [
+        threading.Thread(
+            target=guard,
+            args=(lambda i=i: results.__setitem__(i, sender_work(senders[i], xs[i], ids[i], ws[i], keys)),),
+        )
+        for i in range(topo.num_senders)
+    ]
     threads += [threading.Thread(target=guard, args=(ffn_work, o, keys, expert_fn)) for o in ffn_ranks]
     for t in threads:
         t.start()

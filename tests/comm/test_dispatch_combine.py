@@ -19,7 +19,11 @@ TOPOLOGIES = {
     "1 sender, 1 node x 1": (Topology(1, 1, 1, 8), [5], 2),
     "3 senders, 2 nodes x 2": (Topology(3, 2, 2, 8), [7, 0, 3], 3),
     "4 senders, 2 nodes x 3": (Topology(4, 2, 3, 12), [6, 9, 1, 4], 4),
-    "5 senders, 3 nodes x 2, remapped": (Topology(5, 3, 2, 12, expert_map=tuple(reversed(range(12)))), [4, 0, 8, 2, 5], 3),
+    "5 senders, 3 nodes x 2, remapped": (
+        Topology(5, 3, 2, 12, expert_map=tuple(reversed(range(12)))),
+        [4, 0, 8, 2, 5],
+        3,
+    ),
 }
 
 
@@ -78,7 +82,7 @@ def test_expected_nodes_hit_matches_sampling():
     _, ids, _ = routing(topo, [4000], 8, seed=1)
     sampled = sum(len(set(topo.node_of_expert[row].tolist())) for row in ids[0]) / 4000
     assert abs(sampled - volume.expected_nodes_hit(256, 2, 8)) < 0.02
-    assert volume.expected_nodes_hit(256, 2, 8) == pytest.approx(2 * (1 - 0.5 ** 8), abs=2e-3)
+    assert volume.expected_nodes_hit(256, 2, 8) == pytest.approx(2 * (1 - 0.5**8), abs=2e-3)
 
 
 def test_fp8_dispatch_is_close_and_smaller():
@@ -110,8 +114,11 @@ def test_mismatched_key_is_a_clear_error():
     config = CommConfig("two-stage", FP32, timeout=2)
     attention_endpoint(topo, 0, a, config).dispatch(xs[0], ids[0], ws[0], MsgKey(0, 0, 1))
     ffn = ffn_endpoint(topo, 0, f, config)
-    with pytest.raises(KeyMismatchError, match=r"expected dispatch \(step 0, layer 0, micro-batch 0\).*"
-                                               r"received dispatch \(step 0, layer 0, micro-batch 1\)"):
+    with pytest.raises(
+        KeyMismatchError,
+        match=r"expected dispatch \(step 0, layer 0, micro-batch 0\).*"
+        r"received dispatch \(step 0, layer 0, micro-batch 1\)",
+    ):
         ffn.recv_dispatch(KEY)
     ffn.close()
 
@@ -130,12 +137,24 @@ def test_silent_peer_times_out():
         sender.combine(handle)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_senders": 2, "num_nodes": 2, "ranks_per_node": 3, "num_experts": 8}, "8 experts do not divide evenly over 6 ranks"),
-    ({"num_senders": 3, "num_nodes": 2, "ranks_per_node": 2, "num_experts": 8, "colocated": True}, "one sender per rank"),
-    ({"num_senders": 1, "num_nodes": 1, "ranks_per_node": 2, "num_experts": 4, "expert_map": (0, 0, 1, 2)}, "permutation"),
-    ({"num_senders": 0, "num_nodes": 1, "ranks_per_node": 1, "num_experts": 4}, "at least one sender"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"num_senders": 2, "num_nodes": 2, "ranks_per_node": 3, "num_experts": 8},
+            "8 experts do not divide evenly over 6 ranks",
+        ),
+        (
+            {"num_senders": 3, "num_nodes": 2, "ranks_per_node": 2, "num_experts": 8, "colocated": True},
+            "one sender per rank",
+        ),
+        (
+            {"num_senders": 1, "num_nodes": 1, "ranks_per_node": 2, "num_experts": 4, "expert_map": (0, 0, 1, 2)},
+            "permutation",
+        ),
+        ({"num_senders": 0, "num_nodes": 1, "ranks_per_node": 1, "num_experts": 4}, "at least one sender"),
+    ],
+)
 def test_invalid_topologies_are_refused(kwargs, message):
     with pytest.raises(TopologyError, match=message):
         Topology(**kwargs)

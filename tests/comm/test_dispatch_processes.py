@@ -24,8 +24,10 @@ KEYS = [MsgKey(0, layer, mb) for layer in range(2) for mb in range(2)]
 def run_processes(topo: Topology, config: CommConfig, inputs) -> dict:
     addresses = dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
     results = _SPAWN.Queue()
-    procs = [_SPAWN.Process(target=run_endpoint, args=(topo, config, ep, {"addresses": addresses}, inputs, KEYS, results))
-             for ep in range(topo.num_endpoints)]
+    procs = [
+        _SPAWN.Process(target=run_endpoint, args=(topo, config, ep, {"addresses": addresses}, inputs, KEYS, results))
+        for ep in range(topo.num_endpoints)
+    ]
     # start order must not matter: FFN ranks first here, senders last
     for p in reversed(procs):
         p.start()
@@ -46,10 +48,13 @@ def run_processes(topo: Topology, config: CommConfig, inputs) -> dict:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode, topo", [
-    ("two-stage", Topology(3, 2, 2, 8)),
-    ("direct", Topology(4, 2, 2, 8, colocated=True)),
-])
+@pytest.mark.parametrize(
+    "mode, topo",
+    [
+        ("two-stage", Topology(3, 2, 2, 8)),
+        ("direct", Topology(4, 2, 2, 8, colocated=True)),
+    ],
+)
 def test_processes_match_reference_exactly(mode, topo):
     tokens = [5, 0, 7, 3][: topo.num_senders]
     xs, ids, ws = routing(topo, tokens, 3, seed=2)
@@ -58,5 +63,6 @@ def test_processes_match_reference_exactly(mode, topo):
     for sender in range(topo.num_senders):
         outs, _ = reports[sender]
         assert len(outs) == len(KEYS)
-        assert all(torch.equal(torch.tensor(o, dtype=torch.float32).view(ref[sender].shape), ref[sender])
-                   for o in outs), f"sender {sender}"
+        assert all(
+            torch.equal(torch.tensor(o, dtype=torch.float32).view(ref[sender].shape), ref[sender]) for o in outs
+        ), f"sender {sender}"

@@ -29,6 +29,7 @@ _SPAWN = mp.get_context("spawn")
 
 # -- helpers -------------------------------------------------------------------------------
 
+
 def _start(name: str, role, results, *args) -> mp.Process:
     proc = _SPAWN.Process(target=w.run_role, args=(role, name, results, *args), name=name, daemon=True)
     proc.start()
@@ -50,7 +51,9 @@ def _next_report(results, procs: list[mp.Process], reported: dict, deadline: flo
     """The next child report; fails fast when a child died without one (a crash, not an error)."""
     while time.monotonic() < deadline:
         # A child that exited before this get() has flushed its report into the pipe already.
-        dead = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode is not None and p.name not in reported]
+        dead = [
+            f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode is not None and p.name not in reported
+        ]
         try:
             return results.get(timeout=1.0 if dead else 0.2)
         except queue.Empty:
@@ -82,6 +85,7 @@ def _assert_same(received: list, sent: list[torch.Tensor]) -> None:
 
 # -- framing -------------------------------------------------------------------------------
 
+
 def test_message_round_trip_every_dtype():
     msg = Message("dispatch", MsgKey(1, 2, 3), 4, w.sample_tensors(), {"tokens": [1, 2], "name": "x"})
     back = Message.decode(msg.encode())
@@ -99,6 +103,7 @@ def test_torch_dist_header_packing():
 
 
 # -- ZeroMQ, in one process ----------------------------------------------------------------
+
 
 def test_zmq_round_trip_between_threads_and_to_self():
     addrs = dict(enumerate(free_tcp_addresses(2)))
@@ -183,13 +188,13 @@ def test_zmq_bind_conflict_is_a_comm_error():
 
 # -- ZeroMQ, between processes -------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def zmq_run() -> dict:
     """Endpoints 1 and 2 start first; endpoint 0 only once 1 has already sent to it."""
     addrs = dict(enumerate(free_tcp_addresses(3)))
     results, sent = _SPAWN.Queue(), _SPAWN.Event()
-    procs = [_start("ep1", w.zmq_early_sender, results, addrs, sent),
-             _start("ep2", w.zmq_fast_racer, results, addrs)]
+    procs = [_start("ep1", w.zmq_early_sender, results, addrs, sent), _start("ep2", w.zmq_fast_racer, results, addrs)]
     try:
         _wait_for(sent, results, procs)
         procs.append(_start("ep0", w.zmq_late_receiver, results, addrs))
@@ -234,6 +239,7 @@ def _assert_race(race) -> None:
 
 # -- torch.distributed over gloo, between processes ----------------------------------------
 
+
 @pytest.fixture(scope="module")
 def gloo_run() -> dict:
     init_method = free_tcp_addresses(1)[0]
@@ -276,6 +282,7 @@ def test_gloo_send_to_a_closed_peer_is_refused(gloo_run):
 
 
 # -- factory -------------------------------------------------------------------------------
+
 
 def test_factory_builds_each_kind_and_rejects_unknown():
     assert set(TRANSPORTS) == {"inproc", "zmq", "torch_dist"}

@@ -30,8 +30,8 @@ def sample_tensors(seed: int = 0) -> list[torch.Tensor]:
         torch.randn(3, 4, generator=g),
         torch.randn(2, 5, generator=g).to(torch.bfloat16),
         torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
-        torch.randint(-2**40, 2**40, (6,), generator=g),
-        torch.randint(-2**20, 2**20, (2, 3), generator=g, dtype=torch.int32),
+        torch.randint(-(2**40), 2**40, (6,), generator=g),
+        torch.randint(-(2**20), 2**20, (2, 3), generator=g, dtype=torch.int32),
         torch.empty(0, 3),
         torch.empty(0, dtype=torch.bfloat16),
         torch.empty(2, 0, dtype=torch.float8_e4m3fn),
@@ -41,8 +41,9 @@ def sample_tensors(seed: int = 0) -> list[torch.Tensor]:
 
 def wire(tensors: list[torch.Tensor]) -> list[tuple[str, list[int], bytes]]:
     """(dtype, shape, raw bytes) of each tensor: what "exactly the same" means."""
-    return [(str(t.dtype), list(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            for t in tensors]
+    return [
+        (str(t.dtype), list(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for t in tensors
+    ]
 
 
 def run_role(role, name: str, results, *args) -> None:
@@ -64,6 +65,7 @@ def timed_error(fn) -> tuple[str, str, float]:
 
 
 # -- ZeroMQ ------------------------------------------------------------------------------------
+
 
 def zmq_early_sender(addresses: dict[int, str], sent) -> dict:
     """Endpoint 1: sends before endpoint 0 exists, then answers "go" late (the slow racer)."""
@@ -120,6 +122,7 @@ def receive_checks(t, data_from: int) -> dict:
 
 
 # -- torch.distributed (gloo) ------------------------------------------------------------------
+
 
 def dist_rank(rank: int, init_method: str, started) -> dict:
     """One of three gloo ranks: 0 is the receiver of `receive_checks`, 1 the slow racer that

@@ -70,8 +70,11 @@ def test_fp8_dispatch_logprobs_within_tolerance(tiny_v3, reference):
 def test_invalid_topologies_are_refused_at_start(tiny_v3):
     from afd_engine.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"16 routed experts, which do not divide over 3 FFN ranks; choose "
-                                          r"--ffn-nodes x --ffn-ranks-per-node that divides 16"):
+    with pytest.raises(
+        ConfigError,
+        match=r"16 routed experts, which do not divide over 3 FFN ranks; choose "
+        r"--ffn-nodes x --ffn-ranks-per-node that divides 16",
+    ):
         make_engine(model_path=tiny_v3, mode="afd", ffn_nodes=3)
     with pytest.raises(ConfigError, match=r"--micro-batches=9: must be in \[1, 8\]"):
         make_engine(model_path=tiny_v3, mode="afd", micro_batches=9)

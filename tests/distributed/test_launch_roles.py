@@ -13,8 +13,22 @@ from afd_engine import Engine, SamplingParams
 from tests.process_helpers import afd_start as afd
 from tests.process_helpers import free_port, wait_healthy
 
-TOPO = ["--mode", "afd", "--dp-size", "2", "--ffn-nodes", "2", "--ffn-ranks-per-node", "1", "--micro-batches", "2",
-        "--served-model-name", "tiny", "--num-threads", "1"]
+TOPO = [
+    "--mode",
+    "afd",
+    "--dp-size",
+    "2",
+    "--ffn-nodes",
+    "2",
+    "--ffn-ranks-per-node",
+    "1",
+    "--micro-batches",
+    "2",
+    "--served-model-name",
+    "tiny",
+    "--num-threads",
+    "1",
+]
 
 
 @pytest.mark.timeout(300)
@@ -30,11 +44,14 @@ def test_roles_started_in_any_order_serve_together(tiny_v3):
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        out = client.completions.create(model="tiny", prompt="across machines", max_tokens=8, temperature=0,
-                                        extra_body={"ignore_eos": True})
+        out = client.completions.create(
+            model="tiny", prompt="across machines", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
         with Engine(model_path=tiny_v3, num_threads=1) as single:
-            ref = single.generate(prompts=["across machines"],
-                                  sampling_params=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+            ref = single.generate(
+                prompts=["across machines"],
+                sampling_params=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
+            )
         assert out.choices[0].text == ref[0].text
         procs[1].terminate()  # the attention role stops: the FFN roles are told and exit cleanly
         assert procs[1].wait(timeout=60) == 0
@@ -48,8 +65,20 @@ def test_roles_started_in_any_order_serve_together(tiny_v3):
 @pytest.mark.timeout(120)
 def test_missing_peers_time_out_with_a_clear_message(tiny_v3):
     rdv = f"127.0.0.1:{free_port()}"
-    proc = afd("launch", "--role", "ffn", "--node-rank", "0", "--dist-init-addr", rdv, "--rendezvous-timeout", "3",
-               "--model-path", tiny_v3, *TOPO)
+    proc = afd(
+        "launch",
+        "--role",
+        "ffn",
+        "--node-rank",
+        "0",
+        "--dist-init-addr",
+        rdv,
+        "--rendezvous-timeout",
+        "3",
+        "--model-path",
+        tiny_v3,
+        *TOPO,
+    )
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode != 0
     assert f"got no answer from the rendezvous at {rdv} within 3 s" in out
@@ -61,8 +90,24 @@ def test_ffn_role_stops_when_the_attention_machine_vanishes(tiny_v3):
     notices the silence within --comm-timeout and exits 1; while the attention role idles, its
     keepalives keep the FFN role waiting."""
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
-    common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, "--mode", "afd", "--dp-size", "1", "--ffn-nodes", "1",
-              "--ffn-ranks-per-node", "1", "--num-threads", "1", "--comm-timeout", "4"]
+    common = [
+        "--dist-init-addr",
+        rdv,
+        "--model-path",
+        tiny_v3,
+        "--mode",
+        "afd",
+        "--dp-size",
+        "1",
+        "--ffn-nodes",
+        "1",
+        "--ffn-ranks-per-node",
+        "1",
+        "--num-threads",
+        "1",
+        "--comm-timeout",
+        "4",
+    ]
     ffn = afd("launch", "--role", "ffn", "--node-rank", "0", *common)
     attention = afd("launch", "--role", "attention", "--port", str(port), *common, new_session=True)
     try:
@@ -87,8 +132,20 @@ def test_attention_role_alone_names_the_missing_ranks(tiny_v3):
     """The rendezvous is up (the attention role hosts it) but no FFN role comes: the attention
     ranks give up after the timeout and say which endpoints never registered."""
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
-    proc = afd("launch", "--role", "attention", "--port", str(port), "--dist-init-addr", rdv, "--rendezvous-timeout",
-               "3", "--model-path", tiny_v3, *TOPO)
+    proc = afd(
+        "launch",
+        "--role",
+        "attention",
+        "--port",
+        str(port),
+        "--dist-init-addr",
+        rdv,
+        "--rendezvous-timeout",
+        "3",
+        "--model-path",
+        tiny_v3,
+        *TOPO,
+    )
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 2, out
     assert f"only 2 of 4 ranks registered at {rdv} within 3 s (missing endpoints: [2, 3])" in out

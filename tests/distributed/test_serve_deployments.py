@@ -22,24 +22,52 @@ def cmdline(pid: int) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("flags", [
-    ("--mode", "afd", "--dp-size", "2", "--ffn-nodes", "2", "--ffn-ranks-per-node", "2", "--micro-batches", "3",
-     "--dispatch", "two-stage"),
-    ("--mode", "colocated", "--dp-size", "2", "--micro-batches", "2"),
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        (
+            "--mode",
+            "afd",
+            "--dp-size",
+            "2",
+            "--ffn-nodes",
+            "2",
+            "--ffn-ranks-per-node",
+            "2",
+            "--micro-batches",
+            "3",
+            "--dispatch",
+            "two-stage",
+        ),
+        ("--mode", "colocated", "--dp-size", "2", "--micro-batches", "2"),
+    ],
+)
 def test_openai_client_against_a_deployment(tiny_v3, flags):
     with Engine(model_path=tiny_v3, num_threads=1) as single:
-        ref = single.generate(prompts=["Hello deployment", "Second prompt"],
-                              sampling_params=SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+        ref = single.generate(
+            prompts=["Hello deployment", "Second prompt"],
+            sampling_params=SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True),
+        )
     srv = Server(tiny_v3, *flags)
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        out = client.completions.create(model="tiny", prompt=["Hello deployment", "Second prompt"], max_tokens=10,
-                                        temperature=0, extra_body={"ignore_eos": True})
+        out = client.completions.create(
+            model="tiny",
+            prompt=["Hello deployment", "Second prompt"],
+            max_tokens=10,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert [c.text for c in out.choices] == [r.text for r in ref]
-        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=6, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         chunks = list(stream)
         assert chunks[-1].usage.completion_tokens == 6
         assert srv.metric("afd_kv_pages_used") == 0
@@ -49,14 +77,30 @@ def test_openai_client_against_a_deployment(tiny_v3, flags):
 
 @pytest.mark.timeout(300)
 def test_killing_an_expert_rank_fails_the_stream_quickly_and_the_server_exits(tiny_v3):
-    srv = Server(tiny_v3, "--mode", "afd", "--dp-size", "1", "--ffn-nodes", "1", "--ffn-ranks-per-node", "2",
-                 "--micro-batches", "2")
+    srv = Server(
+        tiny_v3,
+        "--mode",
+        "afd",
+        "--dp-size",
+        "1",
+        "--ffn-nodes",
+        "1",
+        "--ffn-ranks-per-node",
+        "2",
+        "--micro-batches",
+        "2",
+    )
     try:
         ffn = [p for p in children(srv.proc.pid) if "spawn" in cmdline(p)]
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "long"}],
-                                                max_tokens=400, temperature=0, stream=True,
-                                                extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "long"}],
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         next(iter(stream))
         # the FFN ranks start first: the lowest spawned pids
         os.kill(sorted(ffn)[0], signal.SIGKILL)

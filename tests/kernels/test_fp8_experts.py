@@ -17,8 +17,9 @@ FIRST = SamplingParams(max_new_tokens=1, temperature=0.0, logprobs=5)
 @pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
     # experts of 128 rows per projection: whole 128x128 blocks along I, a partial block along H (64)
-    return str(make_tiny_model(tmp_path_factory.mktemp("fp8-experts"), fp8=True,
-                               overrides={"moe_intermediate_size": 128}))
+    return str(
+        make_tiny_model(tmp_path_factory.mktemp("fp8-experts"), fp8=True, overrides={"moe_intermediate_size": 128})
+    )
 
 
 def test_experts_keep_the_checkpoints_fp8_bytes(fp8_ckpt):
@@ -37,8 +38,11 @@ def test_experts_keep_the_checkpoints_fp8_bytes(fp8_ckpt):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", [dict(mode="single"), dict(mode="afd", dp_size=1, ffn_ranks_per_node=2,
-                                                             micro_batches=2)], ids=["single", "afd"])
+@pytest.mark.parametrize(
+    "mode",
+    [dict(mode="single"), dict(mode="afd", dp_size=1, ffn_ranks_per_node=2, micro_batches=2)],
+    ids=["single", "afd"],
+)
 def test_fp8_experts_stay_within_fp8_error_of_dequantized_weights(fp8_ckpt, mode):
     with Engine(model_path=fp8_ckpt, num_threads=1) as ref_engine:
         ref = ref_engine.generate(prompt_token_ids=PROMPTS, sampling_params=FIRST)

@@ -73,10 +73,17 @@ def test_align_by_expert_layout():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape,T,routing", [
-    ("tiny", 8, "random"), ("tiny", 1, "random"), ("tiny", 12, "idle-experts"), ("tiny", 9, "one-expert"),
-    ("tiny", 10, "other-ranks"), ("v3-narrow", 24, "other-ranks"),
-])
+@pytest.mark.parametrize(
+    "shape,T,routing",
+    [
+        ("tiny", 8, "random"),
+        ("tiny", 1, "random"),
+        ("tiny", 12, "idle-experts"),
+        ("tiny", 9, "one-expert"),
+        ("tiny", 10, "other-ranks"),
+        ("v3-narrow", 24, "other-ranks"),
+    ],
+)
 def test_fused_moe_matches_reference(shape, T, routing, dtype):
     x, w13, w2, ids, weights = _on_device(*_inputs(shape, T, dtype, routing))
     _assert_matches(TritonMoE().fused_moe(x, w13, w2, ids, weights), reference_moe(x, w13, w2, ids, weights))
@@ -113,6 +120,7 @@ def test_fused_moe_rejects_mismatched_shapes():
 
 
 # ---- FP8 block-quantized weights ----
+
 
 def _quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, N, K] fp32 -> (float8_e4m3fn [E, N, K], scale [E, ceil(N/128), ceil(K/128)]) per 128x128 block,
@@ -153,12 +161,16 @@ def _emulated_fp8_moe(x, q13, s13, q2, s2, ids, weights) -> torch.Tensor:
     return torch.zeros(x.shape).index_add_(0, token, y)
 
 
-@pytest.mark.parametrize("shape,T,routing,dtype", [
-    ("tiny", 8, "other-ranks", torch.float32),
-    ("v3-fp8", 12, "random", torch.bfloat16),
-    ("v3-narrow", 10, "idle-experts", torch.float32),
-    ("v3-fp8", 1, "one-expert", torch.float32),
-], ids=["tiny-fp32", "v3-bf16", "narrow-idle-fp32", "v3-T1-fp32"])
+@pytest.mark.parametrize(
+    "shape,T,routing,dtype",
+    [
+        ("tiny", 8, "other-ranks", torch.float32),
+        ("v3-fp8", 12, "random", torch.bfloat16),
+        ("v3-narrow", 10, "idle-experts", torch.float32),
+        ("v3-fp8", 1, "one-expert", torch.float32),
+    ],
+    ids=["tiny-fp32", "v3-bf16", "narrow-idle-fp32", "v3-T1-fp32"],
+)
 def test_fused_moe_fp8_matches_dequantized_reference(shape, T, routing, dtype):
     x, q13, s13, q2, s2, ids, weights = _fp8_inputs(shape, T, dtype, routing)
     out = TritonMoE().fused_moe_fp8(*_on_device(x, q13, s13, q2, s2, ids, weights)).cpu()
@@ -176,8 +188,9 @@ def test_fused_moe_fp8_matches_dequantized_reference(shape, T, routing, dtype):
     #    It skips the SwiGLU output's fp8 rounding (relative error up to 2^-4 per value, about 2%
     #    RMS), which the down projection carries to about 2% of the output's norm (measured
     #    2.0-2.4%): bound 5%. Elementwise bounds would be meaningless where outputs cancel.
-    reference = reference_moe(_fp8_activations(x.float()), _dequantize_blocks(q13, s13),
-                              _dequantize_blocks(q2, s2), ids, weights)
+    reference = reference_moe(
+        _fp8_activations(x.float()), _dequantize_blocks(q13, s13), _dequantize_blocks(q2, s2), ids, weights
+    )
     assert (out - reference).norm() <= 5e-2 * reference.norm()
 
 
@@ -200,8 +213,12 @@ def test_other_tile_sizes_agree():
     x, w13, w2, ids, weights = _on_device(*_inputs("v3-narrow", 7, torch.float32, "other-ranks"))
     _assert_matches(moe.fused_moe(x, w13, w2, ids, weights), reference_moe(x, w13, w2, ids, weights))
     fp8_args = _fp8_inputs("v3-fp8", 5, torch.float32, "random")
-    torch.testing.assert_close(moe.fused_moe_fp8(*_on_device(*fp8_args)).cpu(),
-                               TritonMoE().fused_moe_fp8(*_on_device(*fp8_args)).cpu(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        moe.fused_moe_fp8(*_on_device(*fp8_args)).cpu(),
+        TritonMoE().fused_moe_fp8(*_on_device(*fp8_args)).cpu(),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_tile_sizes_are_validated():

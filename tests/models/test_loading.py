@@ -62,8 +62,9 @@ def test_sharded_checkpoint_generates_like_a_single_file(tmp_path, tiny_v3):
     sharded = make_tiny_model(tmp_path / "sharded", shards=3)
     assert (sharded / "model.safetensors.index.json").is_file()
     with Engine(model_path=str(sharded), num_threads=1) as a, Engine(model_path=tiny_v3, num_threads=1) as b:
-        assert [o.token_ids for o in a.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == \
-               [o.token_ids for o in b.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        assert [o.token_ids for o in a.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == [
+            o.token_ids for o in b.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+        ]
 
 
 def test_bfloat16_runs_close_to_the_fp32_reference(tiny_v3):

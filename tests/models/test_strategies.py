@@ -43,7 +43,8 @@ def test_each_mode_arranges_the_same_operations(models):
     assert describe(SINGLE.arrange(ops)) == "embed attention mlp " + f"{MOE} combine join " * 3 + "logits"
     assert describe(AFD_ATTENTION.arrange(ops)) == "embed attention mlp " + f"{MOE} | combine join " * 3 + "logits"
     assert describe(COLOCATED.arrange(ops)) == (
-        "embed attention mlp " + f"{MOE} | {serve} combine join " * 3 + "logits")
+        "embed attention mlp " + f"{MOE} | {serve} combine join " * 3 + "logits"
+    )
     ffn = AFD_FFN.arrange(shard.operations(NoServer()), 3)
     assert describe(ffn) == " ".join(["post_dispatch | receive experts | send_combine | |"] * 3)
     assert AFD_FFN.delays(3) == [0, 1, 2] and SINGLE.delays(3) == [0, 0, 0]
@@ -69,7 +70,7 @@ def test_local_executor_computes_what_the_experts_module_computes(tiny_v3):
     weights = torch.rand(5, 4)
     executor = LocalExpertExecutor(model.routed_experts())
     routed = executor.combine(executor.dispatch(1, 0, x, ids, weights))
-    expected = sum(weights[:, k, None] * experts(x, ids[:, k:k + 1], torch.ones(5, 1)) for k in range(4))
+    expected = sum(weights[:, k, None] * experts(x, ids[:, k : k + 1], torch.ones(5, 1)) for k in range(4))
     torch.testing.assert_close(routed, expected, rtol=1e-5, atol=1e-6)
 
 

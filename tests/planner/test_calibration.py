@@ -31,10 +31,32 @@ def write_timeline(prefix: str) -> None:
     a, f = Timeline(prefix, "a", 0), Timeline(prefix, "f", 0)
     for step in range(4):
         for tokens in (2, 6, 10):
-            a._events.append({"role": "a", "rank": 0, "step": step, "kind": "attention", "mb": 0, "layer": 1,
-                              "tokens": tokens, "t0": 0.0, "t1": (100 + 5 * tokens) * 1e-6})
-            f._events.append({"role": "f", "rank": 0, "step": step, "kind": "ffn", "mb": 0, "layer": 1,
-                              "tokens": 4 * tokens, "t0": 0.0, "t1": (40 + 1 * 4 * tokens) * 1e-6})
+            a._events.append(
+                {
+                    "role": "a",
+                    "rank": 0,
+                    "step": step,
+                    "kind": "attention",
+                    "mb": 0,
+                    "layer": 1,
+                    "tokens": tokens,
+                    "t0": 0.0,
+                    "t1": (100 + 5 * tokens) * 1e-6,
+                }
+            )
+            f._events.append(
+                {
+                    "role": "f",
+                    "rank": 0,
+                    "step": step,
+                    "kind": "ffn",
+                    "mb": 0,
+                    "layer": 1,
+                    "tokens": 4 * tokens,
+                    "t0": 0.0,
+                    "t1": (40 + 1 * 4 * tokens) * 1e-6,
+                }
+            )
         a.end_step(step)
         f.end_step(step)
 
@@ -72,10 +94,20 @@ def test_errors(tmp_path):
 def test_profiling_run_of_the_engine_calibrates(tmp_path, tiny_v3):
     """A real AFD run with --record-timeline gives token counts on both sides, and a fit."""
     prefix = str(tmp_path / "run")
-    with make_engine(model_path=tiny_v3, mode="afd", dp_size=1, ffn_nodes=1, ffn_ranks_per_node=1, micro_batches=2,
-                record_timeline=prefix, comm_timeout=60) as engine:
-        engine.generate(prompts=["a b c", "hello there", "x", "one two three four"],
-                        sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    with make_engine(
+        model_path=tiny_v3,
+        mode="afd",
+        dp_size=1,
+        ffn_nodes=1,
+        ffn_ranks_per_node=1,
+        micro_batches=2,
+        record_timeline=prefix,
+        comm_timeout=60,
+    ) as engine:
+        engine.generate(
+            prompts=["a b c", "hello there", "x", "one two three four"],
+            sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+        )
     events = [json.loads(line) for p in tmp_path.glob("run.*.jsonl") for line in p.read_text().splitlines()]
     kinds = {e["kind"] for e in events if e["tokens"] > 0}
     assert {"attention", "ffn"} <= kinds

@@ -25,8 +25,13 @@ def test_period_follows_the_pipeline_formula():
     for n in (1, 2, 3, 4):
         e = estimate(V3, afd(n))
         lat = H800.efficiency.comm_latency_us  # delays a micro-batch, does not occupy the link
-        terms = [n * e.attention_us, n * (e.dispatch_us - lat), n * e.ffn_us, n * (e.combine_us - lat),
-                 e.attention_us + e.dispatch_us + e.ffn_us + e.combine_us]
+        terms = [
+            n * e.attention_us,
+            n * (e.dispatch_us - lat),
+            n * e.ffn_us,
+            n * (e.combine_us - lat),
+            e.attention_us + e.dispatch_us + e.ffn_us + e.combine_us,
+        ]
         assert e.period_us == pytest.approx(max(terms))
     one = estimate(V3, afd(1))
     assert one.bound == "round trip" and one.attention_busy < 0.5  # one micro-batch: A waits on every round trip
@@ -51,8 +56,13 @@ def test_more_micro_batches_hide_the_round_trip_when_attention_dominates():
 def test_colocated_serialises_attention_and_experts_on_one_gpu():
     e = estimate(V3, Deployment("colocated", 32, 0, 2, 128, "direct"))
     lat = H800.efficiency.comm_latency_us
-    assert e.period_us == pytest.approx(max(2 * (e.attention_us + e.ffn_us), 2 * (e.dispatch_us + e.combine_us - 2 * lat),
-                                            e.attention_us + e.ffn_us + e.dispatch_us + e.combine_us))
+    assert e.period_us == pytest.approx(
+        max(
+            2 * (e.attention_us + e.ffn_us),
+            2 * (e.dispatch_us + e.combine_us - 2 * lat),
+            e.attention_us + e.ffn_us + e.dispatch_us + e.combine_us,
+        )
+    )
     assert e.tokens_per_gpu_s == pytest.approx(128 * 32 / (e.tpot_ms / 1e3) / 32)
 
 
@@ -79,10 +89,12 @@ def test_search_respects_a_gpu_budget_and_pins():
     found = search(V3, "afd", 80, SearchSpace(total_gpus=48))
     assert found and all(e.deployment.gpus == 48 for e in found)
     assert found == sorted(found, key=lambda e: -e.tokens_per_gpu_s)
-    pinned = search(V3, "afd", 80, SearchSpace(attn_gpus=(32,), ffn_gpus=(16,), micro_batches=(3,),
-                                                shared_expert=("attention",)))
-    assert [(e.deployment.attn_gpus, e.deployment.micro_batches, e.deployment.shared_expert) for e in pinned] == \
-        [(32, 3, "attention")]
+    pinned = search(
+        V3, "afd", 80, SearchSpace(attn_gpus=(32,), ffn_gpus=(16,), micro_batches=(3,), shared_expert=("attention",))
+    )
+    assert [(e.deployment.attn_gpus, e.deployment.micro_batches, e.deployment.shared_expert) for e in pinned] == [
+        (32, 3, "attention")
+    ]
     with pytest.raises(ConfigError, match="no afd topology"):
         search(V3, "afd", 80, SearchSpace(total_gpus=3))
 

@@ -17,9 +17,11 @@ def test_catalog_has_the_platforms_of_the_published_designs():
 
 def test_yaml_adds_hardware_from_scratch_or_from_a_base(tmp_path):
     f = tmp_path / "hw.yaml"
-    f.write_text("B200x:\n  base: H200\n  bf16_tflops: 2250\n  fp8_tflops: 4500\n  efficiency:\n    nic: 0.9\n"
-                 "Tiny:\n  bf16_tflops: 10\n  fp8_tflops: null\n  mem_bw_tbs: 0.5\n  mem_gb: 16\n"
-                 "  scaleup_gbs: 16\n  nic_gbps: 100\n  nics_per_node: 1\n  gpus_per_node: 4\n")
+    f.write_text(
+        "B200x:\n  base: H200\n  bf16_tflops: 2250\n  fp8_tflops: 4500\n  efficiency:\n    nic: 0.9\n"
+        "Tiny:\n  bf16_tflops: 10\n  fp8_tflops: null\n  mem_bw_tbs: 0.5\n  mem_gb: 16\n"
+        "  scaleup_gbs: 16\n  nic_gbps: 100\n  nics_per_node: 1\n  gpus_per_node: 4\n"
+    )
     extra = load_hardware_file(f)
     b = get_hardware("B200x", extra)
     assert (b.bf16_tflops, b.mem_bw_tbs, b.efficiency.nic) == (2250, 4.8, 0.9)
@@ -27,13 +29,16 @@ def test_yaml_adds_hardware_from_scratch_or_from_a_base(tmp_path):
     assert extra["Tiny"].nic_gbs_per_gpu == 100 / 4 / 8
 
 
-@pytest.mark.parametrize("text,match", [
-    ("X:\n  base: H800\n  warp_speed: 9\n", "hardware X: .*warp_speed"),
-    ("X:\n  base: H800\n  efficiency:\n    nic: 1.5\n", "efficiency nic=1.5 must be in"),
-    ("X:\n  base: H800\n  mem_gb: 0\n", "mem_gb must be > 0"),
-    ("- just a list\n", "expected a mapping"),
-    ("X: [unclosed\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("X:\n  base: H800\n  warp_speed: 9\n", "hardware X: .*warp_speed"),
+        ("X:\n  base: H800\n  efficiency:\n    nic: 1.5\n", "efficiency nic=1.5 must be in"),
+        ("X:\n  base: H800\n  mem_gb: 0\n", "mem_gb must be > 0"),
+        ("- just a list\n", "expected a mapping"),
+        ("X: [unclosed\n", "not valid YAML"),
+    ],
+)
 def test_bad_yaml_names_the_problem(tmp_path, text, match):
     f = tmp_path / "hw.yaml"
     f.write_text(text)

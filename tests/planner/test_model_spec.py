@@ -12,15 +12,28 @@ from afd_engine.errors import ConfigError
 from afd_engine.planner.model_spec import MODELS, get_model, model_from_hf_config
 
 DEEPSEEK_V3_CONFIG = {  # the fields of deepseek-ai/DeepSeek-V3's config.json the planner reads
-    "model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 129280,
-    "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": 3, "intermediate_size": 18432,
-    "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "vocab_size": 129280,
+    "num_attention_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "first_k_dense_replace": 3,
+    "intermediate_size": 18432,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "n_shared_experts": 1,
 }
 
 
-@pytest.mark.parametrize("name,total_b,active_b", [("deepseek-v3", 671, 37), ("step3", 316, 38),
-                                                   ("qwen3-235b-a22b", 235, 22)])
+@pytest.mark.parametrize(
+    "name,total_b,active_b", [("deepseek-v3", 671, 37), ("step3", 316, 38), ("qwen3-235b-a22b", 235, 22)]
+)
 def test_catalog_sizes_match_published_parameter_counts(name, total_b, active_b):
     m = MODELS[name]
     assert m.total_params() / 1e9 == pytest.approx(total_b, rel=0.02)
@@ -46,24 +59,54 @@ def test_hf_config_gives_the_catalog_model():
 
 
 def test_step3_and_qwen3_configs():
-    step3 = model_from_hf_config({"model_type": "step3_vl", "text_config": {
-        "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 128815, "num_attention_heads": 64,
-        "num_attention_groups": 1, "head_dim": 256, "share_q_dim": 2048, "intermediate_size": 18432,
-        "moe_num_experts": 48, "moe_top_k": 3, "moe_intermediate_size": 5120, "share_expert_dim": 5120,
-        "moe_layers_enum": ",".join(str(i) for i in range(4, 60))}}, "step3")
+    step3 = model_from_hf_config(
+        {
+            "model_type": "step3_vl",
+            "text_config": {
+                "num_hidden_layers": 61,
+                "hidden_size": 7168,
+                "vocab_size": 128815,
+                "num_attention_heads": 64,
+                "num_attention_groups": 1,
+                "head_dim": 256,
+                "share_q_dim": 2048,
+                "intermediate_size": 18432,
+                "moe_num_experts": 48,
+                "moe_top_k": 3,
+                "moe_intermediate_size": 5120,
+                "share_expert_dim": 5120,
+                "moe_layers_enum": ",".join(str(i) for i in range(4, 60)),
+            },
+        },
+        "step3",
+    )
     assert step3.total_params() == MODELS["step3"].total_params() and step3.dense_layers == 5
-    qwen = model_from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 94, "hidden_size": 4096,
-                                 "vocab_size": 151936, "num_attention_heads": 64, "num_key_value_heads": 4,
-                                 "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-                                 "moe_intermediate_size": 1536}, "qwen")
+    qwen = model_from_hf_config(
+        {
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": 94,
+            "hidden_size": 4096,
+            "vocab_size": 151936,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 1536,
+        },
+        "qwen",
+    )
     assert qwen.total_params() == MODELS["qwen3-235b-a22b"].total_params()
 
 
 def test_counts_equal_a_real_checkpoint(tiny_v3):
     """Every matrix in a real (tiny) DeepSeek-V3 checkpoint is counted once, and nothing else is."""
     model, tiny_v3 = get_model(tiny_v3), Path(tiny_v3)
-    index = json.loads((tiny_v3 / "model.safetensors.index.json").read_text()) \
-        if (tiny_v3 / "model.safetensors.index.json").exists() else None
+    index = (
+        json.loads((tiny_v3 / "model.safetensors.index.json").read_text())
+        if (tiny_v3 / "model.safetensors.index.json").exists()
+        else None
+    )
     files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
     matrices = 0
     for f in files:

@@ -49,8 +49,10 @@ def test_two_stage_uses_the_scale_up_link_and_less_network():
 
 
 def test_symmetric_ep_within_one_node_uses_only_nvlink():
-    t = comm_time(CommCase(tokens=128, hidden=7168, topk=8, experts=256, senders=8, receivers=8, mode="direct",
-                           symmetric=True), H800)
+    t = comm_time(
+        CommCase(tokens=128, hidden=7168, topk=8, experts=256, senders=8, receivers=8, mode="direct", symmetric=True),
+        H800,
+    )
     assert t.inter_node_bytes == 0 and t.sender_nic_us == 0 and t.scaleup_us > 0
 
 

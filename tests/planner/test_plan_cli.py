@@ -12,8 +12,9 @@ from afd_engine.cli import main
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "afd_engine.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "afd_engine.cli", "plan", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def plan_json(capsys, *args: str) -> dict:
@@ -22,8 +23,9 @@ def plan_json(capsys, *args: str) -> dict:
 
 
 def test_comm_json(capsys):
-    out = plan_json(capsys, "comm", "--hw", "H800", "--ep-size", "16", "--tokens", "128", "--hidden", "7168",
-                    "--topk", "8")
+    out = plan_json(
+        capsys, "comm", "--hw", "H800", "--ep-size", "16", "--tokens", "128", "--hidden", "7168", "--topk", "8"
+    )
     assert out["dispatch_us"] == pytest.approx(118, rel=0.3) and out["combine_us"] == pytest.approx(195, rel=0.3)
     assert out["mode"] == "direct" and out["layout"].startswith("colocated")
     afd = plan_json(capsys, "comm", "--ep-size", "16", "--attn-gpus", "32", "--dispatch", "direct")
@@ -33,20 +35,51 @@ def test_comm_json(capsys):
 
 
 def test_deploy_json_single_mode(capsys):
-    out = plan_json(capsys, "deploy", "--model", "step3", "--mode", "afd", "--attn-hw", "H800", "--context", "4096",
-                    "--tpot-slo-ms", "50", "--attn-gpus", "16", "--ffn-gpus", "16", "--micro-batches", "3")
+    out = plan_json(
+        capsys,
+        "deploy",
+        "--model",
+        "step3",
+        "--mode",
+        "afd",
+        "--attn-hw",
+        "H800",
+        "--context",
+        "4096",
+        "--tpot-slo-ms",
+        "50",
+        "--attn-gpus",
+        "16",
+        "--ffn-gpus",
+        "16",
+        "--micro-batches",
+        "3",
+    )
     assert out["tpot_ms"] <= 50 and out["tokens_per_gpu_s"] == pytest.approx(4039, rel=0.15)
     assert out["deployment"]["mode"] == "afd" and out["deployment"]["attn_gpus"] == 16
     assert {"attention_us", "ffn_us", "dispatch_us", "combine_us", "bound", "attn_gpu_gb", "fits"} <= set(out)
 
 
 def test_deploy_side_by_side_with_heterogeneous_f_and_a_gpu_budget(capsys):
-    out = plan_json(capsys, "deploy", "--model", "deepseek-v3", "--attn-hw", "H800", "--ffn-hw", "H20",
-                    "--gpus", "48", "--tpot-slo-ms", "100")
+    out = plan_json(
+        capsys,
+        "deploy",
+        "--model",
+        "deepseek-v3",
+        "--attn-hw",
+        "H800",
+        "--ffn-hw",
+        "H20",
+        "--gpus",
+        "48",
+        "--tpot-slo-ms",
+        "100",
+    )
     assert out["afd"]["deployment"]["attn_gpus"] + out["afd"]["deployment"]["ffn_gpus"] == 48
     assert out["colocated"]["deployment"]["attn_gpus"] == 48
     assert out["afd_over_colocated_per_gpu"] == pytest.approx(
-        out["afd"]["tokens_per_gpu_s"] / out["colocated"]["tokens_per_gpu_s"])
+        out["afd"]["tokens_per_gpu_s"] / out["colocated"]["tokens_per_gpu_s"]
+    )
 
 
 def test_deploy_table_and_plot(tmp_path):
@@ -64,18 +97,22 @@ def test_deploy_from_a_config_json(capsys, tiny_v3):
 
 
 def test_sparsity_json(capsys):
-    assert plan_json(capsys, "sparsity", "--hw", "H800", "--hidden", "7168", "--layers", "61")["min_sparsity"] == \
-        pytest.approx(0.058, abs=0.002)
+    assert plan_json(capsys, "sparsity", "--hw", "H800", "--hidden", "7168", "--layers", "61")[
+        "min_sparsity"
+    ] == pytest.approx(0.058, abs=0.002)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["deploy", "--model", "nope"], "unknown model 'nope'"),
-    (["deploy", "--tpot-slo-ms", "1"], "no afd deployment of deepseek-v3 meets TPOT <= 1.0 ms"),
-    (["deploy", "--attn-hw", "B300"], "unknown hardware 'B300'"),
-    (["comm", "--ep-size", "16", "--dispatch", "two-stage"], "--dispatch two-stage needs --attn-gpus"),
-    (["comm", "--ep-size", "512"], "--ep-size <= --experts"),
-    (["deploy", "--calibration", "/nonexistent.json"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["deploy", "--model", "nope"], "unknown model 'nope'"),
+        (["deploy", "--tpot-slo-ms", "1"], "no afd deployment of deepseek-v3 meets TPOT <= 1.0 ms"),
+        (["deploy", "--attn-hw", "B300"], "unknown hardware 'B300'"),
+        (["comm", "--ep-size", "16", "--dispatch", "two-stage"], "--dispatch two-stage needs --attn-gpus"),
+        (["comm", "--ep-size", "512"], "--ep-size <= --experts"),
+        (["deploy", "--calibration", "/nonexistent.json"], "no such file"),
+    ],
+)
 def test_errors_exit_2_with_one_line(args, message):
     res = plan(*args)
     assert res.returncode == 2, res.stdout
@@ -100,11 +137,29 @@ def test_calibrate_then_deploy_with_measured_stages(tmp_path, capsys):
     from tests.planner.test_calibration import write_timeline
 
     write_timeline(str(tmp_path / "tl"))
-    calib = plan_json(capsys, "calibrate", "--timeline", str(tmp_path / "tl"), "--out", str(tmp_path / "c.json"),
-                      "--source", "synthetic")
+    calib = plan_json(
+        capsys,
+        "calibrate",
+        "--timeline",
+        str(tmp_path / "tl"),
+        "--out",
+        str(tmp_path / "c.json"),
+        "--source",
+        "synthetic",
+    )
     assert calib["attention"]["per_unit_us"] == pytest.approx(5) and (tmp_path / "c.json").read_text().endswith("}\n")
-    measured = plan_json(capsys, "deploy", "--model", "step3", "--mode", "afd", "--shared-expert", "ffn",
-                         "--calibration", str(tmp_path / "c.json"))
+    measured = plan_json(
+        capsys,
+        "deploy",
+        "--model",
+        "step3",
+        "--mode",
+        "afd",
+        "--shared-expert",
+        "ffn",
+        "--calibration",
+        str(tmp_path / "c.json"),
+    )
     roofline = plan_json(capsys, "deploy", "--model", "step3", "--mode", "afd")
     assert measured["stage_times"].startswith("measured") and "synthetic" in measured["stage_times"]
     assert roofline["stage_times"] == "roofline (H800 efficiency factors)"

@@ -24,8 +24,12 @@ def test_step3_minimum_sparsity_table(hw, expected):
 
 
 def test_rooflines_match_step3_table_4():
-    assert {n: round(HARDWARE[n].roofline) for n in ("H800", "H20", "A800", "910B")} == \
-        {"H800": 591, "H20": 74, "A800": 156, "910B": 175}
+    assert {n: round(HARDWARE[n].roofline) for n in ("H800", "H20", "A800", "910B")} == {
+        "H800": 591,
+        "H20": 74,
+        "A800": 156,
+        "910B": 175,
+    }
 
 
 def test_per_layer_stage_budget():
@@ -57,15 +61,18 @@ def test_two_stage_cuts_between_node_volume_4_to_8x():
     assert two.total_us < direct.total_us / 3
     one_node = CommCase(tokens=128, hidden=7168, topk=8, experts=256, senders=32, receivers=8, mode="two-stage")
     direct_one = CommCase(**{**one_node.__dict__, "mode": "direct"})
-    assert comm_time(direct_one, H800).inter_node_bytes / comm_time(one_node, H800).inter_node_bytes == \
-        pytest.approx(8, rel=1e-3)
+    assert comm_time(direct_one, H800).inter_node_bytes / comm_time(one_node, H800).inter_node_bytes == pytest.approx(
+        8, rel=1e-3
+    )
 
 
 @pytest.mark.parametrize("ep,dispatch_us,combine_us", [(8, 77, 114), (16, 118, 195), (32, 155, 273)])
 def test_deepep_low_latency_table(ep, dispatch_us, combine_us):
     # H800 + CX7 400 Gb/s, 128 tokens, hidden 7168, top-8 of 256, fp8 dispatch, bf16 combine
-    t = comm_time(CommCase(tokens=128, hidden=7168, topk=8, experts=256, senders=ep, receivers=ep,
-                           mode="direct", symmetric=True), H800)
+    t = comm_time(
+        CommCase(tokens=128, hidden=7168, topk=8, experts=256, senders=ep, receivers=ep, mode="direct", symmetric=True),
+        H800,
+    )
     assert t.dispatch_us == pytest.approx(dispatch_us, rel=0.30)
     assert t.combine_us == pytest.approx(combine_us, rel=0.30)
 

@@ -181,7 +181,10 @@ def test_same_seed_and_offset_same_token_whatever_the_batch():
     gen = torch.Generator().manual_seed(5)
     vocab, n = 1000, 64
     logits = torch.randn(n, vocab, generator=gen)
-    params = [SamplingParams(temperature=1.0 + (i % 3) * 0.3, top_k=(0, 50, 200)[i % 3], top_p=(1.0, 0.9)[i % 2]) for i in range(n)]
+    params = [
+        SamplingParams(temperature=1.0 + (i % 3) * 0.3, top_k=(0, 50, 200)[i % 3], top_p=(1.0, 0.9)[i % 2])
+        for i in range(n)
+    ]
     seeds, offsets = list(range(100, 100 + n)), [i * 7 % 13 for i in range(n)]
     full = sampler(logits, batch_of(params, vocab, seeds, offsets))
     # Every request alone ...
@@ -191,8 +194,12 @@ def test_same_seed_and_offset_same_token_whatever_the_batch():
     perm = torch.randperm(n, generator=gen)[: n // 2].tolist()
     intruders = torch.randn(3, vocab, generator=gen)
     mixed_logits = torch.cat([logits[perm], intruders])
-    mixed = batch_of([params[i] for i in perm] + [SamplingParams(temperature=0.0)] * 3, vocab,
-                     [seeds[i] for i in perm] + [1, 2, 3], [offsets[i] for i in perm] + [0, 0, 0])
+    mixed = batch_of(
+        [params[i] for i in perm] + [SamplingParams(temperature=0.0)] * 3,
+        vocab,
+        [seeds[i] for i in perm] + [1, 2, 3],
+        [offsets[i] for i in perm] + [0, 0, 0],
+    )
     assert torch.equal(sampler(mixed_logits, mixed)[: len(perm)], full[perm])
 
 

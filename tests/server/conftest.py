@@ -16,8 +16,20 @@ class Server:
     def __init__(self, model_path: str, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = afd_start("serve", "--model-path", model_path, "--port", str(self.port), "--num-threads", "1",
-                              "--kv-cache-memory-mb", "16", "--served-model-name", "tiny", *extra)
+        self.proc = afd_start(
+            "serve",
+            "--model-path",
+            model_path,
+            "--port",
+            str(self.port),
+            "--num-threads",
+            "1",
+            "--kv-cache-memory-mb",
+            "16",
+            "--served-model-name",
+            "tiny",
+            *extra,
+        )
         try:
             wait_healthy(self.url, 120, self.proc)
         except AssertionError:

@@ -27,13 +27,17 @@ def offline(tiny_v3):
 
 
 def chat_ids(offline, text: str) -> list[int]:
-    return list(offline.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                      tokenize=True)["input_ids"])
+    return list(
+        offline.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+    )
 
 
 def test_chat_matches_the_offline_engine_and_counts_usage(client, offline):
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
-                                          max_tokens=12, temperature=0)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=12, temperature=0
+    )
     ids = chat_ids(offline, "Hello there")
     ref = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_new_tokens=12, temperature=0))[0]
     assert resp.choices[0].message.content == ref.text
@@ -57,19 +61,22 @@ def test_greedy_over_http_equals_offline_token_ids(server, offline):
     prompt = [11, 22, 33, 44, 55]
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
     out = httpx.post(server.url + "/generate", json=body, timeout=60).json()
-    ref = offline.generate(prompt_token_ids=[prompt],
-                           sampling_params=SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))[0]
+    ref = offline.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    )[0]
     assert out["output_ids"] == ref.token_ids
     assert out["meta_info"] == {"finish_reason": "length", "prompt_tokens": 5, "completion_tokens": 16}
 
 
 def test_completions_with_text_and_token_prompts(client, offline):
     greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-    by_text = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, temperature=0,
-                                        extra_body={"ignore_eos": True})
+    by_text = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert by_text.choices[0].text == offline.generate(prompts=["Once upon"], sampling_params=greedy)[0].text
-    by_ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=8, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    by_ids = client.completions.create(
+        model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     refs = offline.generate(prompt_token_ids=[[5, 6, 7], [8, 9]], sampling_params=greedy)
     assert [c.text for c in by_ids.choices] == [r.text for r in refs]
     assert by_ids.usage.prompt_tokens == 5 and by_ids.usage.completion_tokens == 16
@@ -97,8 +104,14 @@ def test_stop_string(client):
 
 
 def test_logprobs(client):
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
@@ -112,8 +125,14 @@ def test_models_list(client):
 def test_64_concurrent_streams_all_finish(server):
     async def one(aclient, i):
         stream = await aclient.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=8, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"request {i}"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         chunks = [c async for c in stream]
         return chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 
@@ -124,18 +143,23 @@ def test_64_concurrent_streams_all_finish(server):
     assert asyncio.run(run()) == [(8, "length")] * 64
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ('{"model": "tiny", "messages": [', 400, None),
-    ({"model": "tiny", "messages": "hello"}, 400, "messages"),
-    ({"model": "tiny", "messages": []}, 400, "messages"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400, "max_tokens"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, 400, "max_tokens"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
-    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ('{"model": "tiny", "messages": [', 400, None),
+        ({"model": "tiny", "messages": "hello"}, 400, "messages"),
+        ({"model": "tiny", "messages": []}, 400, "messages"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ],
+)
 def test_bad_requests_get_openai_errors(server, body, status, param):
-    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    )
     resp = httpx.post(server.url + "/v1/chat/completions", timeout=30, **kwargs)
     assert resp.status_code == status
     err = resp.json()["error"]
@@ -153,8 +177,13 @@ def test_prompt_longer_than_the_context(server):
 def test_aborted_streams_free_their_kv_pages(server):
     async def abort_midway(ac, i):
         stream = await ac.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"abort {i}"}], max_tokens=200, temperature=0,
-            stream=True, extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"abort {i}"}],
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         n = 0
         async for _ in stream:
             n += 1
@@ -177,8 +206,11 @@ def test_aborted_streams_free_their_kv_pages(server):
 
 def test_metrics_count_tokens(server):
     before = server.metric("afd_generation_tokens_total")
-    httpx.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
-        "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}, timeout=30)
+    httpx.post(
+        server.url + "/generate",
+        json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}},
+        timeout=30,
+    )
     assert server.metric("afd_generation_tokens_total") == before + 5
     assert server.metric("afd_time_to_first_token_seconds_count") > 0
 

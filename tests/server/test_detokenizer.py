@@ -31,13 +31,21 @@ def zh_tok():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = ["中文测试很好用，我们今天去北京吃烤鸭😀🎉。", "你好世界！今天天气很好，我们去公园散步🌸🌸。",
-              "深度学习模型的推理服务需要流式输出文本😀。"] * 5
+    corpus = [
+        "中文测试很好用，我们今天去北京吃烤鸭😀🎉。",
+        "你好世界！今天天气很好，我们去公园散步🌸🌸。",
+        "深度学习模型的推理服务需要流式输出文本😀。",
+    ] * 5
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, min_frequency=2, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        min_frequency=2,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
 
@@ -48,7 +56,7 @@ def stream(detok: IncrementalDetokenizer, ids: list[int], chunk_sizes=None, trim
     sizes = iter(chunk_sizes or [])
     while i < len(ids):
         n = next(sizes, 1)
-        deltas.append(detok.add(ids[i:i + n]))
+        deltas.append(detok.add(ids[i : i + n]))
         i += n
     deltas.append(detok.finish(trim))
     return deltas
@@ -86,11 +94,15 @@ def test_tokens_that_cross_character_boundaries(zh_tok):
     for i in ids:
         out += detok.add([i])
         assert text.startswith(out)
-        assert len(out) >= len(decode(zh_tok, ids[:len(detok._ids)]).rstrip("\ufffd"))
+        assert len(out) >= len(decode(zh_tok, ids[: len(detok._ids)]).rstrip("\ufffd"))
 
 
 def test_special_tokens(tok):
-    ids = tok.encode("Hi 世", add_special_tokens=False) + [tok.eos_token_id] + tok.encode(" there", add_special_tokens=False)
+    ids = (
+        tok.encode("Hi 世", add_special_tokens=False)
+        + [tok.eos_token_id]
+        + tok.encode(" there", add_special_tokens=False)
+    )
     for skip in (True, False):
         deltas = stream(IncrementalDetokenizer(tok, skip_special_tokens=skip), ids)
         assert "".join(deltas) == decode(tok, ids, skip)
@@ -218,10 +230,15 @@ except ImportError:  # pragma: no cover - hypothesis is a dev dependency
 if given is not None:
     ALPHABET = list("ab 世界😀,") + ["\u00e9"]
 
-    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=30),
-           stop=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=2),
-           include=st.booleans(), seed=st.integers(0, 1000))
+    @settings(
+        max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(
+        text=st.text(alphabet=ALPHABET, min_size=1, max_size=30),
+        stop=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=2),
+        include=st.booleans(),
+        seed=st.integers(0, 1000),
+    )
     def test_random_streams(zh_tok, text, stop, include, seed):
         ids = zh_tok.encode(text)
         cut_ids, trim = engine_trim(zh_tok, ids, tuple(stop), include)
@@ -231,7 +248,7 @@ if given is not None:
         out, i = "", 0
         while i < len(cut_ids):
             n = rng.randint(1, 3)
-            out += detok.add(cut_ids[i:i + n])
+            out += detok.add(cut_ids[i : i + n])
             i += n
             assert full.startswith(out)
             if trim is not None:

@@ -27,8 +27,12 @@ def children(pid: int) -> list[int]:
 def test_dead_engine_makes_health_and_requests_fail_fast(tiny_v3):
     srv = Server(tiny_v3)
     try:
-        engines = [p for p in children(srv.proc.pid) if "afd-engine" in Path(f"/proc/{p}/cmdline").read_text()
-                   or "spawn" in Path(f"/proc/{p}/cmdline").read_text()]
+        engines = [
+            p
+            for p in children(srv.proc.pid)
+            if "afd-engine" in Path(f"/proc/{p}/cmdline").read_text()
+            or "spawn" in Path(f"/proc/{p}/cmdline").read_text()
+        ]
         assert engines, "no engine child process found"
         for pid in engines:
             os.kill(pid, signal.SIGKILL)
@@ -37,7 +41,9 @@ def test_dead_engine_makes_health_and_requests_fail_fast(tiny_v3):
             time.sleep(0.2)
         assert httpx.get(srv.url + "/health").status_code == 503
         start = time.monotonic()
-        resp = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=30)
+        resp = httpx.post(
+            srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=30
+        )
         assert resp.status_code == 503 and resp.json()["error"]["type"] == "server_error"
         assert time.monotonic() - start < 10
     finally:

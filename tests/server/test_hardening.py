@@ -26,9 +26,11 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
 USER_HI = [{"role": "user", "content": "hi"}]
-OK_BODY = {CHAT: {"model": "tiny", "messages": USER_HI, "max_tokens": 2},
-           COMPLETIONS: {"model": "tiny", "prompt": "hi", "max_tokens": 2},
-           GENERATE: {"text": "hi", "sampling_params": {"max_new_tokens": 2}}}
+OK_BODY = {
+    CHAT: {"model": "tiny", "messages": USER_HI, "max_tokens": 2},
+    COMPLETIONS: {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+    GENERATE: {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+}
 DEFAULTS = ServerArgs()
 
 
@@ -36,8 +38,9 @@ def post(server, path: str, body, **headers) -> httpx.Response:
     """POST ``body`` as JSON with ASCII escapes, so a lone surrogate travels as ``"\\ud800"``
     (legal JSON) instead of failing to encode on the client."""
     raw = json.dumps(body) if isinstance(body, (dict, list)) else body
-    return httpx.post(server.url + path, content=raw, timeout=120,
-                      headers={"content-type": "application/json", **headers})
+    return httpx.post(
+        server.url + path, content=raw, timeout=120, headers={"content-type": "application/json", **headers}
+    )
 
 
 def assert_error(resp: httpx.Response, status: int, param: str | None) -> dict:
@@ -51,12 +54,25 @@ def assert_error(resp: httpx.Response, status: int, param: str | None) -> dict:
 
 
 def greedy_texts(server) -> list:
-    chat = post(server, CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 8,
-                               "temperature": 0, "ignore_eos": True})
-    comp = post(server, COMPLETIONS, {"model": "tiny", "prompt": "Once", "max_tokens": 8, "temperature": 0,
-                                      "ignore_eos": True})
-    gen = post(server, GENERATE, {"text": "Once", "sampling_params": {"max_new_tokens": 8, "temperature": 0,
-                                                                      "ignore_eos": True}})
+    chat = post(
+        server,
+        CHAT,
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Tell me"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    comp = post(
+        server, COMPLETIONS, {"model": "tiny", "prompt": "Once", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    )
+    gen = post(
+        server,
+        GENERATE,
+        {"text": "Once", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}},
+    )
     assert [r.status_code for r in (chat, comp, gen)] == [200, 200, 200]
     return [chat.json()["choices"][0]["message"]["content"], comp.json()["choices"][0]["text"], gen.json()["text"]]
 
@@ -92,8 +108,12 @@ GENERATE_UNICODE = [
 ]
 
 
-@pytest.mark.parametrize("path, patch, param", [(CHAT, *c) for c in CHAT_UNICODE]
-                         + [(COMPLETIONS, *c) for c in COMPLETION_UNICODE] + [(GENERATE, *c) for c in GENERATE_UNICODE])
+@pytest.mark.parametrize(
+    "path, patch, param",
+    [(CHAT, *c) for c in CHAT_UNICODE]
+    + [(COMPLETIONS, *c) for c in COMPLETION_UNICODE]
+    + [(GENERATE, *c) for c in GENERATE_UNICODE],
+)
 def test_lone_surrogates_are_400_naming_the_field(server, path, patch, param):
     err = assert_error(post(server, path, {**OK_BODY[path], **patch}), 400, param)
     assert "\\ud800" in err["message"] if patch.get("max_tokens") else "not valid Unicode" in err["message"]
@@ -107,17 +127,25 @@ def test_a_surrogate_pair_escape_is_a_valid_character(server):
 
 # --- 2. limits -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path, patch, param, words", [
-    (GENERATE, {"sampling_params": {"stop": [str(i) for i in range(17)]}}, "sampling_params.stop", "at most 16"),
-    (GENERATE, {"sampling_params": {"stop": "x" * 1001}}, "sampling_params.stop", "at most 1000 characters"),
-    (CHAT, {"stop": ["x" * 1001]}, "stop", "at most 1000 characters"),
-    (CHAT, {"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-    (COMPLETIONS, {"prompt": "a" * (DEFAULTS.max_prompt_chars + 1)}, "prompt", "--max-prompt-chars"),
-    (COMPLETIONS, {"prompt": ["a" * (DEFAULTS.max_prompt_chars // 2)] * 2 + ["b"]}, "prompt", "--max-prompt-chars"),
-    (CHAT, {"messages": [{"role": "system", "content": "s" * DEFAULTS.max_prompt_chars}, *USER_HI]}, "messages",
-     "--max-prompt-chars"),
-    (GENERATE, {"text": "t" * (DEFAULTS.max_prompt_chars + 1)}, "text", "--max-prompt-chars"),
-])
+
+@pytest.mark.parametrize(
+    "path, patch, param, words",
+    [
+        (GENERATE, {"sampling_params": {"stop": [str(i) for i in range(17)]}}, "sampling_params.stop", "at most 16"),
+        (GENERATE, {"sampling_params": {"stop": "x" * 1001}}, "sampling_params.stop", "at most 1000 characters"),
+        (CHAT, {"stop": ["x" * 1001]}, "stop", "at most 1000 characters"),
+        (CHAT, {"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        (COMPLETIONS, {"prompt": "a" * (DEFAULTS.max_prompt_chars + 1)}, "prompt", "--max-prompt-chars"),
+        (COMPLETIONS, {"prompt": ["a" * (DEFAULTS.max_prompt_chars // 2)] * 2 + ["b"]}, "prompt", "--max-prompt-chars"),
+        (
+            CHAT,
+            {"messages": [{"role": "system", "content": "s" * DEFAULTS.max_prompt_chars}, *USER_HI]},
+            "messages",
+            "--max-prompt-chars",
+        ),
+        (GENERATE, {"text": "t" * (DEFAULTS.max_prompt_chars + 1)}, "text", "--max-prompt-chars"),
+    ],
+)
 def test_limits_are_400_naming_the_field(server, path, patch, param, words):
     assert words in assert_error(post(server, path, {**OK_BODY[path], **patch}), 400, param)["message"]
 
@@ -162,8 +190,9 @@ def test_the_limit_flags_take_effect(tiny_v3):
 
 # --- 3. tokenization off the event loop ------------------------------------------------------------
 
+
 def test_a_huge_prompt_does_not_stall_other_clients(server):
-    prompt = ("the quick brown fox jumps over a lazy dog " * 30000)[:DEFAULTS.max_prompt_chars]
+    prompt = ("the quick brown fox jumps over a lazy dog " * 30000)[: DEFAULTS.max_prompt_chars]
     latencies: list[float] = []
     done = threading.Event()
 
@@ -191,10 +220,16 @@ def test_a_huge_prompt_does_not_stall_other_clients(server):
 
 # --- 4. chat roles ------------------------------------------------------------------------------
 
+
 def test_developer_is_the_system_role(server):
     def reply(role):
-        body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                "messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+        body = {
+            "model": "tiny",
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        }
         resp = post(server, CHAT, body)
         assert resp.status_code == 200, resp.text
         return resp.json()["choices"][0]["message"]["content"], resp.json()["usage"]["prompt_tokens"]
@@ -210,16 +245,20 @@ def test_a_role_the_template_cannot_render_is_400_saying_why(server):
 
 # --- 5. FastAPI's own errors in OpenAI's shape ------------------------------------------------------
 
-@pytest.mark.parametrize("raw, content_type, words", [
-    (b'{"model": "tiny", "prompt": "\xff\xfe"}', "application/json", "not valid UTF-8"),
-    (b'{"model": "tiny", "prompt": "a",', "application/json", "could not parse the JSON"),
-    (b"[" * 100_000 + b"]" * 100_000, "application/json", "nested too deeply"),
-    (b'{"model": "tiny", "prompt": "a"}', "text/plain", "Content-Type: application/json"),
-    (b'{"model": "tiny", "prompt": "a"}', "", "Content-Type: application/json"),
-    (b"", "application/json", "body is missing"),
-    (b"[1, 2]", "application/json", "Invalid request body"),
-    (b"null", "application/json", "Invalid request body"),
-])
+
+@pytest.mark.parametrize(
+    "raw, content_type, words",
+    [
+        (b'{"model": "tiny", "prompt": "\xff\xfe"}', "application/json", "not valid UTF-8"),
+        (b'{"model": "tiny", "prompt": "a",', "application/json", "could not parse the JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", "nested too deeply"),
+        (b'{"model": "tiny", "prompt": "a"}', "text/plain", "Content-Type: application/json"),
+        (b'{"model": "tiny", "prompt": "a"}', "", "Content-Type: application/json"),
+        (b"", "application/json", "body is missing"),
+        (b"[1, 2]", "application/json", "Invalid request body"),
+        (b"null", "application/json", "Invalid request body"),
+    ],
+)
 def test_unparsable_bodies_are_400_in_openai_shape(server, raw, content_type, words):
     resp = httpx.post(server.url + COMPLETIONS, content=raw, headers={"content-type": content_type}, timeout=60)
     assert words in assert_error(resp, 400, None)["message"]
@@ -237,45 +276,76 @@ def test_unknown_routes_and_methods_are_openai_errors(server):
 FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
-@pytest.mark.parametrize("path, patch, param", [
-    (CHAT, {"tools": [FUNCTION]}, "tools"),
-    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
-    (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    (CHAT, {"functions": [FUNCTION["function"]]}, "functions"),
-    (CHAT, {"function_call": "auto"}, "function_call"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    (CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
-    (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
-    (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
-    (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
-    (CHAT, {"web_search_options": {}}, "web_search_options"),
-    (CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, *USER_HI]},
-     "messages[0].tool_calls"),
-    (CHAT, {"messages": [{"role": "assistant", "function_call": {"name": "f"}}, *USER_HI]},
-     "messages[0].function_call"),
-    (COMPLETIONS, {"suffix": "tail"}, "suffix"),
-    (COMPLETIONS, {"best_of": 3}, "best_of"),
-    (COMPLETIONS, {"logit_bias": {"5": -100}}, "logit_bias"),
-    (COMPLETIONS, {"echo": True}, "echo"),
-])
+@pytest.mark.parametrize(
+    "path, patch, param",
+    [
+        (CHAT, {"tools": [FUNCTION]}, "tools"),
+        (CHAT, {"tool_choice": "auto"}, "tool_choice"),
+        (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        (CHAT, {"functions": [FUNCTION["function"]]}, "functions"),
+        (CHAT, {"function_call": "auto"}, "function_call"),
+        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            CHAT,
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format",
+        ),
+        (CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
+        (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
+        (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
+        (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        (CHAT, {"web_search_options": {}}, "web_search_options"),
+        (
+            CHAT,
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, *USER_HI]},
+            "messages[0].tool_calls",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "assistant", "function_call": {"name": "f"}}, *USER_HI]},
+            "messages[0].function_call",
+        ),
+        (COMPLETIONS, {"suffix": "tail"}, "suffix"),
+        (COMPLETIONS, {"best_of": 3}, "best_of"),
+        (COMPLETIONS, {"logit_bias": {"5": -100}}, "logit_bias"),
+        (COMPLETIONS, {"echo": True}, "echo"),
+    ],
+)
 def test_unsupported_fields_are_400_not_ignored(server, path, patch, param):
     err = assert_error(post(server, path, {**OK_BODY[path], **patch}), 400, param)
     assert f"{param.rsplit('.', 1)[-1]} is not supported" in err["message"]
 
 
-@pytest.mark.parametrize("patch", [
-    {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {}, "modalities": ["text"],
-     "presence_penalty": 0, "frequency_penalty": 0.0, "parallel_tool_calls": False, "store": False},
-    {"tools": None, "response_format": None, "audio": None, "prediction": None, "messages": [
-        {"role": "assistant", "content": "x", "tool_calls": []}, *USER_HI]},
-])
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "logit_bias": {},
+            "modalities": ["text"],
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "parallel_tool_calls": False,
+            "store": False,
+        },
+        {
+            "tools": None,
+            "response_format": None,
+            "audio": None,
+            "prediction": None,
+            "messages": [{"role": "assistant", "content": "x", "tool_calls": []}, *USER_HI],
+        },
+    ],
+)
 def test_their_no_op_values_are_accepted(server, patch):
     assert post(server, CHAT, {**OK_BODY[CHAT], **patch}).status_code == 200
 
 
 # --- 7 and 8. the OpenAPI document tells the truth ---------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def openapi(server) -> dict:
@@ -289,34 +359,51 @@ def request_validator(openapi: dict, path: str):
     return jsonschema_rs.validator_for({**ref, "components": openapi["components"]})
 
 
-@pytest.mark.parametrize("path, body, param", [
-    (COMPLETIONS, {"model": "tiny", "prompt": ""}, "prompt"),
-    (COMPLETIONS, {"model": "tiny", "prompt": []}, "prompt"),
-    (COMPLETIONS, {"model": "tiny", "prompt": [[1], []]}, "prompt"),
-    (COMPLETIONS, {"model": "tiny", "prompt": "a", "stop": ""}, "stop"),
-    (COMPLETIONS, {"model": "tiny", "prompt": "a", "presence_penalty": 1}, "presence_penalty"),
-    (GENERATE, {"input_ids": []}, "input_ids"),
-    (GENERATE, {}, "input_ids"),
-    (GENERATE, {"text": "a", "input_ids": [1]}, "input_ids"),
-    (GENERATE, {"text": "a", "sampling_params": {"temperature": 150}}, "temperature"),
-    (CHAT, {"model": "tiny", "messages": USER_HI, "top_logprobs": 2}, "top_logprobs"),
-    (CHAT, {"model": "tiny", "messages": USER_HI, "top_logprobs": 2, "logprobs": False}, "top_logprobs"),
-    (CHAT, {"model": "tiny", "messages": USER_HI, "stream_options": {"include_usage": True}}, "stream_options"),
-    (CHAT, {"model": "tiny", "messages": USER_HI, "tools": [FUNCTION]}, "tools"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (COMPLETIONS, {"model": "tiny", "prompt": ""}, "prompt"),
+        (COMPLETIONS, {"model": "tiny", "prompt": []}, "prompt"),
+        (COMPLETIONS, {"model": "tiny", "prompt": [[1], []]}, "prompt"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "a", "stop": ""}, "stop"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "a", "presence_penalty": 1}, "presence_penalty"),
+        (GENERATE, {"input_ids": []}, "input_ids"),
+        (GENERATE, {}, "input_ids"),
+        (GENERATE, {"text": "a", "input_ids": [1]}, "input_ids"),
+        (GENERATE, {"text": "a", "sampling_params": {"temperature": 150}}, "temperature"),
+        (CHAT, {"model": "tiny", "messages": USER_HI, "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"model": "tiny", "messages": USER_HI, "top_logprobs": 2, "logprobs": False}, "top_logprobs"),
+        (CHAT, {"model": "tiny", "messages": USER_HI, "stream_options": {"include_usage": True}}, "stream_options"),
+        (CHAT, {"model": "tiny", "messages": USER_HI, "tools": [FUNCTION]}, "tools"),
+    ],
+)
 def test_bodies_the_server_refuses_are_invalid_by_its_schema(server, openapi, path, body, param):
     assert_error(post(server, path, body), 400, param)
     assert not request_validator(openapi, path).is_valid(body)
 
 
-@pytest.mark.parametrize("path, body", [
-    (COMPLETIONS, {"model": "tiny", "prompt": [[1, 2], [3]], "max_tokens": 2, "stop": ["a"], "presence_penalty": 0}),
-    (GENERATE, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}),
-    (GENERATE, {"text": "a", "input_ids": None, "sampling_params": {"max_new_tokens": 2}}),
-    (CHAT, {"model": "tiny", "messages": USER_HI, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}),
-    (CHAT, {"model": "tiny", "messages": USER_HI, "max_tokens": 2, "stream": True,
-            "stream_options": {"include_usage": True}}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            COMPLETIONS,
+            {"model": "tiny", "prompt": [[1, 2], [3]], "max_tokens": 2, "stop": ["a"], "presence_penalty": 0},
+        ),
+        (GENERATE, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}),
+        (GENERATE, {"text": "a", "input_ids": None, "sampling_params": {"max_new_tokens": 2}}),
+        (CHAT, {"model": "tiny", "messages": USER_HI, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}),
+        (
+            CHAT,
+            {
+                "model": "tiny",
+                "messages": USER_HI,
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+    ],
+)
 def test_bodies_the_server_accepts_are_valid_by_its_schema(server, openapi, path, body):
     assert post(server, path, body).status_code == 200
     assert request_validator(openapi, path).is_valid(body)
@@ -324,19 +411,27 @@ def test_bodies_the_server_accepts_are_valid_by_its_schema(server, openapi, path
 
 def test_openapi_documents_errors_and_responses(openapi):
     error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
-    expected = {CHAT: {"400", "401", "404", "413", "503"}, COMPLETIONS: {"400", "401", "404", "413", "503"},
-                GENERATE: {"400", "413", "503"}}
+    expected = {
+        CHAT: {"400", "401", "404", "413", "503"},
+        COMPLETIONS: {"400", "401", "404", "413", "503"},
+        GENERATE: {"400", "413", "503"},
+    }
     for path, statuses in expected.items():
         responses = openapi["paths"][path]["post"]["responses"]
         assert set(responses) == statuses | {"200"}
         for status in statuses:
             assert responses[status]["content"]["application/json"]["schema"] == error_ref
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
-    ok = {path: openapi["paths"][path][method]["responses"]["200"]["content"]
-          for path, method in [(CHAT, "post"), (COMPLETIONS, "post"), (GENERATE, "post"), ("/v1/models", "get")]}
+    ok = {
+        path: openapi["paths"][path][method]["responses"]["200"]["content"]
+        for path, method in [(CHAT, "post"), (COMPLETIONS, "post"), (GENERATE, "post"), ("/v1/models", "get")]
+    }
     assert {p: c["application/json"]["schema"]["$ref"].rsplit("/", 1)[1] for p, c in ok.items()} == {
-        CHAT: "ChatCompletionResponse", COMPLETIONS: "CompletionResponse", GENERATE: "GenerateResponse",
-        "/v1/models": "ModelList"}
+        CHAT: "ChatCompletionResponse",
+        COMPLETIONS: "CompletionResponse",
+        GENERATE: "GenerateResponse",
+        "/v1/models": "ModelList",
+    }
     assert set(openapi["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "422" not in json.dumps(openapi["paths"]) and "HTTPValidationError" not in openapi["components"]["schemas"]
 
@@ -347,17 +442,26 @@ SURROGATES = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff", "\ud83d\ud
 TEXT = st.lists(st.one_of(st.characters(), SURROGATES), max_size=12).map("".join) | st.text(max_size=12)
 STOP = st.none() | TEXT | st.lists(TEXT, max_size=5)
 CONTENT = TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), min_size=1, max_size=3)
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
-                                 "content": CONTENT}, optional={"name": TEXT})
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer"]), "content": CONTENT}, optional={"name": TEXT}
+)
 MODEL = st.just("tiny") | TEXT
-FUZZ_CHAT = st.fixed_dictionaries({"model": MODEL, "messages": st.lists(MESSAGE, min_size=1, max_size=3),
-                                   "max_tokens": st.just(1)}, optional={"stop": STOP, "user": TEXT})
-FUZZ_COMPLETION = st.fixed_dictionaries({"model": MODEL, "prompt": TEXT | st.lists(TEXT, min_size=1, max_size=3),
-                                         "max_tokens": st.just(1)}, optional={"stop": STOP, "user": TEXT})
-FUZZ_GENERATE = st.fixed_dictionaries({"text": TEXT, "sampling_params": st.fixed_dictionaries(
-    {"max_new_tokens": st.just(1)}, optional={"stop": STOP})})
-FUZZ = st.tuples(st.just(CHAT), FUZZ_CHAT) | st.tuples(st.just(COMPLETIONS), FUZZ_COMPLETION) \
+FUZZ_CHAT = st.fixed_dictionaries(
+    {"model": MODEL, "messages": st.lists(MESSAGE, min_size=1, max_size=3), "max_tokens": st.just(1)},
+    optional={"stop": STOP, "user": TEXT},
+)
+FUZZ_COMPLETION = st.fixed_dictionaries(
+    {"model": MODEL, "prompt": TEXT | st.lists(TEXT, min_size=1, max_size=3), "max_tokens": st.just(1)},
+    optional={"stop": STOP, "user": TEXT},
+)
+FUZZ_GENERATE = st.fixed_dictionaries(
+    {"text": TEXT, "sampling_params": st.fixed_dictionaries({"max_new_tokens": st.just(1)}, optional={"stop": STOP})}
+)
+FUZZ = (
+    st.tuples(st.just(CHAT), FUZZ_CHAT)
+    | st.tuples(st.just(COMPLETIONS), FUZZ_COMPLETION)
     | st.tuples(st.just(GENERATE), FUZZ_GENERATE)
+)
 
 
 def test_arbitrary_unicode_in_every_string_field(server):
@@ -365,8 +469,14 @@ def test_arbitrary_unicode_in_every_string_field(server):
 
     # derandomized: the same requests every run, so a failure reproduces without shrinking, which
     # against a server that has just broken can take many minutes of slow requests
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-              derandomize=True, phases=[Phase.explicit, Phase.generate])
+    @settings(
+        max_examples=300,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+    )
     @given(FUZZ)
     def one(case):
         path, body = case
@@ -386,6 +496,7 @@ def test_arbitrary_unicode_in_every_string_field(server):
 
 
 # --- afterwards ---------------------------------------------------------------------------------
+
 
 def test_the_server_is_unchanged_after_all_this(server, baseline):
     # Last in the file: every malformed request above has been sent.

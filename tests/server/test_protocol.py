@@ -52,18 +52,36 @@ def error_of(cls, body) -> tuple[int, dict]:
 
 
 def test_chat_request_parses_and_ignores_unknown_fields():
-    req = ChatCompletionRequest.model_validate_json(json.dumps({
-        **CHAT,
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "developer", "content": None},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        ],
-        "max_tokens": 7, "temperature": 1, "top_p": 0.9, "top_k": 40, "seed": 3, "stop": "\n", "n": 2,
-        "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2,
-        "presence_penalty": 0, "frequency_penalty": 0.0, "user": "u1", "ignore_eos": True,
-        "tools": [], "response_format": {"type": "text"}, "parallel_tool_calls": False,  # ignored
-    }))
+    req = ChatCompletionRequest.model_validate_json(
+        json.dumps(
+            {
+                **CHAT,
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "developer", "content": None},
+                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                ],
+                "max_tokens": 7,
+                "temperature": 1,
+                "top_p": 0.9,
+                "top_k": 40,
+                "seed": 3,
+                "stop": "\n",
+                "n": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "logprobs": True,
+                "top_logprobs": 2,
+                "presence_penalty": 0,
+                "frequency_penalty": 0.0,
+                "user": "u1",
+                "ignore_eos": True,
+                "tools": [],
+                "response_format": {"type": "text"},
+                "parallel_tool_calls": False,  # ignored
+            }
+        )
+    )
     assert req.temperature == 1.0 and isinstance(req.temperature, float)
     assert req.stop == ["\n"] and req.n == 2 and req.include_usage
     assert req.messages[2].content == "a\nb"
@@ -76,11 +94,26 @@ def test_chat_request_parses_and_ignores_unknown_fields():
 
 def test_null_means_default():
     # The OpenAI spec marks these nullable, and some clients send explicit nulls.
-    req = ChatCompletionRequest.model_validate_json(json.dumps({
-        **CHAT, "n": None, "stream": None, "logprobs": None, "top_logprobs": None, "temperature": None,
-        "stop": None, "stream_options": None, "max_tokens": None, "presence_penalty": None}))
+    req = ChatCompletionRequest.model_validate_json(
+        json.dumps(
+            {
+                **CHAT,
+                "n": None,
+                "stream": None,
+                "logprobs": None,
+                "top_logprobs": None,
+                "temperature": None,
+                "stop": None,
+                "stream_options": None,
+                "max_tokens": None,
+                "presence_penalty": None,
+            }
+        )
+    )
     assert req.n == 1 and req.stream is False and req.logprobs is False and req.stop is None
-    assert GenerateRequest.model_validate({"text": "a", "input_ids": None, "sampling_params": {"seed": None}}).text == "a"
+    assert (
+        GenerateRequest.model_validate({"text": "a", "input_ids": None, "sampling_params": {"seed": None}}).text == "a"
+    )
     _, err = error_of(ChatCompletionRequest, {**CHAT, "model": None})
     assert err["param"] == "model"
 
@@ -90,12 +123,15 @@ def test_huge_max_tokens_is_left_to_the_server():
     assert ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 10**9}).max_tokens == 10**9
 
 
-@pytest.mark.parametrize("prompt, expected", [
-    ("hi", ["hi"]),
-    (["a", "b"], ["a", "b"]),
-    ([1, 2, 3], [[1, 2, 3]]),
-    ([[1], [2, 3]], [[1], [2, 3]]),
-])
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("hi", ["hi"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
+)
 def test_completion_prompt_forms(prompt, expected):
     req = CompletionRequest.model_validate_json(json.dumps({"model": "m", "prompt": prompt, "logprobs": 2}))
     assert req.prompts() == expected
@@ -110,35 +146,38 @@ def test_generate_request_parses():
 # --- invalid requests: 400 naming the field ---------------------------------------------------
 
 
-@pytest.mark.parametrize("patch, param", [
-    ({"max_tokens": "5"}, "max_tokens"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"max_tokens": True}, "max_tokens"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"temperature": "0.5"}, "temperature"),
-    ({"temperature": 2.5}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"seed": -1}, "seed"),
-    ({"messages": "Hello"}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"n": 0}, "n"),
-    ({"n": 17}, "n"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"stop": ""}, "stop"),
-    ({"stop": ["a", 1]}, "stop"),
-    ({"stream": "yes"}, "stream"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"model": 3}, "model"),
-])
+@pytest.mark.parametrize(
+    "patch, param",
+    [
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"messages": "Hello"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["a", 1]}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"model": 3}, "model"),
+    ],
+)
 def test_chat_invalid(patch, param):
     status, err = error_of(ChatCompletionRequest, {**CHAT, **patch})
     assert status == 400
@@ -158,31 +197,37 @@ def test_error_messages_read_well():
     assert err["param"] is None and err["message"].startswith("Invalid request body")
 
 
-@pytest.mark.parametrize("patch, param", [
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [[1], []]}, "prompt"),
-    ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": [-1]}, "prompt"),
-    ({"logprobs": 6}, "logprobs"),
-    ({"logprobs": True}, "logprobs"),
-    ({"echo": True}, "echo"),
-    ({"max_tokens": "5"}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "patch, param",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[1], []]}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"max_tokens": "5"}, "max_tokens"),
+    ],
+)
 def test_completion_invalid(patch, param):
     status, err = error_of(CompletionRequest, {"model": "m", "prompt": "hi", **patch})
     assert status == 400 and err["param"] == param
 
 
-@pytest.mark.parametrize("body, param", [
-    ({}, "input_ids"),
-    ({"text": "a", "input_ids": [1]}, "input_ids"),
-    ({"input_ids": []}, "input_ids"),
-    ({"input_ids": [1, -2]}, "input_ids[1]"),
-    ({"text": "a", "sampling_params": {"max_tokens": 4}}, "sampling_params.max_tokens"),  # typo caught
-    ({"text": "a", "sampling_params": {"max_new_tokens": "4"}}, "sampling_params.max_new_tokens"),
-    ({"text": "a", "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids[0]"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "input_ids"),
+        ({"text": "a", "input_ids": [1]}, "input_ids"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1, -2]}, "input_ids[1]"),
+        ({"text": "a", "sampling_params": {"max_tokens": 4}}, "sampling_params.max_tokens"),  # typo caught
+        ({"text": "a", "sampling_params": {"max_new_tokens": "4"}}, "sampling_params.max_new_tokens"),
+        ({"text": "a", "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids[0]"),
+    ],
+)
 def test_generate_invalid(body, param):
     status, err = error_of(GenerateRequest, body)
     assert status == 400 and err["param"] == param
@@ -192,8 +237,18 @@ def test_generate_invalid(body, param):
 
 
 def test_chat_sampling_params():
-    req = ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 9, "temperature": 0, "top_p": 0.5, "top_k": 5,
-                                                "seed": 11, "stop": ["x", "yz"], "ignore_eos": True})
+    req = ChatCompletionRequest.model_validate(
+        {
+            **CHAT,
+            "max_tokens": 9,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 5,
+            "seed": 11,
+            "stop": ["x", "yz"],
+            "ignore_eos": True,
+        }
+    )
     sp = req.to_sampling_params(default_max_tokens=100)
     assert (sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (9, 0.0, 0.5, 5, 11)
     assert sp.stop == ("x", "yz") and sp.ignore_eos and sp.greedy
@@ -211,7 +266,10 @@ def test_defaults_and_max_completion_tokens():
 def test_seed_per_choice():
     req = ChatCompletionRequest.model_validate({**CHAT, "seed": 41, "n": 3})
     assert [p.seed for p in req.choice_sampling_params(16)] == [41, 42, 43]
-    assert [p.seed for p in ChatCompletionRequest.model_validate({**CHAT, "n": 2}).choice_sampling_params(16)] == [None, None]
+    assert [p.seed for p in ChatCompletionRequest.model_validate({**CHAT, "n": 2}).choice_sampling_params(16)] == [
+        None,
+        None,
+    ]
     top = SamplingParams(seed=2**63 - 1)
     assert sampling_params_for_choice(top, 1).seed == 0  # wraps instead of overflowing int64
     assert sampling_params_for_choice(top, 0) is top
@@ -229,9 +287,21 @@ def test_sampling_params_error_propagates():
 
 
 def test_generate_sampling_params():
-    req = GenerateRequest.model_validate({"input_ids": [5], "sampling_params": {
-        "max_new_tokens": 3, "temperature": 0.7, "stop": ["</s>"], "stop_token_ids": [7, 8], "ignore_eos": True,
-        "include_stop_str_in_output": True, "skip_special_tokens": False, "seed": 1}})
+    req = GenerateRequest.model_validate(
+        {
+            "input_ids": [5],
+            "sampling_params": {
+                "max_new_tokens": 3,
+                "temperature": 0.7,
+                "stop": ["</s>"],
+                "stop_token_ids": [7, 8],
+                "ignore_eos": True,
+                "include_stop_str_in_output": True,
+                "skip_special_tokens": False,
+                "seed": 1,
+            },
+        }
+    )
     sp = req.to_sampling_params(100)
     assert (sp.max_new_tokens, sp.temperature, sp.stop, sp.stop_token_ids, sp.seed) == (3, 0.7, ("</s>",), (7, 8), 1)
     assert sp.ignore_eos and sp.include_stop_str_in_output and not sp.skip_special_tokens
@@ -263,7 +333,11 @@ def test_error_bodies():
 
     r = errors.invalid_request_response(InvalidRequestError("bad top_p", param="top_p"))
     assert r.status_code == 400 and body_of(r)["error"] == {
-        "message": "bad top_p", "type": "invalid_request_error", "param": "top_p", "code": None}
+        "message": "bad top_p",
+        "type": "invalid_request_error",
+        "param": "top_p",
+        "code": None,
+    }
 
     too_long = InvalidRequestError("the prompt has 900 tokens but the context length is 512; shorten it")
     r = errors.invalid_request_response(too_long)
@@ -288,10 +362,20 @@ def _asgi_post(app, path: str, raw: bytes) -> tuple[int, dict]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     asyncio.run(app(scope, receive, send))
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -314,13 +398,22 @@ def test_fastapi_handlers():
         raise errors.APIError(404, "nope", code="model_not_found", param="model")
 
     status, body = _asgi_post(app, "/v1/chat/completions", json.dumps({**CHAT, "max_tokens": "5"}).encode())
-    assert status == 400 and body["error"]["param"] == "max_tokens" and set(body["error"]) == {"message", "type", "param", "code"}
+    assert (
+        status == 400
+        and body["error"]["param"] == "max_tokens"
+        and set(body["error"]) == {"message", "type", "param", "code"}
+    )
     status, body = _asgi_post(app, "/v1/chat/completions", b"{not json")
     assert status == 400 and body["error"]["param"] is None and "JSON" in body["error"]["message"]
     status, body = _asgi_post(app, "/v1/chat/completions", json.dumps(CHAT).encode())
     assert status == 400 and body["error"]["param"] == "max_new_tokens"
     status, body = _asgi_post(app, "/missing", b"")
-    assert status == 404 and body["error"] == {"message": "nope", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert status == 404 and body["error"] == {
+        "message": "nope",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -343,11 +436,19 @@ def test_chat_response_json(tokenizer):
     ids = tokenizer.encode(" price 世", add_special_tokens=False)
     lps = [-0.5] * len(ids)
     top = [([i, 44], [-0.5, float("-inf")]) for i in ids]
-    resp = ChatCompletionResponse(model="m", choices=[
-        ChatCompletionChoice(index=0, message=ChatResponseMessage(content="hi"), finish_reason="stop",
-                             logprobs=fmt.chat_logprobs(ids, lps, top)),
-        ChatCompletionChoice(index=1, message=ChatResponseMessage(content="yo"), finish_reason="length"),
-    ], usage=UsageInfo.of(3, 4))
+    resp = ChatCompletionResponse(
+        model="m",
+        choices=[
+            ChatCompletionChoice(
+                index=0,
+                message=ChatResponseMessage(content="hi"),
+                finish_reason="stop",
+                logprobs=fmt.chat_logprobs(ids, lps, top),
+            ),
+            ChatCompletionChoice(index=1, message=ChatResponseMessage(content="yo"), finish_reason="length"),
+        ],
+        usage=UsageInfo.of(3, 4),
+    )
     raw = resp.model_dump_json()
     data = json.loads(raw)
     assert data["id"].startswith("chatcmpl-") and data["object"] == "chat.completion"
@@ -363,12 +464,19 @@ def test_chat_response_json(tokenizer):
 
 def test_chat_chunks_json():
     openai = pytest.importorskip("openai")
-    first = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[
-        ChatCompletionStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
-    middle = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[
-        ChatCompletionStreamChoice(index=0, delta=DeltaMessage(content="Hel"))])
-    last = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[
-        ChatCompletionStreamChoice(index=0, delta=DeltaMessage(), finish_reason="stop")])
+    first = ChatCompletionChunk(
+        id="chatcmpl-1",
+        model="m",
+        choices=[ChatCompletionStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))],
+    )
+    middle = ChatCompletionChunk(
+        id="chatcmpl-1", model="m", choices=[ChatCompletionStreamChoice(index=0, delta=DeltaMessage(content="Hel"))]
+    )
+    last = ChatCompletionChunk(
+        id="chatcmpl-1",
+        model="m",
+        choices=[ChatCompletionStreamChoice(index=0, delta=DeltaMessage(), finish_reason="stop")],
+    )
     usage = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[], usage=UsageInfo.of(1, 2))
     docs = [json.loads(c.model_dump_json()) for c in (first, middle, last, usage)]
     assert docs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -390,8 +498,11 @@ def test_completion_json(tokenizer):
     lps = [-1.0] * len(ids)
     top = [([ids[0]], [-0.25])] * len(ids)
     logprobs = fmt.completion_logprobs(ids, lps, top, text_offset=10)
-    resp = CompletionResponse(model="m", choices=[CompletionChoice(index=0, text=text, finish_reason="stop",
-                                                                    logprobs=logprobs)], usage=UsageInfo.of(2, len(ids)))
+    resp = CompletionResponse(
+        model="m",
+        choices=[CompletionChoice(index=0, text=text, finish_reason="stop", logprobs=logprobs)],
+        usage=UsageInfo.of(2, len(ids)),
+    )
     parsed = openai.types.Completion.model_validate_json(resp.model_dump_json())
     lp = parsed.choices[0].logprobs
     assert lp.token_logprobs == lps and len(lp.tokens) == len(ids) == len(lp.text_offset) == len(lp.top_logprobs)

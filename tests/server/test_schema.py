@@ -20,13 +20,20 @@ def test_the_api_keeps_its_openapi_document(server):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
-        "POST /v1/chat/completions", "POST /v1/completions", "POST /generate", "GET /v1/models", "GET /health",
-        "GET /metrics"}
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+        "POST /generate",
+        "GET /v1/models",
+        "GET /health",
+        "GET /metrics",
+    }
     start = time.monotonic()
     calls = []
     for op in operations:
-        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-                  derandomize=True)
+
+        @settings(
+            max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True
+        )
         @given(op.as_strategy())
         def one(case):
             response = case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=60)
