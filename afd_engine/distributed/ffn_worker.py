@@ -38,6 +38,39 @@ class PeerLostError(CommError):
     """An attention rank went silent without shutting down."""
 
 
+class DescriptorMismatchError(CommError):
+    """The attention ranks' step descriptors do not describe the step this FFN rank serves."""
+
+
+def check_descriptors(metas: dict[int, dict], num_micro_batches: int, step: int) -> bool:
+    """metas: attention endpoint -> its descriptor of `step`. True when the step is the shutdown.
+
+    Every descriptor must agree on shutdown, and each working one must give a non-negative token
+    count for each of this deployment's micro-batches: a rank started with another
+    --micro-batches, or a desynchronised one, is an error here instead of a hang in the layers.
+    """
+    shutdown = {ep: bool(m.get("shutdown")) for ep, m in metas.items()}
+    if len(set(shutdown.values())) > 1:
+        raise DescriptorMismatchError(f"step {step}: attention endpoints disagree on shutdown: {shutdown}")
+    if any(shutdown.values()):
+        return True
+    bad = {ep: m.get("tokens") for ep, m in metas.items() if not _valid_counts(m.get("tokens"), num_micro_batches)}
+    if bad:
+        raise DescriptorMismatchError(
+            f"step {step}: expected {num_micro_batches} token counts (one per micro-batch) from every attention "
+            f"endpoint, got {bad}: start every role with the same --micro-batches"
+        )
+    return False
+
+
+def _valid_counts(tokens, n: int) -> bool:
+    return (
+        isinstance(tokens, list)
+        and len(tokens) == n
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+    )
+
+
 class FfnWorker:
     def __init__(
         self, shard, spec: DeploymentSpec, rank: int, transport: Transport, device: torch.device | str = "cpu"
@@ -70,8 +103,8 @@ class FfnWorker:
     def _next_step(self) -> bool:
         """Waits for every attention rank's descriptor of the next step; False on shutdown."""
         key = MsgKey(self.step_id, STEP_LAYER, 0)
-        descriptors = [self._descriptor(ep, key) for ep in self.senders]
-        return not any(d.meta["shutdown"] for d in descriptors)
+        metas = {ep: self._descriptor(ep, key).meta for ep in self.senders}
+        return not check_descriptors(metas, self.n, self.step_id)
 
     def _descriptor(self, ep: int, key: MsgKey):
         """The step descriptor from attention endpoint ep, however long an idle deployment takes;

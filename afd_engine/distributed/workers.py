@@ -9,7 +9,7 @@ import torch
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.distributed.attention_runner import PipelineRunner
-from afd_engine.distributed.ffn_worker import FfnWorker, PeerLostError
+from afd_engine.distributed.ffn_worker import DescriptorMismatchError, FfnWorker, PeerLostError
 from afd_engine.distributed.rendezvous import RendezvousSpec, register
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine
@@ -64,7 +64,7 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
     logging.getLogger("afd.ffn").info("FFN rank %d ready: experts %s", rank, spec.expert_range(rank))
     try:
         FfnWorker(shard, spec, rank, transport, device).run()
-    except PeerLostError as exc:  # an expected way to end: one line, exit status 1
+    except (PeerLostError, DescriptorMismatchError) as exc:  # expected ways to end: one line, exit status 1
         logging.getLogger("afd.ffn").error("%s", exc)
         raise SystemExit(1) from None
     finally:

@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -293,7 +293,9 @@ async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]
     if getattr(body, "stream", False):
         s.metrics.requests.labels(endpoint, "stream").inc()
         events = {"chat": _chat_events, "completions": _completion_events, "generate": _generate_events}[endpoint]
-        return StreamingResponse(_sse(events(s, body, choices, stream)), media_type="text/event-stream")
+        aborted = s.metrics.requests.labels(endpoint, "aborted").inc
+        sse = _sse(events(s, body, choices, stream), aborted, stream)
+        return StreamingResponse(sse, media_type="text/event-stream")
     done = await _until_done_or_disconnect(request, _drain(stream))
     if done is None:
         s.metrics.requests.labels(endpoint, "aborted").inc()
@@ -341,17 +343,30 @@ async def _until_done_or_disconnect(request: Request, work: Awaitable):
             return None
 
 
-async def _sse(events: AsyncIterator) -> AsyncIterator[str]:
+async def _sse(events: AsyncGenerator, on_abort: Callable[[], None], choices: AsyncGenerator) -> AsyncIterator[str]:
     """Server-sent events; a failure midway (the engine died) ends the stream with an OpenAI
-    error event, which clients raise as an error instead of seeing a silent cut."""
+    error event, which clients raise as an error instead of seeing a silent cut.
+
+    A stream closed before its end (the client went away) calls `on_abort` and closes `events`
+    and the `choices` stream it reads, which aborts the engine requests at once: an async
+    generator left suspended is only closed when the garbage collector finds it, seconds later,
+    and its requests would hold their KV pages until then."""
+    ended = False
     try:
-        async for event in events:
-            yield event if isinstance(event, str) else P.sse_event(event)
-    except AFDError as exc:
-        log.error("stream failed: %s", exc)
-        body = error_body(f"the engine is unavailable: {exc}", type="server_error")
-        yield f"data: {json.dumps(body)}\n\n"
-    yield P.SSE_DONE
+        try:
+            async for event in events:
+                yield event if isinstance(event, str) else P.sse_event(event)
+        except AFDError as exc:
+            log.error("stream failed: %s", exc)
+            body = error_body(f"the engine is unavailable: {exc}", type="server_error")
+            yield f"data: {json.dumps(body)}\n\n"
+        yield P.SSE_DONE
+        ended = True
+    finally:
+        if not ended:
+            on_abort()
+            await events.aclose()
+            await choices.aclose()
 
 
 def _usage(choices: list[Choice]) -> P.UsageInfo:

@@ -20,6 +20,9 @@ from afd_engine.distributed.launcher import Deployment
 from afd_engine.engine_args import EngineArgs
 
 log = logging.getLogger("afd.serve")
+# after a rank dies, requests in flight get this long to fail (each within about a second) before the
+# server stops
+DEATH_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,9 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs, deployment: Deployme
     try:
         return _run_http(deployment, server_args)
     finally:
-        deployment.stop()
+        # a deployment that lost a rank cannot step again: its other ranks wait on the dead one,
+        # so they get a moment to exit, not the graceful shutdown of a healthy deployment
+        deployment.stop(timeout=10.0 if deployment.alive() else 1.0)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -121,7 +126,7 @@ def _watch(deployment: Deployment, server, holder: dict) -> None:
     while not server.should_exit:
         if holder.get("info") and not deployment.alive():
             holder["died"] = True
-            time.sleep(2)
+            time.sleep(DEATH_GRACE_S)
             server.should_exit = True
             return
         time.sleep(0.2)

@@ -54,6 +54,52 @@ def test_deployment_matches_single_engine_and_transformers(name, tiny_v3, refere
         assert_greedy_matches(out, ref, gaps, f"{name} prompt len {len(ids)}")
 
 
+# Harder runs: other model configurations, prompts up to 200 tokens, prefill in small chunks, a KV
+# pool too small for the batch (preemption and recompute), and micro-batch counts 5 to 8.
+STRESS_LENS = (1, 9, 57, 130, 200)
+STRESS = {
+    "v2-lite afd 2A 2x1 mb5 chunked small-pool": (
+        "v2-lite",
+        dict(
+            mode="afd",
+            dp_size=2,
+            ffn_nodes=2,
+            micro_batches=5,
+            max_num_batched_tokens=24,
+            max_total_tokens=320,
+            page_size=8,
+        ),
+    ),
+    "v2-group-limited afd 1A 1x2 mb8 chunked": (
+        "v2-group-limited",
+        dict(mode="afd", dp_size=1, ffn_ranks_per_node=2, micro_batches=8, max_num_batched_tokens=40),
+    ),
+    "v3-dense2 colocated dp2 mb2 small-pool": (
+        "v3-dense2-rope-params",
+        dict(mode="colocated", dp_size=2, micro_batches=2, max_total_tokens=300, page_size=4),
+    ),
+    "v3 afd 2A 1x2 mb6 direct chunked": (
+        "v3-yarn-qlora",
+        dict(
+            mode="afd", dp_size=2, ffn_ranks_per_node=2, micro_batches=6, dispatch="direct", max_num_batched_tokens=33
+        ),
+    ),
+}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(STRESS))
+def test_harder_deployments_match_transformers(name, tiny_model_factory):
+    config, flags = STRESS[name]
+    path = tiny_model_factory(config)
+    with Engine(model_path=path, num_threads=1) as single:
+        batch = random_prompts(single.config.vocab_size, STRESS_LENS, seed=11, low=5)
+    with make_engine(model_path=path, comm_timeout=60, dispatch_dtype="fp32", **flags) as engine:
+        outs = staggered(engine, batch)
+    for ids, out in zip(batch, outs):
+        assert_greedy_matches(out, *hf_greedy(path, ids, NEW), f"{name} prompt len {len(ids)}")
+
+
 @pytest.mark.timeout(300)
 def test_fp8_dispatch_logprobs_within_tolerance(tiny_v3, reference):
     batch = reference[0]

@@ -149,3 +149,49 @@ def test_attention_role_alone_names_the_missing_ranks(tiny_v3):
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 2, out
     assert f"only 2 of 4 ranks registered at {rdv} within 3 s (missing endpoints: [2, 3])" in out
+
+
+@pytest.mark.timeout(180)
+def test_an_ffn_role_with_other_micro_batches_refuses_the_first_step(tiny_v3):
+    """Roles started with different --micro-batches: the FFN role checks the first step's
+    descriptors, says what differs and exits 1 instead of serving garbage or hanging."""
+    rdv, port = f"127.0.0.1:{free_port()}", free_port()
+    common = [
+        "--dist-init-addr",
+        rdv,
+        "--model-path",
+        tiny_v3,
+        "--mode",
+        "afd",
+        "--dp-size",
+        "1",
+        "--ffn-nodes",
+        "1",
+        "--ffn-ranks-per-node",
+        "1",
+        "--num-threads",
+        "1",
+        "--comm-timeout",
+        "5",
+        "--served-model-name",
+        "tiny",
+    ]
+    ffn = afd("launch", "--role", "ffn", "--node-rank", "0", *common, "--micro-batches", "3")
+    attention = afd(
+        "launch", "--role", "attention", "--port", str(port), *common, "--micro-batches", "2", new_session=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url)
+        with pytest.raises(openai.APIError):
+            openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60).completions.create(
+                model="tiny", prompt="hello", max_tokens=2
+            )
+        out, _ = ffn.communicate(timeout=60)
+        assert ffn.returncode == 1
+        assert "expected 3 token counts (one per micro-batch)" in out and "same --micro-batches" in out
+        assert "Traceback" not in out
+    finally:
+        for p in (ffn, attention):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL) if p is attention else p.kill()

@@ -108,7 +108,12 @@ def test_killing_an_expert_rank_fails_the_stream_quickly_and_the_server_exits(ti
         with pytest.raises(openai.APIError, match="the engine is unavailable"):
             for _ in stream:
                 pass
-        assert time.monotonic() - start < 30
+        failed_after = time.monotonic() - start
         assert srv.proc.wait(timeout=30) == 1  # a deployment that lost a rank exits non-zero
+        exited_after = time.monotonic() - start
+        # README: the stream fails within about a second (1.0 s measured), the server exits about
+        # 4 s after the rank died (3.9 s measured); the bounds leave room for a loaded machine
+        assert failed_after < 4, f"the stream failed {failed_after:.1f} s after the kill"
+        assert exited_after < 10, f"the server exited {exited_after:.1f} s after the kill"
     finally:
         srv.stop()

@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from afd_engine import Engine, SamplingParams
 from tests.server.conftest import Server
@@ -174,12 +175,24 @@ def test_prompt_longer_than_the_context(server):
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
 
 
+def aborted_count(server, endpoint: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "afd_requests_total" and sample.labels == {"endpoint": endpoint, "status": "aborted"}:
+                return sample.value
+    return 0.0
+
+
 def test_aborted_streams_free_their_kv_pages(server):
+    """50 streams of 400 tokens each, closed after 3 events: unaborted, they would hold their pages
+    for many seconds more; aborted, the pages are free at once and each abort is counted."""
+    before = aborted_count(server, "chat")
+
     async def abort_midway(ac, i):
         stream = await ac.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": f"abort {i}"}],
-            max_tokens=200,
+            max_tokens=400,
             temperature=0,
             stream=True,
             extra_body={"ignore_eos": True},
@@ -195,12 +208,16 @@ def test_aborted_streams_free_their_kv_pages(server):
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60) as ac:
             await asyncio.gather(*(abort_midway(ac, i) for i in range(50)))
 
+    start = time.monotonic()
     asyncio.run(run())
-    deadline = time.monotonic() + 30
-    while server.metric("afd_kv_pages_used") != 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert server.metric("afd_kv_pages_used") == 0
+    deadline = time.monotonic() + 5  # 50 x ~400 tokens left would take the engine far longer
+    while (server.metric("afd_kv_pages_used") != 0 or aborted_count(server, "chat") < before + 50) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    assert server.metric("afd_kv_pages_used") == 0, f"pages still held {time.monotonic() - start:.1f} s in"
     assert server.metric("afd_num_requests_running") == 0
+    assert aborted_count(server, "chat") == before + 50
     assert httpx.get(server.url + "/health").status_code == 200
 
 

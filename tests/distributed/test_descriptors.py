@@ -1,0 +1,32 @@
+"""FFN ranks check every attention rank's step descriptor before serving a step."""
+
+from __future__ import annotations
+
+import pytest
+
+from afd_engine.distributed.ffn_worker import DescriptorMismatchError, check_descriptors
+
+
+def test_agreeing_descriptors_pass_and_shutdown_is_reported():
+    assert check_descriptors({0: {"tokens": [3, 0, 5], "shutdown": False}, 1: {"tokens": [0, 0, 0]}}, 3, 7) is False
+    assert check_descriptors({0: {"tokens": [], "shutdown": True}, 1: {"tokens": [], "shutdown": True}}, 3, 7)
+
+
+@pytest.mark.parametrize(
+    "metas, match",
+    [
+        (
+            {0: {"tokens": [1, 2], "shutdown": False}, 1: {"tokens": [1, 2, 3], "shutdown": False}},
+            r"step 4: expected 3 token counts .* got \{0: \[1, 2\]\}: start every role with the same --micro-batches",
+        ),
+        ({0: {"tokens": [1, -2, 3], "shutdown": False}}, r"got \{0: \[1, -2, 3\]\}"),
+        ({0: {"tokens": [1, 2, "3"], "shutdown": False}}, r"got \{0: \[1, 2, '3'\]\}"),
+        (
+            {0: {"tokens": [], "shutdown": True}, 1: {"tokens": [1, 1, 1], "shutdown": False}},
+            r"step 4: attention endpoints disagree on shutdown: \{0: True, 1: False\}",
+        ),
+    ],
+)
+def test_mismatching_descriptors_are_refused_loudly(metas, match):
+    with pytest.raises(DescriptorMismatchError, match=match):
+        check_descriptors(metas, 3, 4)
