@@ -61,7 +61,7 @@ class Engine(OfflineEngine):
         self.args = args
         self.config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
-        kernels = Kernels.named(args.attention_backend, args.moe_backend)
+        kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
         self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_range, kernels, self.device)
         self.context_len = min(
             args.context_length or self.config.max_position_embeddings, self.config.max_position_embeddings

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from afd_engine.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     tie_word_embeddings: bool = False
     fp8_block: tuple[int, int] | None = None
+    # attention kind: "mla" (DeepSeek: a latent per token) or "gqa" (Qwen3-MoE: K and V per KV head)
+    attention: str = "mla"
+    num_kv_heads: int = 0  # gqa
+    head_dim: int = 0  # gqa
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among sparse ones
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -70,8 +77,16 @@ class ModelConfig:
 
     @property
     def kv_cache_dim(self) -> int:
-        """Values cached per token per layer: the latent plus the shared rope key."""
+        """Values cached per token per layer: MLA's latent plus the shared rope key, or GQA's keys
+        and values of every KV head."""
+        if self.attention == "gqa":
+            return 2 * self.num_kv_heads * self.head_dim
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions rope rotates per head: MLA's rope part, or GQA's whole head."""
+        return self.head_dim if self.attention == "gqa" else self.qk_rope_head_dim
 
     @property
     def uses_bias_correction(self) -> bool:
@@ -79,7 +94,11 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return (
-            self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace and layer_id % self.moe_layer_freq == 0
+            self.n_routed_experts > 0
+            and layer_id >= self.first_k_dense_replace
+            and layer_id % self.moe_layer_freq == 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
         )
 
     @property
@@ -105,6 +124,8 @@ class ModelConfig:
     @staticmethod
     def from_dict(raw: dict) -> ModelConfig:
         arch = _architecture(raw)
+        if arch == "Qwen3MoeForCausalLM":
+            return _qwen3_moe(raw)
         is_v3 = arch == "DeepseekV3ForCausalLM"
         n_group = raw.get("n_group") or 1
         topk_method = raw.get("topk_method") or ("noaux_tc" if is_v3 else "greedy")
@@ -199,3 +220,56 @@ def _rope(raw: dict) -> RopeConfig:
         truncate=bool(params.get("truncate", True)),
         interleave=interleave,
     )
+
+
+def _qwen3_moe(raw: dict) -> ModelConfig:
+    """Qwen3-MoE: GQA with per-head q/k norm, softmax top-k routing, no shared expert."""
+    for key, why in (("attention_bias", "attention biases"), ("use_sliding_window", "sliding-window attention")):
+        if raw.get(key):
+            raise ModelLoadError(f"Qwen3-MoE with {why} ({key}=true) is not supported")
+    heads = raw["num_attention_heads"]
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ModelLoadError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    quant = raw.get("quantization_config") or {}
+    eos = raw.get("eos_token_id")
+    cfg = ModelConfig(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        q_lora_rank=None,
+        kv_lora_rank=0,
+        qk_nope_head_dim=0,
+        qk_rope_head_dim=0,
+        v_head_dim=0,
+        n_routed_experts=raw.get("num_experts") or 0,
+        n_shared_experts=0,
+        num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+        scoring_func="softmax",
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=0,
+        moe_layer_freq=1,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        rope=dataclasses.replace(_rope(raw), interleave=False),  # Qwen rotates halves, not pairs
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        bos_token_id=raw.get("bos_token_id"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        fp8_block=tuple(quant.get("weight_block_size", (128, 128))) if quant.get("quant_method") == "fp8" else None,
+        attention="gqa",
+        num_kv_heads=kv_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+        decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
+        raw=raw,
+    )
+    cfg.validate()
+    return cfg

@@ -31,7 +31,7 @@ from afd_engine.errors import ConfigError
 from afd_engine.tiny_tokenizer import TokenizerInfo, write_tiny_tokenizer
 from configs import load_json
 
-SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v2")
+SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 FP8_BLOCK = (128, 128)
@@ -70,8 +70,9 @@ def make_tiny_model(
 
     Args:
         out_dir: directory to write (created if missing). Previous weight files in it are removed.
-        arch: "deepseek_v3" (MLA with q_lora, sigmoid noaux_tc routing, YaRN) or "deepseek_v2"
-            (V2-Lite-like: no q_lora, softmax greedy routing, no rope scaling).
+        arch: "deepseek_v3" (MLA with q_lora, sigmoid noaux_tc routing, YaRN), "deepseek_v2"
+            (V2-Lite-like: no q_lora, softmax greedy routing, no rope scaling) or "qwen3_moe" (GQA
+            with q/k norm, softmax top-k routing, no shared expert, layer 0 dense).
         seed: seed of the random weights; the same seed gives byte-identical safetensors files.
         shards: number of safetensors files; more than 1 also writes model.safetensors.index.json.
         overrides: config.json keys merged last into the preset (any key). A "rope_parameters"
@@ -144,6 +145,8 @@ def tiny_weight_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     Names are those of real DeepSeek checkpoints; kind selects the init ("embed", "norm",
     "linear", "router", "bias", "lm_head"). Linear shapes are [out_features, in_features].
     """
+    if config.get("model_type") == "qwen3_moe":
+        return _qwen3_specs(config)
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
     nope, rope, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
@@ -244,6 +247,36 @@ def main_make_tiny_model(argv: list[str]) -> int:
         return 2
     print(path)
     return 0
+
+
+def _qwen3_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Qwen3-MoE's tensors, named as its Hugging Face checkpoints name them (one tensor per expert)."""
+    hidden, vocab, head_dim = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        specs += [
+            (p + "input_layernorm.weight", (hidden,), "norm"),
+            (p + "self_attn.q_proj.weight", (heads * head_dim, hidden), "linear"),
+            (p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), "linear"),
+            (p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), "linear"),
+            (p + "self_attn.o_proj.weight", (hidden, heads * head_dim), "linear"),
+            (p + "self_attn.q_norm.weight", (head_dim,), "norm"),
+            (p + "self_attn.k_norm.weight", (head_dim,), "norm"),
+            (p + "post_attention_layernorm.weight", (hidden,), "norm"),
+        ]
+        sparse = layer not in config.get("mlp_only_layers", []) and (layer + 1) % config["decoder_sparse_step"] == 0
+        if sparse and config["num_experts"] > 0:
+            specs.append((p + "mlp.gate.weight", (config["num_experts"], hidden), "router"))
+            for e in range(config["num_experts"]):
+                specs += _mlp_specs(f"{p}mlp.experts.{e}.", hidden, config["moe_intermediate_size"])
+        else:
+            specs += _mlp_specs(p + "mlp.", hidden, config["intermediate_size"])
+    specs.append(("model.norm.weight", (hidden,), "norm"))
+    if not config.get("tie_word_embeddings"):
+        specs.append(("lm_head.weight", (vocab, hidden), "lm_head"))
+    return specs
 
 
 def _is_moe_layer(config: dict, layer: int) -> bool:

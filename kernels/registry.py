@@ -17,7 +17,11 @@ from __future__ import annotations
 import importlib
 import os
 
-ATTENTION_BACKENDS = {"torch": "kernels.mla:TorchMLA", "triton": "kernels.triton.mla:TritonMLA"}
+# attention backends hold one implementation per attention kind: "mla" (DeepSeek), "gqa" (Qwen3-MoE)
+ATTENTION_BACKENDS = {
+    "torch": {"mla": "kernels.mla:TorchMLA", "gqa": "kernels.gqa:TorchGQA"},
+    "triton": {"mla": "kernels.triton.mla:TritonMLA", "gqa": "kernels.triton.gqa:TritonGQA"},
+}
 MOE_BACKENDS = {"torch": "kernels.moe:TorchMoE", "triton": "kernels.triton.moe:TritonMoE"}
 _NEEDS_TRITON = {"triton"}
 
@@ -30,9 +34,11 @@ class BackendUnavailableError(RuntimeError):
     """A listed backend that cannot run here (its package is missing, or it needs a GPU)."""
 
 
-def attention_backend(name: str):
-    """The MLA kernels of backend `name` (see kernels.mla.TorchMLA for the interface)."""
-    return _make(ATTENTION_BACKENDS, "attention", name)
+def attention_backend(name: str, kind: str = "mla"):
+    """The attention kernels of backend `name` for attention `kind` ("mla": see kernels.mla.TorchMLA
+    for the interface; "gqa": kernels.gqa.TorchGQA)."""
+    check_backend(ATTENTION_BACKENDS, "attention", name)
+    return _make(ATTENTION_BACKENDS[name], f"{kind.upper()} attention", kind, backend=name)
 
 
 def moe_backend(name: str):
@@ -45,10 +51,11 @@ def check_backend(table: dict[str, str], kind: str, name: str) -> None:
         raise UnknownBackendError(f"unknown {kind} backend {name!r}; known: {', '.join(sorted(table))}")
 
 
-def _make(table: dict[str, str], kind: str, name: str):
+def _make(table: dict[str, str], kind: str, name: str, backend: str | None = None):
     check_backend(table, kind, name)
-    if name in _NEEDS_TRITON:
-        _require_triton(kind, name)
+    backend = backend or name
+    if backend in _NEEDS_TRITON:
+        _require_triton(kind, backend)
     module, factory = table[name].split(":")
     return getattr(importlib.import_module(module), factory)()
 

@@ -37,6 +37,14 @@ TINY_CONFIGS = {
         },
     ),
     "v2-lite": ("deepseek_v2", {}),
+    # Qwen3-MoE: GQA ratio 4 with dense layer 0; ratio 1 with every other layer sparse and plain
+    # top-k weights; ratio 2 with tied embeddings and a dense layer among sparse ones
+    "qwen3-gqa4": ("qwen3_moe", {}),
+    "qwen3-mha-sparse2": (
+        "qwen3_moe",
+        {"num_key_value_heads": 8, "decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False},
+    ),
+    "qwen3-tied": ("qwen3_moe", {"num_key_value_heads": 4, "mlp_only_layers": [2], "tie_word_embeddings": True}),
     "v2-group-limited": (
         "deepseek_v2",
         {

@@ -9,6 +9,7 @@ steps every round, with or without work, because its peers must agree on every s
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,4 +154,11 @@ def run_engine_process(
         engine.pool.num_pages,
         engine.pool.page_size,
     )
-    EngineLoop(engine, addrs, rank).run()
+    try:
+        EngineLoop(engine, addrs, rank).run()
+    except BaseException:
+        # a rank that fails must die now: background threads (relays waiting on peers for up to
+        # --comm-timeout) would otherwise keep the process, and the deployment's failure, pending
+        log.exception("rank %d failed", rank)
+        logging.shutdown()
+        os._exit(1)

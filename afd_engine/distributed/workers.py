@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -66,6 +67,15 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
         FfnWorker(shard, spec, rank, transport, device).run()
     except (PeerLostError, DescriptorMismatchError) as exc:  # expected ways to end: one line, exit status 1
         logging.getLogger("afd.ffn").error("%s", exc)
-        raise SystemExit(1) from None
-    finally:
-        transport.close()
+        _exit_now(transport)
+    except BaseException:  # anything else: the traceback, then out at once (see _exit_now)
+        logging.getLogger("afd.ffn").exception("FFN rank %d failed", rank)
+        _exit_now(transport)
+    transport.close()
+
+
+def _exit_now(transport) -> None:
+    """Exit status 1 without waiting for relay threads blocked on peers (up to --comm-timeout)."""
+    transport.close()
+    logging.shutdown()
+    os._exit(1)

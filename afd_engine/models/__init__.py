@@ -20,6 +20,7 @@ from kernels.registry import BackendUnavailableError, attention_backend, moe_bac
 MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "Qwen3MoeForCausalLM": DeepseekForCausalLM,  # the same stack with GQA attention (cfg.attention)
 }
 
 
@@ -31,10 +32,12 @@ class Kernels:
     moe: object
 
     @staticmethod
-    def named(attention: str = "torch", moe: str = "torch") -> Kernels:
-        """The backends by name; a backend that cannot run here is a ConfigError naming its flag."""
+    def named(attention: str = "torch", moe: str = "torch", attention_kind: str = "mla") -> Kernels:
+        """The backends by name (attention kernels for `attention_kind`, "mla" or "gqa"); a backend
+        that cannot run here is a ConfigError naming its flag."""
         return Kernels(
-            _backend(attention_backend, attention, "attention-backend"), _backend(moe_backend, moe, "moe-backend")
+            _backend(lambda n: attention_backend(n, attention_kind), attention, "attention-backend"),
+            _backend(moe_backend, moe, "moe-backend"),
         )
 
 

@@ -1,4 +1,6 @@
-"""DeepSeek-V2 / V3 for serving: MLA over a paged latent cache, MoE with shared experts.
+"""The MoE decoder stack of DeepSeek-V2 / V3 (MLA over a paged latent cache, shared experts) and
+Qwen3-MoE (GQA, models/gqa.py; no shared expert): the two families differ only in attention kind,
+routing settings and which layers are dense, all read from the config.
 
 Module names mirror the checkpoint (`model.layers.N.self_attn.kv_a_proj_with_mqa`, ...), so
 weights load by name; the only exception is the routed experts, stacked into `w13`/`w2` by the
@@ -19,25 +21,12 @@ from torch import nn
 
 from afd_engine.model_config import ModelConfig
 from afd_engine.models.experts import ExpertExecutor, ExpertServer, LocalExpertExecutor, expert_operations
+from afd_engine.models.gqa import GQAttention
+from afd_engine.models.norm import RMSNorm, linear
 from afd_engine.models.rope import RotaryEmbedding, softmax_scale
 from afd_engine.operations import Operation, run_micro_batches
 from afd_engine.operations.strategy import SINGLE, LayerOps, ModelOps
 from afd_engine.runtime.forward_batch import ForwardBatch
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32, scale in the activation dtype (as the reference does)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-def _linear(n_in: int, n_out: int) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False)
 
 
 class DenseMLP(nn.Module):
@@ -46,9 +35,9 @@ class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (
-            _linear(hidden, inter),
-            _linear(hidden, inter),
-            _linear(inter, hidden),
+            linear(hidden, inter),
+            linear(hidden, inter),
+            linear(inter, hidden),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,15 +159,15 @@ class MLAttention(nn.Module):
         self.cfg, self.rotary, self.kernels = cfg, rotary, kernels
         h, nh = cfg.hidden_size, cfg.num_heads
         if cfg.q_lora_rank:
-            self.q_a_proj = _linear(h, cfg.q_lora_rank)
+            self.q_a_proj = linear(h, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = _linear(cfg.q_lora_rank, nh * cfg.qk_head_dim)
+            self.q_b_proj = linear(cfg.q_lora_rank, nh * cfg.qk_head_dim)
         else:
-            self.q_proj = _linear(h, nh * cfg.qk_head_dim)
-        self.kv_a_proj_with_mqa = _linear(h, cfg.kv_cache_dim)
+            self.q_proj = linear(h, nh * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = linear(h, cfg.kv_cache_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
-        self.kv_b_proj = _linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = _linear(nh * cfg.v_head_dim, h)
+        self.kv_b_proj = linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = linear(nh * cfg.v_head_dim, h)
         self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
         self.w_uk: torch.Tensor | None = None  # absorbed decode weights, set by prepare()
         self.w_uv: torch.Tensor | None = None
@@ -234,7 +223,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, expert_range, kernels) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.self_attn = MLAttention(cfg, rotary, kernels.attention)
+        self.self_attn = (GQAttention if cfg.attention == "gqa" else MLAttention)(cfg, rotary, kernels.attention)
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp = (
             MoE(cfg, expert_range, kernels.moe) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
@@ -295,7 +284,7 @@ class DecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_range, kernels) -> None:
         super().__init__()
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, self.rotary, expert_range, kernels) for i in range(cfg.num_layers)
@@ -312,12 +301,14 @@ class DeepseekForCausalLM(nn.Module):
         self.config = cfg
         self.expert_range = expert_range or (0, cfg.n_routed_experts)
         self.model = DeepseekModel(cfg, self.expert_range, kernels)
-        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
         self._local_ops: list | None = None
 
     def prepare(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.prepare()
+        if self.config.tie_word_embeddings:  # the checkpoint has no lm_head: it is the embedding
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def operations(self, executor: ExpertExecutor, server: ExpertServer | None = None) -> ModelOps:
         """The forward as operations: embed, every layer's operations, logits."""

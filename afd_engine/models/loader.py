@@ -68,7 +68,8 @@ def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
                 dest = _place(name, tensor, params, first, last)
                 if dest is not None:
                     filled[dest] += 1
-    missing = sorted(n for n, p in params.items() if filled[n] != _pieces(n, p))
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # prepare() ties it to the embedding
+    missing = sorted(n for n, p in params.items() if filled[n] != _pieces(n, p) and n not in tied)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ModelLoadError(f"checkpoint {str(model_path)!r} lacks weights the model needs: {shown}")

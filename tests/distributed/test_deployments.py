@@ -84,6 +84,14 @@ STRESS = {
             mode="afd", dp_size=2, ffn_ranks_per_node=2, micro_batches=6, dispatch="direct", max_num_batched_tokens=33
         ),
     ),
+    "qwen3-gqa4 afd 2A 2x1 mb3 two-stage": ("qwen3-gqa4", dict(mode="afd", dp_size=2, ffn_nodes=2, micro_batches=3)),
+    "qwen3-mha-sparse2 colocated dp2 mb2": ("qwen3-mha-sparse2", dict(mode="colocated", dp_size=2, micro_batches=2)),
+    "qwen3-tied afd 1A 1x2 mb4 direct chunked": (
+        "qwen3-tied",
+        dict(
+            mode="afd", dp_size=1, ffn_ranks_per_node=2, micro_batches=4, dispatch="direct", max_num_batched_tokens=30
+        ),
+    ),
 }
 
 

@@ -34,3 +34,14 @@ def test_triton_backends_match_transformers(mode, tiny_v3, reference):
         outs = run_staggered(engine, batch, GREEDY, every=2)  # prefill (torch extend) beside triton decode
     for ids, out, (ref, gaps) in zip(batch, outs, hf):
         assert_greedy_matches(out, ref, gaps, f"{mode} prompt len {len(ids)}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["single", "afd 1A 1x2 mb2"])
+def test_triton_backends_serve_qwen3_moe(mode, tiny_model_factory):
+    path = tiny_model_factory("qwen3-gqa4")  # GQA decode through the triton attention backend
+    batch = random_prompts(TINY_VOCAB_SIZE, (3, 14), seed=4, low=5)
+    with make_engine(model_path=path, **TRITON, **MODES[mode]) as engine:
+        outs = run_staggered(engine, batch, GREEDY, every=2)
+    for ids, out in zip(batch, outs):
+        assert_greedy_matches(out, *hf_greedy(path, ids, NEW), f"qwen3 {mode} prompt len {len(ids)}")

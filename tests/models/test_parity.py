@@ -1,4 +1,5 @@
-"""The engine computes what transformers computes: logits and greedy tokens, in every runtime mode."""
+"""The engine computes what transformers computes (DeepSeek-V2/V3 and Qwen3-MoE): logits and greedy
+tokens, in every runtime mode."""
 
 from __future__ import annotations
 
