@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from afd_engine.errors import ConfigError
-from afd_engine.tiny_tokenizer import TokenizerInfo, write_tiny_tokenizer
+from afd_engine.tiny_tokenizer import CHAT_TEMPLATE, QWEN_CHAT_TEMPLATE, TokenizerInfo, write_tiny_tokenizer
 from configs import load_json
 
 SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe")
@@ -90,7 +90,7 @@ def make_tiny_model(
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer_info = write_tiny_tokenizer(out)
+    tokenizer_info = write_tiny_tokenizer(out, QWEN_CHAT_TEMPLATE if arch == "qwen3_moe" else CHAT_TEMPLATE)
     config = build_tiny_config(arch, tokenizer_info, overrides=overrides, fp8=fp8, dtype=dtype)
 
     weights = init_tiny_weights(config, seed)

@@ -156,7 +156,17 @@ def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
     return tokenizer
 
 
-def _tokenizer_config() -> dict:
+# Qwen's ChatML layout (its markers are plain text to the tiny tokenizer, byte by byte); user, system,
+# assistant and tool messages alike
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _tokenizer_config(chat_template: str = CHAT_TEMPLATE) -> dict:
     """tokenizer_config.json contents; class and flags as transformers expects for DeepSeek."""
     return {
         "add_bos_token": True,
@@ -169,11 +179,11 @@ def _tokenizer_config() -> dict:
         "legacy": False,
         "model_max_length": MODEL_MAX_LENGTH,
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
 
 
-def write_tiny_tokenizer(out_dir: str | pathlib.Path) -> TokenizerInfo:
+def write_tiny_tokenizer(out_dir: str | pathlib.Path, chat_template: str = CHAT_TEMPLATE) -> TokenizerInfo:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`.
 
     Returns the vocabulary size and special token ids, which the model's config.json must match.
@@ -183,7 +193,7 @@ def write_tiny_tokenizer(out_dir: str | pathlib.Path) -> TokenizerInfo:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(chat_template))
     _write_json(
         out / "special_tokens_map.json",
         {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},

@@ -46,6 +46,17 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def test_fp8_qwen3_moe_checkpoint_matches_reference_on_dequantized_weights(tmp_path):
+    fp8 = make_tiny_model(tmp_path / "fp8", arch="qwen3_moe", fp8=True, overrides={"intermediate_size": 300})
+    ref = dequantized_copy(fp8, tmp_path / "deq")
+    with safe_open(str(fp8 / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.layers.1.self_attn.k_proj.weight").dtype == torch.float8_e4m3fn
+    with Engine(model_path=str(fp8), num_threads=1) as eng:
+        outs = eng.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    for ids, out in zip(PROMPTS, outs):
+        assert_greedy_matches(out.token_ids, *hf_greedy(str(ref), ids, 24), f"qwen3 fp8 prompt len {len(ids)}")
+
+
 def test_fp8_checkpoint_matches_reference_on_dequantized_weights(tmp_path):
     # an intermediate size of 300 gives several and partial 128-blocks per weight
     fp8 = make_tiny_model(tmp_path / "fp8", fp8=True, overrides={"intermediate_size": 300})

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from afd_engine.errors import ConfigError
@@ -99,9 +100,17 @@ def test_step3_and_qwen3_configs():
     assert qwen.total_params() == MODELS["qwen3-235b-a22b"].total_params()
 
 
-def test_counts_equal_a_real_checkpoint(tiny_v3):
-    """Every matrix in a real (tiny) DeepSeek-V3 checkpoint is counted once, and nothing else is."""
+@pytest.mark.parametrize("config", ["v3-yarn-qlora", "qwen3-gqa4", "qwen3-mha-sparse2"])
+def test_counts_equal_a_real_checkpoint(config, tiny_model_factory):
+    """Every matrix in a real (tiny) DeepSeek-V3 or Qwen3-MoE checkpoint is counted once, and nothing
+    else is; and the planner's KV bytes per token are what the engine's pool allocates per token."""
+    from afd_engine.model_config import ModelConfig
+    from afd_engine.runtime.kv_cache import KVPool
+
+    tiny_v3 = tiny_model_factory(config)
+    cfg = ModelConfig.from_pretrained(tiny_v3)
     model, tiny_v3 = get_model(tiny_v3), Path(tiny_v3)
+    assert model.kv_bytes_per_token(4) == KVPool.bytes_per_page(cfg.num_layers, cfg.kv_cache_dim, 1, torch.float32)
     index = (
         json.loads((tiny_v3 / "model.safetensors.index.json").read_text())
         if (tiny_v3 / "model.safetensors.index.json").exists()
