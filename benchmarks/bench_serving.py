@@ -272,10 +272,16 @@ def build_payload(args: argparse.Namespace, model: str, req: Request) -> tuple[s
 
 
 async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The payloads of the ``data:`` lines of a server-sent event stream."""
-    async for line in response.aiter_lines():
-        if line.startswith("data:"):
-            yield line[5:].strip()
+    """The payloads of the ``data:`` lines of a server-sent event stream.
+
+    Lines end at LF (and CRLF) only. httpx's ``aiter_lines`` also splits at U+2028, U+0085 and the
+    like, which a model's text may hold and JSON carries unescaped: it would cut an event in two."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            if line.startswith("data:"):
+                yield line[5:].removesuffix("\r").removeprefix(" ")
 
 
 def chunk_content(backend: str, chunk: dict) -> tuple[bool, int]:

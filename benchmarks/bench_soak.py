@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +47,7 @@ import numpy as np
 from afd_engine.distributed.rendezvous import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import WORDS  # noqa: E402
+from bench_serving import WORDS, sse_data  # noqa: E402
 
 MODES = {
     "single": ["--mode", "single"],
@@ -121,19 +120,6 @@ def malformed_body(kind: str, model: str, rng: random.Random) -> tuple[str, byte
     path, body = bodies[kind]
     # json.dumps escapes a lone surrogate as \ud800: valid JSON text holding invalid Unicode.
     return path, (body if isinstance(body, str) else json.dumps(body)).encode()
-
-
-async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The payloads of the ``data:`` lines of a server-sent event stream.
-
-    Lines end at LF (and CRLF) only. httpx's ``aiter_lines`` also splits at U+2028, U+0085 and the
-    like, which a model's text may hold and JSON carries unescaped: it would cut an event in two."""
-    pending = ""
-    async for text in response.aiter_text():
-        *lines, pending = (pending + text).split("\n")
-        for line in lines:
-            if line.startswith("data:"):
-                yield line[5:].removesuffix("\r").removeprefix(" ")
 
 
 def _check_error_answer(out: Outcome, status: int, raw: bytes) -> None:

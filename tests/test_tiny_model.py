@@ -62,26 +62,29 @@ def test_hf_loads_without_missing_or_unexpected_keys(arch, ckpts, hf_models):
     assert not info["missing_keys"], info["missing_keys"]
     assert not info["unexpected_keys"], info["unexpected_keys"]
     assert not info["mismatched_keys"], info["mismatched_keys"]
-    expected_cls = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}[arch]
+    expected_cls = {
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+        "deepseek_v2": "DeepseekV2ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+    }[arch]
     assert type(model).__name__ == expected_cls
 
     stored = _read_tensors(ckpts[arch])
     loaded = dict(model.named_parameters()) | dict(model.named_buffers())
     # transformers 5 fuses the per-expert tensors: gate_up_proj [E, 2*I, H] = cat(gate, up), down [E, H, I].
-    layer = 1  # first MoE layer of both presets (first_k_dense_replace = 1)
+    layer = 1  # first MoE layer of every preset (layer 0 is dense in each)
     for e in (0, 7):
         p = f"model.layers.{layer}.mlp.experts.{e}."
         fused = torch.cat([stored[p + "gate_proj.weight"], stored[p + "up_proj.weight"]], dim=0)
         assert torch.equal(loaded[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e], fused)
         assert torch.equal(loaded[f"model.layers.{layer}.mlp.experts.down_proj"][e], stored[p + "down_proj.weight"])
     # Unfused tensors arrive unchanged.
-    for name in (
-        "model.embed_tokens.weight",
-        "lm_head.weight",
-        "model.layers.0.self_attn.kv_b_proj.weight",
-        f"model.layers.{layer}.mlp.gate.weight",
-        f"model.layers.{layer}.mlp.shared_experts.up_proj.weight",
-    ):
+    per_arch = (
+        ["model.layers.0.self_attn.k_norm.weight", "model.layers.0.self_attn.v_proj.weight"]
+        if arch == "qwen3_moe"
+        else ["model.layers.0.self_attn.kv_b_proj.weight", f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"]
+    )
+    for name in ["model.embed_tokens.weight", "lm_head.weight", f"model.layers.{layer}.mlp.gate.weight", *per_arch]:
         assert torch.equal(loaded[name], stored[name]), name
     if arch == "deepseek_v3":
         bias = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"

@@ -213,11 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _print_human(what: str, out: dict) -> None:
     if what == "reference":
-        print(f"{'figure':<50} {'source':<16} {'published':>10} {'model':>10}  ok")
+        print(f"{'figure':<50} {'source':<16} {'published':>10} {'model':>10}  {'role':<9}  ok")
         for r in out["checks"]:
             print(
                 f"{r['figure']:<50} {r['source']:<16} {r['published']:>10.4g} {r['model']:>10.4g}  "
-                f"{'yes' if r['ok'] else 'NO'}"
+                f"{r['role']:<9}  {'yes' if r['ok'] else 'NO'}"
             )
         return
     if what != "deploy":

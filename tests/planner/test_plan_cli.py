@@ -129,8 +129,13 @@ def test_reference_table_holds(capsys):
     out = plan_json(capsys, "reference")
     assert out["all_ok"] and len(out["checks"]) == 17
     assert {c["source"] for c in out["checks"]} >= {"Step-3 Table 7", "Step-3 Table 8", "DeepEP", "Baidu"}
+    # the figures that set efficiency factors say so; the AFD/baseline ratios were set by nothing
+    fitted = {c["figure"] for c in out["checks"] if c["role"] == "fitted"}
+    assert len(fitted) == 9 and "Step-3 2A2F tokens/GPU/s, 50 ms, 4K" in fitted
+    assert {c["role"] for c in out["checks"] if c["figure"].startswith("AFD/baseline")} == {"predicted"}
     assert main(["plan", "reference"]) == 0
-    assert "Step-3 2A2F tokens/GPU/s" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "Step-3 2A2F tokens/GPU/s" in table and "fitted" in table and "predicted" in table
 
 
 def test_calibrate_then_deploy_with_measured_stages(tmp_path, capsys):
