@@ -31,6 +31,12 @@ TOPO = [
 ]
 
 
+def one_by_one(rdv: str, model: str, *extra: str) -> list[str]:
+    """Flags of a deployment of one attention rank and one FFN rank that meet at `rdv`."""
+    topology = "--mode afd --dp-size 1 --ffn-nodes 1 --ffn-ranks-per-node 1 --num-threads 1".split()
+    return ["--dist-init-addr", rdv, "--model-path", model, *topology, *extra]
+
+
 @pytest.mark.timeout(300)
 def test_roles_started_in_any_order_serve_together(tiny_v3):
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
@@ -90,24 +96,7 @@ def test_ffn_role_stops_when_the_attention_machine_vanishes(tiny_v3):
     notices the silence within --comm-timeout and exits 1; while the attention role idles, its
     keepalives keep the FFN role waiting."""
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
-    common = [
-        "--dist-init-addr",
-        rdv,
-        "--model-path",
-        tiny_v3,
-        "--mode",
-        "afd",
-        "--dp-size",
-        "1",
-        "--ffn-nodes",
-        "1",
-        "--ffn-ranks-per-node",
-        "1",
-        "--num-threads",
-        "1",
-        "--comm-timeout",
-        "4",
-    ]
+    common = one_by_one(rdv, tiny_v3, "--comm-timeout", "4")
     ffn = afd("launch", "--role", "ffn", "--node-rank", "0", *common)
     attention = afd("launch", "--role", "attention", "--port", str(port), *common, new_session=True)
     try:
@@ -156,26 +145,7 @@ def test_an_ffn_role_with_other_micro_batches_refuses_the_first_step(tiny_v3):
     """Roles started with different --micro-batches: the FFN role checks the first step's
     descriptors, says what differs and exits 1 instead of serving garbage or hanging."""
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
-    common = [
-        "--dist-init-addr",
-        rdv,
-        "--model-path",
-        tiny_v3,
-        "--mode",
-        "afd",
-        "--dp-size",
-        "1",
-        "--ffn-nodes",
-        "1",
-        "--ffn-ranks-per-node",
-        "1",
-        "--num-threads",
-        "1",
-        "--comm-timeout",
-        "5",
-        "--served-model-name",
-        "tiny",
-    ]
+    common = one_by_one(rdv, tiny_v3, "--comm-timeout", "5", "--served-model-name", "tiny")
     ffn = afd("launch", "--role", "ffn", "--node-rank", "0", *common, "--micro-batches", "3")
     attention = afd(
         "launch", "--role", "attention", "--port", str(port), *common, "--micro-batches", "2", new_session=True

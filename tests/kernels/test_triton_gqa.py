@@ -1,19 +1,11 @@
-"""TritonGQA against the torch reference (TorchGQA), under Triton's interpreter on a CPU.
-
-Every case scrambles the page order and points the page table's padding entries, and every cache
-row no sequence owns, at NaN-filled pages: a kernel that ignores the page table or reads past
-kv_lens returns NaN or another sequence's tokens. The Triton side gets no slot table or bias.
+"""TritonGQA against the torch reference (TorchGQA), under Triton's interpreter on a CPU (tests/conftest.py
+selects it). Pages are scrambled and padded with NaN rows as in test_triton_mla.py.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
 from kernels.gqa import TorchGQA
 from kernels.mla import PagedKV

@@ -7,13 +7,8 @@ kv_lens returns NaN or another sequence's tokens. The Triton side gets no slot t
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
 from kernels.mla import PagedKV, TorchMLA
 from kernels.triton.mla import MAX_SPLITS, TritonMLA, num_splits_for
