@@ -24,7 +24,17 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.gqa import gqa_extend_attention
 from kernels.mla import PagedKV
-from kernels.triton.mla import BLOCK_N, LOG2E, _dot_precision, _merge_splits_kernel, num_splits_for
+from kernels.triton.mla import (
+    BLOCK_N,
+    LOG2E,
+    _dot_precision,
+    _merge_splits_kernel,
+    num_splits_for,
+    page_rows,
+    softmax_step,
+    split_start,
+    store_split,
+)
 
 MIN_BLOCK_G = 16  # query heads per program are padded to this (tl.dot needs M >= 16) and masked
 
@@ -69,46 +79,22 @@ def _split_kv_kernel(
         other=0.0,
     ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
 
-    # This split's tokens [lo, hi): the sequence divided evenly, chunks aligned to BLOCK_N.
-    kv_len = tl.load(kv_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = s * split_len
-    hi = tl.minimum(lo + split_len, kv_len)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lo, hi, m_i, l_i, acc = split_start(kv_lens_ptr, b, s, NUM_SPLITS, BLOCK_N, BLOCK_G, BLOCK_D)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        # Page table -> cache row; padding pages past kv_len are never loaded (masked).
-        page = tl.load(pages_ptr + b * stride_pages_b + offs_n // PAGE_SIZE, mask=n_mask, other=0)
-        row = (page * PAGE_SIZE + offs_n % PAGE_SIZE) * stride_cache  # [BLOCK_N] int64
+        row = page_rows(pages_ptr, b, stride_pages_b, offs_n, n_mask, PAGE_SIZE, stride_cache)  # [BLOCK_N]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_ptrs = cache_ptr + row[:, None] + g * D + offs_d[None, :]  # keys of kv-head g
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
         v = tl.load(k_ptrs + KVH * D, mask=kv_mask, other=0.0).to(tl.float32)  # its values, [BLOCK_N, BLOCK_D]
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_i, l_i, acc = softmax_step(scores, n_mask, m_i, l_i, acc, v, DOT_PRECISION)
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # An empty split (short sequence) writes o = 0, lse = -inf: zero weight in the merge.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-    tl.store(
-        o_part_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + s * stride_o_s + offs_d[None, :],
-        o,
-        mask=h_mask[:, None] & d_mask[None, :],
-    )
-    tl.store(lse_part_ptr + b * stride_lse_b + offs_h * stride_lse_h + s, lse, mask=h_mask)
+    o_ptrs = o_part_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + s * stride_o_s + offs_d[None, :]
+    lse_ptrs = lse_part_ptr + b * stride_lse_b + offs_h * stride_lse_h + s
+    store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, h_mask[:, None] & d_mask[None, :], h_mask)
 
 
 # Triton 3.9's interpreter casts fp32 -> bf16 by truncation (a GPU rounds to nearest even), which

@@ -53,6 +53,52 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# -- pieces both split-KV kernels (MLA here, GQA in gqa.py) are made of --------------------------
+
+
+@triton.jit
+def split_start(
+    kv_lens_ptr, b, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr
+):
+    """Split s of sequence b: its tokens [lo, hi) (the sequence divided evenly, chunks aligned to
+    BLOCK_N) and the empty online-softmax state of BLOCK_M query rows: (lo, hi, m, l, acc [M, X])."""
+    kv_len = tl.load(kv_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = s * split_len
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    return lo, tl.minimum(lo + split_len, kv_len), m_i, l_i, tl.zeros([BLOCK_M, BLOCK_X], tl.float32)
+
+
+@triton.jit
+def page_rows(pages_ptr, b, stride_pages_b, offs_n, n_mask, PAGE_SIZE: tl.constexpr, stride_cache):
+    """Cache row offsets [BLOCK_N] of tokens offs_n of sequence b, through the page table; padding
+    pages past kv_len are never loaded (masked)."""
+    page = tl.load(pages_ptr + b * stride_pages_b + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+    return (page * PAGE_SIZE + offs_n % PAGE_SIZE) * stride_cache
+
+
+@triton.jit
+def softmax_step(scores, n_mask, m_i, l_i, acc, values, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step (base 2): scores [M, BLOCK_N], values [BLOCK_N, X] -> (m, l, acc [M, X])."""
+    scores = tl.where(n_mask[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, values, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, o_mask, h_mask):
+    """The split's normalised output and log-sum-exp; an empty split (a short sequence) writes
+    o = 0, lse = -inf: zero weight in the merge."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(o_ptrs, acc / l_safe[:, None], mask=o_mask)
+    tl.store(lse_ptrs, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
+
+
 @triton.jit
 def _split_kv_kernel(
     q_latent_ptr,
@@ -102,21 +148,11 @@ def _split_kv_kernel(
         other=0.0,
     ).to(tl.float32)  # [BLOCK_H, BLOCK_R]
 
-    # This split's tokens [lo, hi): the sequence divided evenly, chunks aligned to BLOCK_N.
-    kv_len = tl.load(kv_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = s * split_len
-    hi = tl.minimum(lo + split_len, kv_len)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    lo, hi, m_i, l_i, acc = split_start(kv_lens_ptr, b, s, NUM_SPLITS, BLOCK_N, BLOCK_H, BLOCK_C)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        # Page table -> cache row; padding pages past kv_len are never loaded (masked).
-        page = tl.load(pages_ptr + b * stride_pages_b + offs_n // PAGE_SIZE, mask=n_mask, other=0)
-        row = (page * PAGE_SIZE + offs_n % PAGE_SIZE) * stride_cache  # [BLOCK_N] int64
+        row = page_rows(pages_ptr, b, stride_pages_b, offs_n, n_mask, PAGE_SIZE, stride_cache)  # [BLOCK_N]
         latent = tl.load(
             cache_ptr + row[:, None] + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0
         ).to(tl.float32)  # [BLOCK_N, BLOCK_C]
@@ -126,25 +162,11 @@ def _split_kv_kernel(
 
         scores = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_i, l_i, acc = softmax_step(scores, n_mask, m_i, l_i, acc, latent, DOT_PRECISION)
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, latent, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # An empty split (short sequence) writes o = 0, lse = -inf: zero weight in the merge.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-    tl.store(
-        o_part_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + s * stride_o_s + offs_c[None, :],
-        o,
-        mask=h_mask[:, None] & c_mask[None, :],
-    )
-    tl.store(lse_part_ptr + b * stride_lse_b + offs_h * stride_lse_h + s, lse, mask=h_mask)
+    o_ptrs = o_part_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + s * stride_o_s + offs_c[None, :]
+    lse_ptrs = lse_part_ptr + b * stride_lse_b + offs_h * stride_lse_h + s
+    store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, h_mask[:, None] & c_mask[None, :], h_mask)
 
 
 @triton.jit

@@ -352,6 +352,7 @@ def _moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, blocks: MoEBlo
     fp8 = w13_scale is not None
     upcast = _INTERPRETED and x.dtype == torch.bfloat16
     R, bm, bn, bk = aligned.num_rows, blocks.block_m, blocks.block_n, blocks.block_k
+    tiles = dict(FP8=fp8, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=FP8_GROUP)  # both kernels'
     if fp8:
         a, a_scale = quantize_fp8(x)  # [T, H] fp8, [T, ceil(H/128)] fp32
         act = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=x.device)
@@ -379,13 +380,8 @@ def _moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, blocks: MoEBlo
         *w13_scale.stride(),
         act.stride(0),
         act_scale.stride(0),
-        FP8=fp8,
-        UPCAST=upcast,
         FP8_MAX=FP8_MAX,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP=FP8_GROUP,
+        **tiles,
     )
     contrib = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)  # [T * K, H], rows of -1 slots stay 0
     weights = topk_weights.reshape(-1).contiguous()  # [T * K]
@@ -406,12 +402,7 @@ def _moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, blocks: MoEBlo
         *w2.stride(),
         *w2_scale.stride(),
         contrib.stride(0),
-        FP8=fp8,
-        UPCAST=upcast,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP=FP8_GROUP,
+        **tiles,
     )
     return contrib.view(T, K, H).sum(1).to(x.dtype)
 
