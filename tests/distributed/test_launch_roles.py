@@ -68,25 +68,18 @@ def test_roles_started_in_any_order_serve_together(tiny_v3):
                 p.kill()
 
 
+def alone(rdv: str, model: str, *role: str) -> tuple[int, str]:
+    """One role started with a 3 s rendezvous timeout and no peer ever coming: (exit status, output)."""
+    proc = afd("launch", *role, "--dist-init-addr", rdv, "--rendezvous-timeout", "3", "--model-path", model, *TOPO)
+    out, _ = proc.communicate(timeout=90)
+    return proc.returncode, out
+
+
 @pytest.mark.timeout(120)
 def test_missing_peers_time_out_with_a_clear_message(tiny_v3):
     rdv = f"127.0.0.1:{free_port()}"
-    proc = afd(
-        "launch",
-        "--role",
-        "ffn",
-        "--node-rank",
-        "0",
-        "--dist-init-addr",
-        rdv,
-        "--rendezvous-timeout",
-        "3",
-        "--model-path",
-        tiny_v3,
-        *TOPO,
-    )
-    out, _ = proc.communicate(timeout=90)
-    assert proc.returncode != 0
+    returncode, out = alone(rdv, tiny_v3, "--role", "ffn", "--node-rank", "0")
+    assert returncode != 0
     assert f"got no answer from the rendezvous at {rdv} within 3 s" in out
 
 
@@ -121,22 +114,8 @@ def test_attention_role_alone_names_the_missing_ranks(tiny_v3):
     """The rendezvous is up (the attention role hosts it) but no FFN role comes: the attention
     ranks give up after the timeout and say which endpoints never registered."""
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
-    proc = afd(
-        "launch",
-        "--role",
-        "attention",
-        "--port",
-        str(port),
-        "--dist-init-addr",
-        rdv,
-        "--rendezvous-timeout",
-        "3",
-        "--model-path",
-        tiny_v3,
-        *TOPO,
-    )
-    out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 2, out
+    returncode, out = alone(rdv, tiny_v3, "--role", "attention", "--port", str(port))
+    assert returncode == 2, out
     assert f"only 2 of 4 ranks registered at {rdv} within 3 s (missing endpoints: [2, 3])" in out
 
 

@@ -12,34 +12,12 @@ import torch
 
 from kernels.mla import PagedKV, TorchMLA
 from kernels.triton.mla import MAX_SPLITS, TritonMLA, num_splits_for
+from tests.kernels.paged import DEVICE, paged_kv
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = {"heads": 4, "C": 32, "R": 8, "Dn": 16, "Dv": 16}
 V3 = {"C": 512, "R": 64, "Dn": 128, "Dv": 128}  # DeepSeek-V3's head dims
 RAGGED = [1, 5, 17, 100]
 TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-5}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
-
-
-def paged_kv(kv_lens: list[int], page_size: int, g: torch.Generator) -> tuple[PagedKV, int]:
-    """A page table over scrambled pages, padded with poison page ids, and its PagedKV built the
-    way afd_engine/runtime/forward_batch.py builds it. Page 0 is the (finite) padding slot's page;
-    pages >= 1 + used are poison. Returns (kv, number of pages)."""
-    need = [-(-n // page_size) for n in kv_lens]
-    used, poison = sum(need), 3
-    order = (torch.randperm(used, generator=g) + 1).tolist()  # scrambled, never page 0
-    width = max(need)
-    pages = torch.randint(1 + used, 1 + used + poison, (len(kv_lens), width), generator=g)
-    for b, n in enumerate(need):
-        pages[b, :n] = torch.tensor(order[:n])
-        order = order[n:]
-    lens = torch.tensor(kv_lens, dtype=torch.int64)
-    kv_pos = torch.arange(max(kv_lens))[None, :].expand(len(kv_lens), -1)  # [B, L]
-    kv_valid = kv_pos < lens[:, None]
-    page_idx = (kv_pos // page_size).clamp(max=width - 1)
-    slots = torch.where(kv_valid, pages.gather(1, page_idx) * page_size + kv_pos % page_size, 0)
-    bias = torch.zeros(slots.shape).masked_fill_(~kv_valid, float("-inf"))[:, None]
-    kv = PagedKV(slots.to(DEVICE), bias.to(DEVICE), pages.to(DEVICE), lens.to(DEVICE), page_size)
-    return kv, 1 + used + poison
 
 
 def make_case(kv_lens, page_size, heads, C, R, Dn, Dv, dtype, seed=0):

@@ -46,27 +46,20 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_fp8_qwen3_moe_checkpoint_matches_reference_on_dequantized_weights(tmp_path):
-    fp8 = make_tiny_model(tmp_path / "fp8", arch="qwen3_moe", fp8=True, overrides={"intermediate_size": 300})
-    ref = dequantized_copy(fp8, tmp_path / "deq")
-    with safe_open(str(fp8 / "model.safetensors"), framework="pt") as f:
-        assert f.get_tensor("model.layers.1.self_attn.k_proj.weight").dtype == torch.float8_e4m3fn
-    with Engine(model_path=str(fp8), num_threads=1) as eng:
-        outs = eng.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
-    for ids, out in zip(PROMPTS, outs):
-        assert_greedy_matches(out.token_ids, *hf_greedy(str(ref), ids, 24), f"qwen3 fp8 prompt len {len(ids)}")
-
-
-def test_fp8_checkpoint_matches_reference_on_dequantized_weights(tmp_path):
+@pytest.mark.parametrize(
+    "arch, quantized",
+    [("deepseek_v3", "model.layers.0.mlp.up_proj.weight"), ("qwen3_moe", "model.layers.1.self_attn.k_proj.weight")],
+)
+def test_fp8_checkpoint_matches_reference_on_dequantized_weights(tmp_path, arch, quantized):
     # an intermediate size of 300 gives several and partial 128-blocks per weight
-    fp8 = make_tiny_model(tmp_path / "fp8", fp8=True, overrides={"intermediate_size": 300})
+    fp8 = make_tiny_model(tmp_path / "fp8", arch=arch, fp8=True, overrides={"intermediate_size": 300})
     ref = dequantized_copy(fp8, tmp_path / "deq")
     with safe_open(str(fp8 / "model.safetensors"), framework="pt") as f:
-        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor(quantized).dtype == torch.float8_e4m3fn
     with Engine(model_path=str(fp8), num_threads=1) as eng:
         outs = eng.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     for ids, out in zip(PROMPTS, outs):
-        assert_greedy_matches(out.token_ids, *hf_greedy(str(ref), ids, 24), f"fp8 prompt len {len(ids)}")
+        assert_greedy_matches(out.token_ids, *hf_greedy(str(ref), ids, 24), f"{arch} fp8 prompt len {len(ids)}")
 
 
 def test_sharded_checkpoint_generates_like_a_single_file(tmp_path, tiny_v3):
