@@ -107,35 +107,6 @@ def _make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
     return main_make_tiny_model(rest)
 
 
-def _server_flags(parser: argparse.ArgumentParser, defaults) -> None:
-    parser.add_argument("--host", default=defaults.host, help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=defaults.port)
-    parser.add_argument("--api-key", default=defaults.api_key, help="require this bearer token on /v1 routes")
-    parser.add_argument(
-        "--served-model-name",
-        default=defaults.served_model_name,
-        help="model name in the API (default: the checkpoint directory's name)",
-    )
-    parser.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=defaults.default_max_tokens,
-        help="completion length when a request sets none",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=defaults.max_request_bytes,
-        help="larger request bodies are refused with 413 before parsing",
-    )
-    parser.add_argument(
-        "--max-prompt-chars",
-        type=int,
-        default=defaults.max_prompt_chars,
-        help="characters of text one request may send to the tokenizer (400 beyond)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     from afd_engine.engine_args import EngineArgs
     from afd_engine.sampling_params import SamplingParams
@@ -156,8 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (any mode, all ranks on this machine)")
-    srv_defaults = ServerArgs()
-    _server_flags(srv, srv_defaults)
+    ServerArgs.add_cli_args(srv)
 
     launch = sub.add_parser(
         "launch", help="start one role (attention, or the FFN ranks of one FFN node) of a multi-machine AFD deployment"
@@ -177,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="address peers reach this machine at (default: the route towards --dist-init-addr)",
     )
     launch.add_argument("--rendezvous-timeout", type=float, default=300.0, help="seconds to wait for all ranks")
-    _server_flags(launch, srv_defaults)
+    ServerArgs.add_cli_args(launch)
 
     demo = sub.add_parser("demo", help="offline generation demo on the embedded tiny model")
     demo.add_argument("--max-new-tokens", type=int, default=32)

@@ -19,67 +19,80 @@ from kernels.registry import ATTENTION_BACKENDS, MOE_BACKENDS
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _opt(default, help: str, **extra):
+def opt(default, help: str, **extra):
+    """A settings field: its default, its --flag's help, and argparse extras (choices)."""
     return field(default=default, metadata={"help": help, **extra})
+
+
+def add_flags(settings_cls, parser: argparse.ArgumentParser) -> None:
+    """One --flag per field of a settings dataclass made with `opt` (underscores become dashes)."""
+    for f in fields(settings_cls):
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=_flag_type(f.type),
+            default=f.default,
+            help=f.metadata["help"],
+            choices=f.metadata.get("choices"),
+        )
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model_path: str | None = _opt(None, "Hugging Face checkpoint directory (default: the embedded tiny model)")
-    dtype: str = _opt(
+    model_path: str | None = opt(None, "Hugging Face checkpoint directory (default: the embedded tiny model)")
+    dtype: str = opt(
         "auto",
         "weights and activations: float32, bfloat16 or auto (float32 on CPU)",
         choices=("auto", "float32", "bfloat16"),
     )
-    kv_cache_memory_mb: float = _opt(256.0, "memory budget of the paged KV cache, in MiB")
-    max_total_tokens: int | None = _opt(None, "KV cache size in tokens; overrides --kv-cache-memory-mb")
-    page_size: int = _opt(16, "tokens per KV cache page")
-    max_num_batched_tokens: int = _opt(2048, "token budget of one step; longer prompts are prefilled in chunks")
-    max_running_requests: int = _opt(256, "most requests in the running batch at once")
-    context_length: int | None = _opt(None, "longest prompt + output (default: the model's max_position_embeddings)")
-    num_threads: int | None = _opt(None, "torch threads of this process (default: all cores)")
-    seed: int = _opt(0, "seed for requests that do not set their own")
-    device: str = _opt(
+    kv_cache_memory_mb: float = opt(256.0, "memory budget of the paged KV cache, in MiB")
+    max_total_tokens: int | None = opt(None, "KV cache size in tokens; overrides --kv-cache-memory-mb")
+    page_size: int = opt(16, "tokens per KV cache page")
+    max_num_batched_tokens: int = opt(2048, "token budget of one step; longer prompts are prefilled in chunks")
+    max_running_requests: int = opt(256, "most requests in the running batch at once")
+    context_length: int | None = opt(None, "longest prompt + output (default: the model's max_position_embeddings)")
+    num_threads: int | None = opt(None, "torch threads of this process (default: all cores)")
+    seed: int = opt(0, "seed for requests that do not set their own")
+    device: str = opt(
         "auto",
         "where weights, KV cache and activations live: cpu, cuda, or auto (cuda when a GPU is present)",
         choices=("auto", "cpu", "cuda"),
     )
-    base_gpu_id: int = _opt(0, "cuda: the first GPU; rank i of a deployment takes GPU base + i")
-    attention_backend: str = _opt("torch", "attention kernels of attention ranks, by name (kernels/registry.py)")
-    moe_backend: str = _opt(
+    base_gpu_id: int = opt(0, "cuda: the first GPU; rank i of a deployment takes GPU base + i")
+    attention_backend: str = opt("torch", "attention kernels of attention ranks, by name (kernels/registry.py)")
+    moe_backend: str = opt(
         "torch", "routed-expert kernels of the ranks that hold experts, by name (kernels/registry.py)"
     )
-    mode: str = _opt(
+    mode: str = opt(
         "single",
         "single (one process), colocated (DP attention + EP on the same ranks) or afd "
         "(attention and routed experts on separate ranks)",
         choices=("single", "colocated", "afd"),
     )
-    dp_size: int = _opt(1, "attention (data-parallel) ranks")
-    ffn_nodes: int = _opt(1, "afd: FFN nodes (machines of FFN ranks)")
-    ffn_ranks_per_node: int = _opt(1, "afd: FFN ranks per FFN node")
-    ep_size: int | None = _opt(
+    dp_size: int = opt(1, "attention (data-parallel) ranks")
+    ffn_nodes: int = opt(1, "afd: FFN nodes (machines of FFN ranks)")
+    ffn_ranks_per_node: int = opt(1, "afd: FFN ranks per FFN node")
+    ep_size: int | None = opt(
         None, "expert-parallel ranks, as a check (afd: ffn-nodes x ffn-ranks-per-node; colocated: dp-size)"
     )
-    micro_batches: int | None = _opt(None, "micro-batches in flight per step (default: 3 for afd, 1 otherwise)")
-    dispatch: str | None = _opt(
+    micro_batches: int | None = opt(None, "micro-batches in flight per step (default: 3 for afd, 1 otherwise)")
+    dispatch: str | None = opt(
         None, "two-stage or direct (default: two-stage for afd; colocated is direct)", choices=("two-stage", "direct")
     )
-    dispatch_dtype: str = _opt(
+    dispatch_dtype: str = opt(
         "auto",
         "dispatch wire format: auto (the activations' dtype), fp32, bf16 or fp8",
         choices=("auto", "fp32", "bf16", "fp8"),
     )
-    combine_dtype: str = _opt(
+    combine_dtype: str = opt(
         "auto", "combine wire format: auto (the activations' dtype), fp32 or bf16", choices=("auto", "fp32", "bf16")
     )
-    comm_timeout: float = _opt(30.0, "seconds a rank waits for a peer before failing the step")
-    record_timeline: str | None = _opt(
+    comm_timeout: float = opt(30.0, "seconds a rank waits for a peer before failing the step")
+    record_timeline: str | None = opt(
         None, "write per-operation timing events of every rank to PATH.<role><rank>.jsonl"
     )
-    inject_attention_delay_ms: float = _opt(0.0, "experiments: extra compute per MoE layer and micro-batch on A")
-    inject_ffn_delay_ms: float = _opt(0.0, "experiments: extra compute per MoE layer and micro-batch on F")
-    inject_link_delay_ms: float = _opt(0.0, "experiments: latency added to every data-plane message")
+    inject_attention_delay_ms: float = opt(0.0, "experiments: extra compute per MoE layer and micro-batch on A")
+    inject_ffn_delay_ms: float = opt(0.0, "experiments: extra compute per MoE layer and micro-batch on F")
+    inject_link_delay_ms: float = opt(0.0, "experiments: latency added to every data-plane message")
 
     def validate(self) -> None:
         def need(ok: bool, flag: str, fix: str) -> None:
@@ -161,12 +174,7 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        for f in fields(EngineArgs):
-            flag = "--" + f.name.replace("_", "-")
-            kind = _flag_type(f.type)
-            parser.add_argument(
-                flag, type=kind, default=f.default, help=f.metadata["help"], choices=f.metadata.get("choices")
-            )
+        add_flags(EngineArgs, parser)
 
     @staticmethod
     def from_cli(ns: argparse.Namespace) -> EngineArgs:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from afd_engine.distributed.launcher import Deployment
-from afd_engine.engine_args import EngineArgs
+from afd_engine.engine_args import EngineArgs, add_flags, opt
 
 log = logging.getLogger("afd.serve")
 # after a rank dies, requests in flight get this long to fail (each within about a second) before the
@@ -27,23 +27,29 @@ DEATH_GRACE_S = 2.0
 
 @dataclass(frozen=True)
 class ServerArgs:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    default_max_tokens: int = 256
+    """The HTTP server's settings; each field is also a flag of `afd serve` / `afd launch`."""
+
+    host: str = opt("127.0.0.1", "address to bind (default: loopback only)")
+    port: int = opt(30000, "HTTP port")
+    api_key: str | None = opt(None, "require this bearer token on /v1 routes")
+    served_model_name: str | None = opt(None, "model name in the API (default: the checkpoint directory's name)")
+    default_max_tokens: int = opt(256, "completion length when a request sets none")
     # Refused before parsing (413): a body is read whole into memory and parsed on the event loop.
-    max_request_bytes: int = 16 * 1024 * 1024
-    # Characters of text one request may send to the tokenizer (400 beyond): about 4 characters a
-    # token covers a 128k-token context with room to spare, yet bounds the tokenizer's work.
-    max_prompt_chars: int = 1_000_000
+    max_request_bytes: int = opt(16 * 1024 * 1024, "larger request bodies are refused with 413 before parsing")
+    # About 4 characters a token covers a 128k-token context with room to spare, yet bounds the
+    # tokenizer's work.
+    max_prompt_chars: int = opt(1_000_000, "characters of text one request may send to the tokenizer (400 beyond)")
 
     def __post_init__(self) -> None:
         self.validate()
 
+    @staticmethod
+    def add_cli_args(parser) -> None:
+        add_flags(ServerArgs, parser)
+
     @classmethod
     def from_cli(cls, ns) -> ServerArgs:
-        """The server flags of a parsed command line (see ``afd_engine.cli._server_flags``)."""
+        """The server flags of a parsed command line (see `add_cli_args`)."""
         import dataclasses
 
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
