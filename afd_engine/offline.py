@@ -17,14 +17,10 @@ class OfflineEngine(ABC):
     `has_unfinished`; `abort`; `close` (also as a context manager)."""
 
     @abstractmethod
-    def add_request(
-        self,
-        prompt: str | None = None,
-        params: SamplingParams | None = None,
-        prompt_token_ids: list[int] | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        """Queues one request; raises InvalidRequestError (and queues nothing) if it cannot run."""
+    def add_request(self, prompt=None, params=None, prompt_token_ids=None, request_id=None) -> str:
+        """Queues one request: `prompt` (str) or `prompt_token_ids` (list[int]), `params`
+        (SamplingParams; None: the defaults), an optional `request_id` (str); returns its
+        id. Raises InvalidRequestError (and queues nothing) if it cannot run."""
 
     @abstractmethod
     def step(self) -> list[RequestOutput]:
