@@ -74,32 +74,9 @@ def test_make_tiny_model_then_generate(tmp_path):
 
 
 def test_deployment_from_yaml_and_bad_yaml(tiny_v3, tmp_path):
-    res = afd(
-        "generate",
-        "--config",
-        "configs/colocated_dp2.yaml",
-        "--model-path",
-        tiny_v3,
-        "--prompt",
-        "hello",
-        "--max-new-tokens",
-        "6",
-        "--temperature",
-        "0",
-    )
-    single = afd(
-        "generate",
-        "--model-path",
-        tiny_v3,
-        "--prompt",
-        "hello",
-        "--max-new-tokens",
-        "6",
-        "--temperature",
-        "0",
-        "--num-threads",
-        "1",
-    )
+    prompt = ["--model-path", tiny_v3, *"--prompt hello --max-new-tokens 6 --temperature 0".split()]
+    res = afd("generate", "--config", "configs/colocated_dp2.yaml", *prompt)
+    single = afd("generate", *prompt, "--num-threads", "1")
     assert res.returncode == 0, res.stderr
     assert res.stdout == single.stdout
     bad = tmp_path / "bad.yaml"

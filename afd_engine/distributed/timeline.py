@@ -53,6 +53,9 @@ class Timeline:
         the injected delay; `tokens(state)`, read before it runs, is the rows it computes on."""
 
         def wrap(op: Operation) -> Operation:
+            if self.file is None and delay_ms <= 0:
+                return op  # nothing to record or inject: the hot path stays as it is
+
             def timed_op(st: MicroBatchState) -> None:
                 with self.span(kind, st.micro_batch, op.layer, tokens(st) if tokens else -1):
                     op(st)

@@ -13,22 +13,10 @@ from afd_engine import Engine, SamplingParams
 from tests.process_helpers import afd_start as afd
 from tests.process_helpers import free_port, wait_healthy
 
-TOPO = [
-    "--mode",
-    "afd",
-    "--dp-size",
-    "2",
-    "--ffn-nodes",
-    "2",
-    "--ffn-ranks-per-node",
-    "1",
-    "--micro-batches",
-    "2",
-    "--served-model-name",
-    "tiny",
-    "--num-threads",
-    "1",
-]
+TOPO = (
+    "--mode afd --dp-size 2 --ffn-nodes 2 --ffn-ranks-per-node 1 --micro-batches 2 --served-model-name tiny "
+    "--num-threads 1"
+).split()
 
 
 def one_by_one(rdv: str, model: str, *extra: str) -> list[str]:

@@ -25,21 +25,8 @@ def cmdline(pid: int) -> str:
 @pytest.mark.parametrize(
     "flags",
     [
-        (
-            "--mode",
-            "afd",
-            "--dp-size",
-            "2",
-            "--ffn-nodes",
-            "2",
-            "--ffn-ranks-per-node",
-            "2",
-            "--micro-batches",
-            "3",
-            "--dispatch",
-            "two-stage",
-        ),
-        ("--mode", "colocated", "--dp-size", "2", "--micro-batches", "2"),
+        "--mode afd --dp-size 2 --ffn-nodes 2 --ffn-ranks-per-node 2 --micro-batches 3 --dispatch two-stage".split(),
+        "--mode colocated --dp-size 2 --micro-batches 2".split(),
     ],
 )
 def test_openai_client_against_a_deployment(tiny_v3, flags):
