@@ -16,6 +16,7 @@ from afd_engine.models import Kernels, load_model
 from afd_engine.offline import OfflineEngine
 from afd_engine.runtime.kv_cache import KVPool, pages_for
 from afd_engine.runtime.model_runner import ModelRunner, StepRunner
+from afd_engine.runtime.radix_cache import RadixCache
 from afd_engine.runtime.request import Request, RequestOutput, TokenLogprob, TokenUpdate
 from afd_engine.runtime.sampler import Sampler, SamplingBatch
 from afd_engine.runtime.scheduler import Scheduler
@@ -67,7 +68,15 @@ class Engine(OfflineEngine):
             args.context_length or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
         self.pool = _make_pool(self.config, args, self.context_len, self.device)
-        self.scheduler = Scheduler(self.pool, args.max_num_batched_tokens, args.max_running_requests, self.context_len)
+        self.cache = RadixCache(self.pool, enabled=not args.disable_radix_cache)
+        self.scheduler = Scheduler(
+            self.pool,
+            args.max_num_batched_tokens,
+            args.max_running_requests,
+            self.context_len,
+            self.cache,
+            args.schedule_policy,
+        )
         self.runner: StepRunner = (rank_runner or ModelRunner)(self.model, self.pool)
         self.sampler = Sampler()
         eos = set(self.config.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
@@ -145,6 +154,7 @@ class Engine(OfflineEngine):
             req.text_trim,
             len(req.prompt_ids),
             len(req.output_ids),
+            req.num_cached_tokens,
         )
 
     def _step(self) -> tuple[list[Request], list[Request]]:
@@ -158,6 +168,7 @@ class Engine(OfflineEngine):
         for req in done:
             self.scheduler.remove(req)
             self._requests.pop(req.rid, None)
+        self.scheduler.step_done(plan)
         return sampled, done
 
     def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
@@ -191,6 +202,7 @@ class Engine(OfflineEngine):
             req.finish_reason,
             req.error,
             req.logprobs,
+            req.num_cached_tokens,
         )
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:

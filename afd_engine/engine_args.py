@@ -27,6 +27,9 @@ def opt(default, help: str, **extra):
 def add_flags(settings_cls, parser: argparse.ArgumentParser) -> None:
     """One --flag per field of a settings dataclass made with `opt` (underscores become dashes)."""
     for f in fields(settings_cls):
+        if f.type == "bool":
+            parser.add_argument("--" + f.name.replace("_", "-"), action="store_true", help=f.metadata["help"])
+            continue
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             type=_flag_type(f.type),
@@ -52,6 +55,21 @@ class EngineArgs:
     context_length: int | None = opt(None, "longest prompt + output (default: the model's max_position_embeddings)")
     num_threads: int | None = opt(None, "torch threads of this process (default: all cores)")
     seed: int = opt(0, "seed for requests that do not set their own")
+    disable_radix_cache: bool = opt(
+        False, "do not reuse cached prompt prefixes (every prompt is prefilled in full; freed pages go back at once)"
+    )
+    schedule_policy: str = opt(
+        "lpm",
+        "admission order of waiting requests: lpm (longest cached prefix first, oldest first once they have "
+        "waited long) or fcfs (arrival order)",
+        choices=("lpm", "fcfs"),
+    )
+    load_balance_method: str = opt(
+        "cache_aware",
+        "which attention rank takes a request: cache_aware (the rank that has seen its longest prefix, "
+        "unless that rank is much busier), shortest_queue or round_robin",
+        choices=("cache_aware", "shortest_queue", "round_robin"),
+    )
     device: str = opt(
         "auto",
         "where weights, KV cache and activations live: cpu, cuda, or auto (cuda when a GPU is present)",
@@ -108,6 +126,12 @@ class EngineArgs:
         need(self.context_length is None or self.context_length >= 2, "context_length", "must be at least 2")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be at least 1")
         need(self.mode in ("single", "colocated", "afd"), "mode", "use single, colocated or afd")
+        need(self.schedule_policy in ("lpm", "fcfs"), "schedule_policy", "use lpm or fcfs")
+        need(
+            self.load_balance_method in ("cache_aware", "shortest_queue", "round_robin"),
+            "load_balance_method",
+            "use cache_aware, shortest_queue or round_robin",
+        )
         need(self.dp_size >= 1, "dp_size", "must be at least 1")
         need(
             self.mode != "single" or self.dp_size == 1,

@@ -11,7 +11,8 @@ wrong types, an unknown model), which must get a 4xx with OpenAI's error JSON.
 
 When the load stops and every client has finished its request, it reports:
   * requests by kind, and every non-200 answer by kind, HTTP status and error type;
-  * KV pages leaked: ``afd_kv_pages_used`` on ``/metrics`` once running and waiting are 0;
+  * KV pages leaked: ``afd_kv_pages_used`` beyond the prefix cache's own pages
+    (``afd_prefix_cache_pages``) on ``/metrics`` once running and waiting are 0;
   * crashed processes: the server and its descendants (found via /proc at start) not alive at the end;
   * RSS growth per process (VmRSS sampled every few seconds): last sample vs the first after the
     warm-up, the first minute or the first fifth of the run, whichever is shorter;
@@ -330,6 +331,13 @@ def stop_server(proc: subprocess.Popen) -> None:
             continue
 
 
+def _held_pages(gauges: dict[str, float]) -> float:
+    """KV pages held by requests (the prefix cache's own pages are kept on purpose), plus any
+    request still running or waiting: 0 once the server has drained."""
+    held = gauges.get("afd_kv_pages_used", 0.0) - gauges.get("afd_prefix_cache_pages", 0.0)
+    return held + gauges.get("afd_num_requests_running", 0.0) + gauges.get("afd_num_requests_waiting", 0.0)
+
+
 async def kv_after_drain(client: httpx.AsyncClient, timeout_s: float) -> tuple[dict[str, float], float]:
     """Polls /metrics until nothing runs, waits or holds KV pages (or the timeout); returns the gauges."""
     start = time.perf_counter()
@@ -341,10 +349,15 @@ async def kv_after_drain(client: httpx.AsyncClient, timeout_s: float) -> tuple[d
         gauges = {}
         for line in text.splitlines():
             name, _, value = line.partition(" ")
-            if name in ("afd_kv_pages_used", "afd_num_requests_running", "afd_num_requests_waiting"):
+            if name in (
+                "afd_kv_pages_used",
+                "afd_prefix_cache_pages",
+                "afd_num_requests_running",
+                "afd_num_requests_waiting",
+            ):
                 gauges[name] = float(value)
         waited = time.perf_counter() - start
-        if not any(gauges.values()) or waited > timeout_s:
+        if not _held_pages(gauges) or waited > timeout_s:
             return gauges, waited
         await asyncio.sleep(0.5)
 
@@ -437,7 +450,8 @@ def build_report(args, procs: dict[int, dict], run: dict) -> dict:
         info["alive"] = alive(pid, info["start"])
     crashed = [pid for pid, info in procs.items() if not info["alive"]]
     memory = memory_report(procs, run["samples"], run["duration"])
-    leaked = run["gauges"].get("afd_kv_pages_used")
+    gauges = run["gauges"]
+    leaked = gauges["afd_kv_pages_used"] - gauges.get("afd_prefix_cache_pages", 0.0) if gauges else None
     reasons = []
     if leaked is None:
         reasons.append("/metrics did not answer after the load: KV pages unknown")

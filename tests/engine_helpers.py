@@ -50,3 +50,35 @@ def run_staggered(engine, batch: list[list[int]], params: SamplingParams, every:
             results[index[out.request_id]] = out.token_ids
         step += 1
     return [results[i] for i in range(len(batch))]
+
+
+def prefix_sharing_rounds(engine, vocab: int, params: SamplingParams, seed: int = 3, low: int = 5):
+    """Three rounds of requests whose prompts share prefixes with earlier ones (the prefix cache's
+    cases), each round submitted at once after the previous one finished:
+
+    - a system prompt of 37 tokens shared by questions (in the same round and in later ones);
+    - a chat that grows: each turn is the previous prompt, its answer and a new user message;
+    - a 50-token prompt, then its strict prefixes (30 and 24 tokens), a prompt sharing only its
+      first 21 tokens (the shared part ends inside a page), and the same prompt again.
+
+    Returns [(prompt, output tokens, cached prompt tokens)] in submission order."""
+    rng = random.Random(seed)
+
+    def rand(n: int) -> list[int]:
+        return [rng.randrange(low, vocab) for _ in range(n)]
+
+    system, chat, long = rand(37), rand(20), rand(50)
+    results = []
+
+    def run(batch):
+        outs = engine.generate(prompt_token_ids=batch, sampling_params=params)
+        for ids, out in zip(batch, outs):
+            assert out.error is None, out.error
+            results.append((ids, out.token_ids, out.num_cached_tokens))
+        return [o.token_ids for o in outs]
+
+    answer = run([system + rand(5), system + rand(5), chat, long])[2]
+    turn2 = chat + answer + rand(6)
+    answer = run([turn2, system + rand(5), long[:30], long[:21] + rand(9)])[0]
+    run([turn2 + answer + rand(6), long[:24], system + rand(5), long])
+    return results

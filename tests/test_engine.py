@@ -111,12 +111,15 @@ def test_invalid_prompts(engine):
 
 
 def test_abort_frees_pages(engine):
+    before = engine.cache.num_pages
     rid = engine.add_request(prompt_token_ids=[3] * 50, params=GREEDY)
     engine.step()
-    assert engine.pool.used_pages > 0
+    assert engine.pool.used_pages > before
     out = engine.abort(rid)
     assert out.finish_reason == "abort"
-    assert engine.pool.used_pages == 0 and not engine.has_unfinished()
+    # the prefix cache keeps the 3 whole pages of prompt computed (16 tokens each); the rest is free
+    assert engine.cache.num_pages == before + 3
+    assert engine.pool.used_pages == engine.cache.num_pages and not engine.has_unfinished()
 
 
 def test_missing_model_directory(tmp_path):

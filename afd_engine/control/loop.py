@@ -28,30 +28,39 @@ log = logging.getLogger("afd.engine")
 
 @dataclass(frozen=True)
 class ControlAddrs:
-    """Where the front end listens: requests (round-robin over attention ranks), broadcasts
-    (aborts, shutdown) and outputs (from every rank)."""
+    """Where the front end listens: requests (one address per attention rank, see
+    `requests_of`), broadcasts (aborts, shutdown) and outputs (from every rank)."""
 
     requests: str
     broadcast: str
     outputs: str
 
+    def requests_of(self, rank: int) -> str:
+        return f"{self.requests}-{rank}"
+
 
 @dataclass
 class FrontEndSockets:
-    push: zmq.Socket  # requests out, round robin over the ranks
+    push: list[zmq.Socket]  # requests out, one socket per rank: the router picks the rank
     pub: zmq.Socket  # aborts and shutdown, to every rank
     pull: zmq.Socket  # outputs of every rank
 
     @staticmethod
-    def bind(ctx: zmq.Context, addrs: ControlAddrs) -> FrontEndSockets:
-        """Binds the three sockets; `ctx` may be a plain or an asyncio ZeroMQ context."""
-        socks = FrontEndSockets(ctx.socket(zmq.PUSH), ctx.socket(zmq.PUB), ctx.socket(zmq.PULL))
-        for sock, addr in ((socks.push, addrs.requests), (socks.pub, addrs.broadcast), (socks.pull, addrs.outputs)):
-            sock.bind(addr)
+    def bind(ctx: zmq.Context, addrs: ControlAddrs, num_ranks: int) -> FrontEndSockets:
+        """Binds the sockets; `ctx` may be a plain or an asyncio ZeroMQ context. A request sent
+        to a rank that has not connected yet waits for it."""
+        socks = FrontEndSockets(
+            [ctx.socket(zmq.PUSH) for _ in range(num_ranks)], ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)
+        )
+        for rank, sock in enumerate(socks.push):
+            sock.bind(addrs.requests_of(rank))
+        socks.pub.bind(addrs.broadcast)
+        socks.pull.bind(addrs.outputs)
         return socks
 
     def close(self) -> None:
-        self.push.close(linger=0)
+        for sock in self.push:
+            sock.close(linger=0)
         self.pub.close(linger=500)  # let a last Shutdown leave
         self.pull.close(linger=0)
 
@@ -61,7 +70,7 @@ class EngineLoop:
         self.engine, self.rank = engine, rank
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.connect(addrs.requests)
+        self.pull.connect(addrs.requests_of(rank))  # this rank's requests only
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(addrs.broadcast)
@@ -84,8 +93,17 @@ class EngineLoop:
         self.close()
 
     def stats(self) -> msgs.EngineStats:
-        s, pool = self.engine.scheduler, self.engine.pool
-        return msgs.EngineStats(len(s.running), len(s.waiting), pool.used_pages, pool.num_pages)
+        s, pool, cache = self.engine.scheduler, self.engine.pool, self.engine.cache
+        return msgs.EngineStats(
+            len(s.running),
+            len(s.waiting),
+            pool.used_pages,
+            pool.num_pages,
+            cache.num_pages,
+            s.cache_hit_tokens,
+            s.prompt_tokens,
+            cache.evicted_pages,
+        )
 
     def _receive(self, timeout_ms: int) -> None:
         for sock, _ in self.poller.poll(timeout_ms):

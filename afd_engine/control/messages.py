@@ -39,6 +39,16 @@ class EngineStats:
     waiting: int = 0
     kv_pages_used: int = 0
     kv_pages_total: int = 0
+    cache_pages: int = 0  # pages held by the prefix cache (a part of kv_pages_used)
+    cache_hit_tokens: int = 0  # since start: prompt tokens served from the prefix cache
+    prompt_tokens: int = 0  # since start: prompt tokens of admitted requests
+    cache_evicted_pages: int = 0  # since start
+
+    @staticmethod
+    def total(stats) -> EngineStats:
+        """Field by field sum (the deployment's counters over its attention ranks)."""
+        names = [f.name for f in dataclasses.fields(EngineStats)]
+        return EngineStats(*(sum(getattr(s, n) for s in stats) for n in names))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """`make_engine(mode="afd" | "colocated", ...)`: the offline API over a deployment of rank processes.
 
 The same calls as the in-process engine (`generate`, `add_request`, `step`, `abort`), sent to the
-attention ranks over the control plane that the HTTP server uses.
+attention ranks over the control plane that the HTTP server uses; a Router picks each request's
+rank (`--load-balance-method`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import zmq
 
 from afd_engine.control import messages as msgs
 from afd_engine.control.loop import FrontEndSockets
+from afd_engine.control.router import Router
 from afd_engine.distributed.launcher import Deployment
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import AFDError, InvalidRequestError
@@ -33,8 +35,10 @@ class DistributedEngine(OfflineEngine):
 
         args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
         self.deployment = Deployment(args)
+        ranks = self.deployment.num_attention_ranks
+        self.router = Router.of(args.load_balance_method, ranks, args.page_size)
         self.ctx = zmq.Context()
-        self.sockets = FrontEndSockets.bind(self.ctx, self.deployment.addrs)
+        self.sockets = FrontEndSockets.bind(self.ctx, self.deployment.addrs, ranks)
         self.push, self.pub, self.pull = self.sockets.push, self.sockets.pub, self.sockets.pull
         info = self.deployment.start()
         self.model_path, self.context_len = info["model_path"], info["context_len"]
@@ -53,10 +57,19 @@ class DistributedEngine(OfflineEngine):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", param="prompt")
         ids = list(self.tokenizer.encode(prompt)) if prompt is not None else list(prompt_token_ids)
         rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._pending:  # each rank knows only its own ids: a duplicate could land elsewhere
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         params = params or SamplingParams()
         self._pending[rid] = {"prompt": ids, "params": params, "tokens": [], "logprobs": []}
-        self.push.send(msgs.encode(msgs.AddRequest(rid, ids, params)))
+        self._submit(self.router.route(rid, ids), msgs.AddRequest(rid, ids, params))
         return rid
+
+    def _submit(self, rank: int, msg: msgs.AddRequest) -> None:
+        """Waits while the rank has not connected yet; a dead rank never will."""
+        while not self.push[rank].poll(POLL_MS, zmq.POLLOUT):
+            if not self.deployment.alive():
+                raise DeploymentDied("a rank of the deployment died")
+        self.push[rank].send(msgs.encode(msg))
 
     def has_unfinished(self) -> bool:
         return bool(self._pending)
@@ -77,6 +90,7 @@ class DistributedEngine(OfflineEngine):
 
     def _absorb(self, msg) -> list[RequestOutput]:
         if isinstance(msg, msgs.Rejected):
+            self.router.finished(msg.rid)
             req = self._pending.pop(msg.rid, None)
             return [] if req is None else [RequestOutput(msg.rid, req["prompt"], [], "", "error", msg.message)]
         out = []
@@ -88,6 +102,7 @@ class DistributedEngine(OfflineEngine):
             req["logprobs"] += u.logprobs or []
             if u.finish_reason is not None:
                 del self._pending[u.request_id]
+                self.router.finished(u.request_id)
                 out.append(self._output(u, req))
         return out
 
@@ -101,10 +116,12 @@ class DistributedEngine(OfflineEngine):
             u.finish_reason,
             u.error,
             req["logprobs"] if req["params"].logprobs is not None else None,
+            u.num_cached_tokens,
         )
 
     def abort(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is not None:
+            self.router.finished(request_id)
             self.pub.send(msgs.encode(msgs.AbortRequest(request_id)))
 
     def close(self) -> None:

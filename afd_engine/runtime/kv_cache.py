@@ -1,8 +1,9 @@
 """The paged latent KV pool: cache memory, a page allocator and the per-sequence page table.
 
 MLA caches one latent vector per token per layer (`kv_lora_rank + qk_rope_head_dim` values),
-shared by all heads. Memory is cut into pages of `page_size` tokens; a sequence owns a list of
-pages, recorded in its row of the page table, and never touches a page it does not own.
+shared by all heads. Memory is cut into pages of `page_size` tokens; a sequence's pages are listed
+in its row of the page table. A row may start with pages of the prefix cache (shared, read only:
+radix_cache.py owns them); the pages after those are the sequence's own, and only they are written.
 """
 
 from __future__ import annotations
@@ -61,10 +62,28 @@ class KVPool:
     def free_rows(self) -> int:
         return len(self._free_rows)
 
-    def open_row(self) -> int:
+    def open_row(self, prefix_pages: list[int] = ()) -> int:
+        """A free row, starting with `prefix_pages` (pages the row reads but does not own)."""
         row = self._free_rows.pop()
-        self._pages[row] = []
+        self._pages[row] = list(prefix_pages)
+        self.page_table[row, : len(prefix_pages)] = torch.tensor(prefix_pages, dtype=torch.int64)
         return row
+
+    def page_of(self, row: int, index: int) -> int:
+        return self._pages[row][index]
+
+    def row_pages(self) -> dict[int, list[int]]:
+        """Each open row's pages, in order."""
+        return {row: list(pages) for row, pages in self._pages.items()}
+
+    def replace_page(self, row: int, index: int, page: int) -> None:
+        """Points the row's page `index` at `page` (same contents) and frees the page it had."""
+        self._free_pages.append(self._pages[row][index])
+        self._pages[row][index] = page
+        self.page_table[row, index] = page
+
+    def free(self, pages: list[int]) -> None:
+        self._free_pages.extend(pages)
 
     def tokens_capacity(self, row: int) -> int:
         return len(self._pages[row]) * self.page_size
@@ -87,7 +106,7 @@ class KVPool:
             owned.append(page)
         return True
 
-    def release(self, row: int) -> None:
-        """Returns a sequence's pages and its row."""
-        self._free_pages.extend(reversed(self._pages.pop(row)))
+    def release(self, row: int, keep: int = 0) -> None:
+        """Frees the row and its pages but the first `keep` (which the prefix cache holds)."""
+        self._free_pages.extend(reversed(self._pages.pop(row)[keep:]))
         self._free_rows.append(row)

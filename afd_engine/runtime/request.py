@@ -21,7 +21,11 @@ class Request:
     seed: int
     output_ids: list[int] = field(default_factory=list)
     row: int | None = None  # page-table row while it holds KV pages
+    prefix: object | None = None  # while running: its locked node of the prefix cache (radix_cache.Node)
     num_cached: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first admitted
+    admitted: bool = False  # admitted once (a preempted request is admitted again)
+    queued_round: int = 0  # the scheduling round it (re-)entered the waiting queue
     finish_reason: str | None = None
     error: str | None = None
     text_trim: int | None = None  # stop-string cut, as a character index into the output text
@@ -77,6 +81,7 @@ class TokenUpdate:
     text_trim: int | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -90,3 +95,4 @@ class RequestOutput:
     finish_reason: str | None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -3,7 +3,15 @@
 Each step, in order: every decoding request gets one token (pages permitting, preempting the
 newest request when they do not), partially prefilled requests continue their prompt in chunks,
 then waiting requests are admitted while the token budget, sequence slots and free pages allow.
-A preempted request gives back all its pages and later recomputes its prompt and output.
+An admitted request starts from its longest prefix in the prefix cache and prefills the rest.
+
+Pages come from the free list first, then from evicting unused prefix-cache pages, and only then
+from preempting: a preempted request leaves its computed pages in the cache and later resumes
+from whatever of them is still there.
+
+Admission order (--schedule-policy): fcfs takes the queue in arrival order; lpm takes requests
+with the longest cached prefix first, but a request that has waited LPM_MAX_WAIT_ROUNDS rounds
+(or was preempted) goes before any of them, so no request starves.
 """
 
 from __future__ import annotations
@@ -13,7 +21,11 @@ from dataclasses import dataclass, field
 
 from afd_engine.errors import InvalidRequestError
 from afd_engine.runtime.kv_cache import KVPool, pages_for
+from afd_engine.runtime.radix_cache import RadixCache
 from afd_engine.runtime.request import Request
+
+LPM_MAX_WAIT_ROUNDS = 64
+LPM_MAX_QUEUE = 128  # longer queues are taken fcfs: ordering them costs a tree walk per request
 
 
 @dataclass
@@ -28,12 +40,25 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_batch_tokens: int, max_running: int, context_len: int) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        max_batch_tokens: int,
+        max_running: int,
+        context_len: int,
+        cache: RadixCache | None = None,
+        policy: str = "lpm",
+    ) -> None:
         self.pool = pool
+        self.cache = cache or RadixCache(pool, enabled=False)
+        self.policy = policy
         self.max_batch_tokens, self.max_running, self.context_len = max_batch_tokens, max_running, context_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.round = 0
+        self.prompt_tokens = 0  # of admitted requests, since start
+        self.cache_hit_tokens = 0  # of those, served from the prefix cache
 
     def add(self, req: Request) -> None:
         """Queues a request; raises InvalidRequestError if it can never run."""
@@ -52,6 +77,7 @@ class Scheduler:
                 "raise --kv-cache-memory-mb",
                 param="prompt",
             )
+        req.queued_round = self.round
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -66,6 +92,7 @@ class Scheduler:
         self._drop_cache(req)
 
     def schedule(self) -> StepPlan:
+        self.round += 1
         plan = StepPlan()
         budget = self._schedule_decodes(plan, self.max_batch_tokens)
         budget = self._continue_prefills(plan, budget)
@@ -85,7 +112,7 @@ class Scheduler:
 
     def _reserve(self, req: Request, tokens: int, plan: StepPlan) -> bool:
         """Grows req's pages to `tokens`, preempting newer requests; False if req itself lost out."""
-        while not self.pool.grow(req.row, tokens):
+        while not self._grow(req.row, tokens):
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
                 req.finish_reason = "length"  # the pool cannot hold this one sequence
@@ -104,45 +131,84 @@ class Scheduler:
             if req.is_decode or req.row is None:
                 continue
             n = min(req.pending, budget, self._room(req))
-            if n > 0 and self.pool.grow(req.row, req.num_cached + n):
+            if n > 0 and self._grow(req.row, req.num_cached + n):
                 plan.extend.append((req, n))
                 budget -= n
         return budget
 
+    def step_done(self, plan: StepPlan) -> None:
+        """After a step's forward: prefilled pages go into the prefix cache for others to reuse."""
+        for req, _ in plan.extend:
+            if req.row is not None:
+                self.cache.cache(req)
+
+    def _grow(self, row: int, tokens: int) -> bool:
+        """Grows the row's pages to `tokens`, evicting unused cached pages when the pool is short."""
+        short = self.pool.extra_pages_needed(row, tokens) - self.pool.free_pages
+        if short > 0:
+            self.cache.evict(short)
+        return self.pool.grow(row, tokens)
+
+    def _available_pages(self) -> int:
+        return self.pool.free_pages + self.cache.evictable_pages
+
     def _room(self, req: Request) -> int:
-        """Tokens req could still add now: its own free slots plus all free pages."""
+        """Tokens req could still add now: its own free slots plus all free or evictable pages."""
         own = self.pool.tokens_capacity(req.row) - req.num_cached
-        return own + self.pool.free_pages * self.pool.page_size
+        return own + self._available_pages() * self.pool.page_size
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and self.pool.free_rows:
-            req = self.waiting[0]
-            # Admission by free pages: the whole pending prompt must fit, with one page kept per
-            # running request so that decodes do not preempt what was just admitted.
-            if pages_for(req.pending + 1, self.pool.page_size) > self.pool.free_pages - len(self.running):
+        if not self._can_admit(budget):
+            return  # (ordering the queue costs a tree walk per request: only when it matters)
+        for req in self._admission_order():
+            if not self._can_admit(budget):
+                break
+            prefix = self.cache.acquire(req)
+            # Admission by pages: the whole pending prompt must fit, with one page kept per running
+            # request so that decodes do not preempt what was just admitted.
+            need = pages_for(req.total_len + 1, self.pool.page_size) - len(prefix)
+            if need > self._available_pages() - len(self.running):
+                self.cache.release(req)
                 if not self.running:  # grew past the whole pool (after preemption): cannot resume
-                    self.waiting.popleft()
+                    self.waiting.remove(req)
                     req.finish_reason = "length"
                     plan.finished.append(req)
                     continue
                 break
-            self.waiting.popleft()
-            req.row = self.pool.open_row()
+            self.waiting.remove(req)
+            req.row = self.pool.open_row(prefix)
+            req.num_cached = len(prefix) * self.pool.page_size
+            if not req.admitted:
+                req.admitted, req.num_cached_tokens = True, req.num_cached
+                self.prompt_tokens += len(req.prompt_ids)
+                self.cache_hit_tokens += req.num_cached
             self.running.append(req)
             n = min(req.pending, budget)
-            self.pool.grow(req.row, n)
+            self._grow(req.row, req.num_cached + n)
             plan.extend.append((req, n))
             budget -= n
+
+    def _can_admit(self, budget: int) -> bool:
+        return bool(self.waiting) and budget > 0 and len(self.running) < self.max_running and self.pool.free_rows > 0
+
+    def _admission_order(self) -> list[Request]:
+        if self.policy == "fcfs" or not self.cache.enabled or not 1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            return list(self.waiting)
+        patient = self.round - LPM_MAX_WAIT_ROUNDS  # queued before this round: waited long enough
+        return sorted(
+            self.waiting,
+            key=lambda r: (r.num_preemptions == 0 and r.queued_round > patient, -self.cache.prefix_len(r)),
+        )
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._drop_cache(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
+        req.queued_round = self.round
         self.waiting.appendleft(req)
 
     def _drop_cache(self, req: Request) -> None:
-        if req.row is not None:
-            self.pool.release(req.row)
-            req.row = None
+        if req.prefix is not None:
+            self.cache.release(req)
         req.num_cached = 0

@@ -26,6 +26,7 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from afd_engine.control.loop import ControlAddrs
+from afd_engine.control.router import Router
 from afd_engine.errors import AFDError
 from afd_engine.server import protocol as P
 from afd_engine.server.choices import Choice, make_choices, run_choices
@@ -64,11 +65,11 @@ def build_app(
     server_args,
     start_ranks: Callable[[], dict],
     addrs: ControlAddrs,
-    num_ranks: int = 1,
+    router: Router,
     alive: Callable[[], bool] = lambda: True,
 ) -> FastAPI:
     """The app; at startup it binds the control sockets, then `start_ranks()` brings the engine up
-    (the port opens only once every rank is ready)."""
+    (the port opens only once every rank is ready). `router` picks each request's attention rank."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -76,7 +77,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_app):
-        client = EngineClient(addrs, num_ranks, alive)
+        client = EngineClient(addrs, router, alive)
         try:
             info = start_ranks()
         except AFDError as exc:
@@ -370,8 +371,14 @@ async def _sse(events: AsyncGenerator, on_abort: Callable[[], None], choices: As
 
 
 def _usage(choices: list[Choice]) -> P.UsageInfo:
-    prompt = sum(len(p) for p in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
-    return P.UsageInfo.of(prompt, sum(len(c.token_ids) for c in choices))
+    """Each prompt counts once, however many choices it has; of its tokens, those its choices all
+    found in the prefix cache count as cached."""
+    by_prompt: dict[int, list[Choice]] = {}
+    for c in choices:
+        by_prompt.setdefault(id(c.prompt_ids), []).append(c)
+    prompt = sum(len(cs[0].prompt_ids) for cs in by_prompt.values())
+    cached = sum(min(c.num_cached_tokens for c in cs) for cs in by_prompt.values())
+    return P.UsageInfo.of(prompt, sum(len(c.token_ids) for c in choices), cached)
 
 
 # -- chat -------------------------------------------------------------------------------------
@@ -468,7 +475,10 @@ async def _completion_events(s: ServerState, body, choices: list[Choice], stream
 def _generate_response(s: ServerState, choices: list[Choice]) -> P.GenerateResponse:
     c = choices[0]
     meta = P.GenerateMetaInfo(
-        finish_reason=c.finish_reason, prompt_tokens=len(c.prompt_ids), completion_tokens=len(c.token_ids)
+        finish_reason=c.finish_reason,
+        prompt_tokens=len(c.prompt_ids),
+        completion_tokens=len(c.token_ids),
+        cached_tokens=c.num_cached_tokens,
     )
     return P.GenerateResponse(text=c.text, output_ids=c.token_ids, meta_info=meta)
 
@@ -482,6 +492,11 @@ async def _generate_events(s: ServerState, body, choices: list[Choice], stream) 
                     "text": delta,
                     "output_ids": update.token_ids,
                     "finish_reason": c.finish_reason if update.finish_reason else None,
+                    "meta_info": {
+                        "prompt_tokens": len(c.prompt_ids),
+                        "completion_tokens": len(c.token_ids),
+                        "cached_tokens": c.num_cached_tokens,
+                    },
                 }
             )
             + "\n\n"

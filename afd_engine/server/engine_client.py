@@ -1,6 +1,7 @@
 """The API server's side of the control plane: submit requests, stream their updates, abort.
 
-One background task reads the engine's messages and routes each update to its request's queue.
+A Router picks each request's attention rank. One background task reads the engine's messages
+and routes each update to its request's queue.
 A request whose consumer goes away (client disconnected, task cancelled) is aborted in the
 engine, which frees its KV pages.
 """
@@ -16,6 +17,7 @@ import zmq.asyncio
 
 from afd_engine.control import messages as msgs
 from afd_engine.control.loop import HEARTBEAT_S, ControlAddrs, FrontEndSockets
+from afd_engine.control.router import Router
 from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.runtime.request import TokenUpdate
 from afd_engine.sampling_params import SamplingParams
@@ -28,14 +30,17 @@ class EngineUnavailable(AFDError):
 
 
 class EngineClient:
-    def __init__(self, addrs: ControlAddrs, num_ranks: int = 1, alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, addrs: ControlAddrs, router: Router, alive: Callable[[], bool] = lambda: True) -> None:
+        """`router` spans the deployment's attention ranks."""
+        ranks = range(router.num_ranks)
+        self.router = router
         self.ctx = zmq.asyncio.Context()
-        self.sockets = FrontEndSockets.bind(self.ctx, addrs)
+        self.sockets = FrontEndSockets.bind(self.ctx, addrs, router.num_ranks)
         self.push, self.pub, self.pull = self.sockets.push, self.sockets.pub, self.sockets.pull
         self.alive = alive
-        self.rank_stats = {r: msgs.EngineStats() for r in range(num_ranks)}
+        self.rank_stats = {r: msgs.EngineStats() for r in ranks}
         now = time.monotonic()
-        self.last_heard = {r: now for r in range(num_ranks)}
+        self.last_heard = {r: now for r in ranks}
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
 
@@ -50,10 +55,7 @@ class EngineClient:
     @property
     def stats(self) -> msgs.EngineStats:
         """The deployment's counters: the sum over attention ranks."""
-        s = list(self.rank_stats.values())
-        return msgs.EngineStats(
-            *(sum(getattr(x, f) for x in s) for f in ("running", "waiting", "kv_pages_used", "kv_pages_total"))
-        )
+        return msgs.EngineStats.total(self.rank_stats.values())
 
     async def _read(self) -> None:
         while True:
@@ -80,7 +82,7 @@ class EngineClient:
         self._queues[rid] = queue
         finished = False
         try:
-            await self.push.send(msgs.encode(msgs.AddRequest(rid, prompt_ids, params)))
+            await self._submit(self.router.route(rid, prompt_ids), msgs.AddRequest(rid, prompt_ids, params))
             while not finished:
                 item = await self._next(queue)
                 if isinstance(item, msgs.Rejected):
@@ -90,8 +92,16 @@ class EngineClient:
                 yield item
         finally:
             del self._queues[rid]
+            self.router.finished(rid)  # finished, rejected or aborted: no longer the rank's load
             if not finished:  # the consumer left early: free the engine's resources
                 self._send_nowait(msgs.AbortRequest(rid))
+
+    async def _submit(self, rank: int, msg: msgs.AddRequest) -> None:
+        """Waits while the rank has not connected yet; a dead rank never will."""
+        while not await self.push[rank].poll(HEARTBEAT_S * 2000, zmq.POLLOUT):
+            if not self.healthy:
+                raise EngineUnavailable("the engine process stopped answering")
+        await self.push[rank].send(msgs.encode(msg))
 
     async def _next(self, queue: asyncio.Queue):
         while True:

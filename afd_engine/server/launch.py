@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from afd_engine.control.router import Router
 from afd_engine.distributed.launcher import Deployment
 from afd_engine.engine_args import EngineArgs, add_flags, opt
 
@@ -105,7 +106,7 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
         server_args,
         start_ranks,
         deployment.addrs,
-        deployment.num_attention_ranks,
+        Router.of(args.load_balance_method, deployment.num_attention_ranks, args.page_size),
         alive=deployment.alive,
     )
     server = uvicorn.Server(

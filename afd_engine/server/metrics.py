@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from afd_engine.control.messages import EngineStats
 
@@ -31,10 +33,30 @@ class ServerMetrics:
         self.waiting = Gauge("afd_num_requests_waiting", "requests waiting for admission", registry=r)
         self.kv_used = Gauge("afd_kv_pages_used", "KV cache pages in use", registry=r)
         self.kv_total = Gauge("afd_kv_pages_total", "KV cache pages in the pool", registry=r)
+        self.cache_pages = Gauge("afd_prefix_cache_pages", "KV cache pages held by the prefix cache", registry=r)
+        self.engine_counters = _EngineCounters()
+        r.register(self.engine_counters)
 
     def render(self, stats: EngineStats) -> bytes:
+        self.engine_counters.stats = stats
+        self.cache_pages.set(stats.cache_pages)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_pages_used)
         self.kv_total.set(stats.kv_pages_total)
         return generate_latest(self.registry)
+
+
+class _EngineCounters(Collector):
+    """Counters the engine keeps since its start (summed over attention ranks), exposed as they are."""
+
+    def __init__(self) -> None:
+        self.stats = EngineStats()
+
+    def collect(self):
+        for name, doc, value in (
+            ("afd_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", self.stats.cache_hit_tokens),
+            ("afd_prefix_cache_queried_tokens", "prompt tokens of admitted requests", self.stats.prompt_tokens),
+            ("afd_prefix_cache_evicted_pages", "pages evicted from the prefix cache", self.stats.cache_evicted_pages),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)

@@ -1,11 +1,13 @@
 """The engine loop behind its control sockets, driven directly (no API server in front to validate):
-one request's content fails that request only, and the loop keeps serving."""
+one request's content fails that request only, the loop keeps serving, and each rank's loop takes
+the requests sent to that rank only."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -17,20 +19,31 @@ from afd_engine.control.loop import ControlAddrs, EngineLoop, FrontEndSockets
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture
-def loop(tiny_v3, tmp_path):
+@contextmanager
+def engine_loops(model_path: str, tmp_path, num_ranks: int):
+    """The front end's sockets, with one engine loop per rank serving behind them in threads."""
     addrs = ControlAddrs(*(f"ipc://{tmp_path}/{n}" for n in ("requests", "broadcast", "outputs")))
     ctx = zmq.Context()
-    socks = FrontEndSockets.bind(ctx, addrs)
-    engine = Engine(model_path=tiny_v3, num_threads=1)
-    thread = threading.Thread(target=EngineLoop(engine, addrs).run, daemon=True)
-    thread.start()
-    yield socks
-    socks.pub.send(msgs.encode(msgs.Shutdown()))
-    thread.join(timeout=30)
-    assert not thread.is_alive(), "the loop did not stop on Shutdown"
-    socks.close()
-    ctx.term()
+    socks = FrontEndSockets.bind(ctx, addrs, num_ranks)
+    loops = [EngineLoop(Engine(model_path=model_path, num_threads=1), addrs, rank) for rank in range(num_ranks)]
+    threads = [threading.Thread(target=loop.run, daemon=True) for loop in loops]
+    for thread in threads:
+        thread.start()
+    try:
+        yield socks
+    finally:
+        socks.pub.send(msgs.encode(msgs.Shutdown()))
+        for thread in threads:
+            thread.join(timeout=30)
+            assert not thread.is_alive(), "the loop did not stop on Shutdown"
+        socks.close()
+        ctx.term()
+
+
+@pytest.fixture
+def loop(tiny_v3, tmp_path):
+    with engine_loops(tiny_v3, tmp_path, num_ranks=1) as socks:
+        yield socks
 
 
 def until_done(socks: FrontEndSockets, rid: str):
@@ -56,7 +69,7 @@ def test_bad_requests_are_rejected_and_the_loop_keeps_serving(loop, tiny_v3):
     with Engine(model_path=tiny_v3, num_threads=1) as ref:
         expected = ref.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)[0].token_ids
     good = msgs.AddRequest("ok-1", [5, 6, 7], GREEDY)
-    loop.push.send(msgs.encode(good))
+    loop.push[0].send(msgs.encode(good))
     assert until_done(loop, "ok-1") == expected
     params = {**json.loads(msgs.encode(good))["body"]["params"]}
     bad = {
@@ -67,12 +80,30 @@ def test_bad_requests_are_rejected_and_the_loop_keeps_serving(loop, tiny_v3):
     }
     answers = {}
     for rid, raw in bad.items():
-        loop.push.send(raw)
+        loop.push[0].send(raw)
         answers[rid] = until_done(loop, rid)
         assert isinstance(answers[rid], msgs.Rejected), (rid, answers[rid])
     assert answers["surrogate-stop"].param == "stop" and "valid Unicode" in answers["surrogate-stop"].message
     assert "bogus" in answers["unknown-field"].message
     assert answers["token-out-of-vocab"].param == "prompt_token_ids"
-    loop.push.send(b"not json at all")
-    loop.push.send(msgs.encode(msgs.AddRequest("ok-2", [5, 6, 7], GREEDY)))
+    loop.push[0].send(b"not json at all")
+    loop.push[0].send(msgs.encode(msgs.AddRequest("ok-2", [5, 6, 7], GREEDY)))
     assert until_done(loop, "ok-2") == expected
+
+
+def test_each_rank_serves_the_requests_sent_to_it_only(tiny_v3, tmp_path):
+    sent = {"a": 1, "b": 0, "c": 1, "d": 1}  # request id -> rank
+    served: dict[str, set[int]] = {}  # request id -> ranks whose outputs carried its updates
+    with engine_loops(tiny_v3, tmp_path, num_ranks=2) as socks:
+        for sock in socks.push:  # a send to a rank that never connects would wait for ever
+            sock.setsockopt(zmq.SNDTIMEO, 10_000)
+        for rid, rank in sent.items():
+            socks.push[rank].send(msgs.encode(msgs.AddRequest(rid, [5, 6, 7], GREEDY)))
+        finished, deadline = set(), time.monotonic() + 30
+        while finished != set(sent) and time.monotonic() < deadline and socks.pull.poll(1000):
+            msg = msgs.decode(socks.pull.recv())
+            for u in msg.updates:
+                served.setdefault(u.request_id, set()).add(msg.rank)
+                if u.finish_reason is not None:
+                    finished.add(u.request_id)
+    assert served == {rid: {rank} for rid, rank in sent.items()}

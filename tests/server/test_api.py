@@ -66,7 +66,12 @@ def test_greedy_over_http_equals_offline_token_ids(server, offline):
         prompt_token_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     )[0]
     assert out["output_ids"] == ref.token_ids
-    assert out["meta_info"] == {"finish_reason": "length", "prompt_tokens": 5, "completion_tokens": 16}
+    assert out["meta_info"] == {
+        "finish_reason": "length",
+        "prompt_tokens": 5,
+        "completion_tokens": 16,
+        "cached_tokens": 0,  # less than a page: nothing to reuse
+    }
 
 
 def test_completions_with_text_and_token_prompts(client, offline):
@@ -211,11 +216,13 @@ def test_aborted_streams_free_their_kv_pages(server):
     start = time.monotonic()
     asyncio.run(run())
     deadline = time.monotonic() + 5  # 50 x ~400 tokens left would take the engine far longer
-    while (server.metric("afd_kv_pages_used") != 0 or aborted_count(server, "chat") < before + 50) and (
-        time.monotonic() < deadline
-    ):
+
+    def held() -> float:  # pages of requests; the prefix cache keeps its own on purpose
+        return server.metric("afd_kv_pages_used") - server.metric("afd_prefix_cache_pages")
+
+    while (held() != 0 or aborted_count(server, "chat") < before + 50) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert server.metric("afd_kv_pages_used") == 0, f"pages still held {time.monotonic() - start:.1f} s in"
+    assert held() == 0, f"pages still held {time.monotonic() - start:.1f} s in"
     assert server.metric("afd_num_requests_running") == 0
     assert aborted_count(server, "chat") == before + 50
     assert httpx.get(server.url + "/health").status_code == 200
@@ -230,6 +237,38 @@ def test_metrics_count_tokens(server):
     )
     assert server.metric("afd_generation_tokens_total") == before + 5
     assert server.metric("afd_time_to_first_token_seconds_count") > 0
+
+
+PAGE = 16  # the server's default --page-size
+
+
+def cached_of(earlier: list[int], prompt: list[int]) -> int:
+    """What the prefix cache serves of `prompt` after `earlier` ran: their common prefix in whole
+    pages, short of the prompt's last token (always computed)."""
+    common = next((i for i, (a, b) in enumerate(zip(earlier, prompt)) if a != b), min(len(earlier), len(prompt)))
+    return min(common, len(prompt) - 1) // PAGE * PAGE
+
+
+def test_usage_reports_cached_prompt_tokens(server, client, offline):
+    system = "You are a terse assistant for the lighthouse keepers of the northern isles. " * 3
+    asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in ("Hi", "Bye")]
+    template = offline.tokenizer.apply_chat_template
+    ids = [template(m, add_generation_prompt=True, tokenize=True)["input_ids"] for m in asks]
+    hits_before = server.metric("afd_prefix_cache_hit_tokens_total")
+    first, second = (client.chat.completions.create(model=MODEL, messages=m, max_tokens=3) for m in asks)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    expected = cached_of(ids[0], ids[1])
+    assert expected >= 2 * PAGE
+    assert second.usage.prompt_tokens_details.cached_tokens == expected
+    assert server.metric("afd_prefix_cache_hit_tokens_total") == hits_before + expected
+    assert server.metric("afd_prefix_cache_pages") > 0
+
+    prompt = list(range(40, 90))  # the same token ids twice: all whole pages but the last token's
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=2, stream=True, stream_options={"include_usage": True})
+    usages = [list(client.completions.create(**kwargs))[-1].usage for _ in range(2)]
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, 48]
+    body = {"input_ids": prompt + [7], "sampling_params": {"max_new_tokens": 1}}
+    assert httpx.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]["cached_tokens"] == 48
 
 
 def test_api_key_is_enforced(tiny_v3):

@@ -452,7 +452,12 @@ def test_chat_response_json(tokenizer):
     raw = resp.model_dump_json()
     data = json.loads(raw)
     assert data["id"].startswith("chatcmpl-") and data["object"] == "chat.completion"
-    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert data["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert "logprobs" in data["choices"][1] and data["choices"][1]["logprobs"] is None
     parsed = openai.types.chat.ChatCompletion.model_validate_json(raw)
     content = parsed.choices[0].logprobs.content
