@@ -6,7 +6,8 @@ can be compared side by side, but is written for this engine: every request stre
 temperature 0 and ``ignore_eos`` so the server generates exactly the requested number of tokens.
 
 Backends:
-  * ``chat``: ``POST /v1/chat/completions`` (one user message);
+  * ``chat``: ``POST /v1/chat/completions`` (one user message; the prefix datasets below send a
+    system message and, for multi-turn, the conversation so far);
   * ``completions``: ``POST /v1/completions`` (text or a token-id list prompt);
   * ``native``: ``POST /generate`` with ``input_ids`` (or ``text``), streamed SSE.
 
@@ -15,7 +16,17 @@ Datasets (nothing is downloaded):
     without a tokenizer, so chat gets random words instead;
   * ``random``: random English words (lengths are in words; the server tokenizes them);
   * ``sharegpt``: the first human turn of each conversation of a local ShareGPT JSON file,
-    with the following gpt reply's word count as output length (or ``--sharegpt-output-len``).
+    with the following gpt reply's word count as output length (or ``--sharegpt-output-len``);
+  * ``generated-shared-prefix``: ``--gsp-num-groups`` random system prompts, each followed by
+    ``--gsp-prompts-per-group`` random questions of its own; token ids (chat: words, as a system
+    and a user message), shuffled with the seed so that groups interleave;
+  * ``multi-turn``: ``--mt-num-conversations`` conversations of ``--mt-num-turns`` turns. A turn's
+    prompt is the previous turn's prompt, its output and a new user message (native: the exact
+    output ids; chat: an assistant message with the returned text). Conversations run
+    concurrently, the turns of one conversation one after another; ``--request-rate`` spaces the
+    conversations' first turns. Native and chat only: completions could not resend the output.
+  The last two ignore ``--num-prompts``. Their warm-up requests come from another seed, so that
+  the warm-up puts none of the measured prefixes into the server's cache.
 
 Per-request measurements (client side, ``time.perf_counter``):
   * TTFT: from sending the request to the first chunk carrying content (chat/completions: a
@@ -25,8 +36,12 @@ Per-request measurements (client side, ``time.perf_counter``):
   * TPOT: (latency - TTFT) / (output tokens - 1), for requests with more than one output token;
   * output tokens: ``usage.completion_tokens`` of the last streamed chunk (chat/completions,
     ``stream_options.include_usage``) or the number of ``output_ids`` received (native);
-  * prompt tokens: ``usage.prompt_tokens`` (chat/completions) or ``len(input_ids)`` (native; with a
-    text prompt, native only knows the word count, flagged as ``input_tokens_estimated``).
+  * prompt tokens: ``usage.prompt_tokens`` (chat/completions) or ``meta_info.prompt_tokens``
+    (native); when the server sends neither, ``len(input_ids)`` or, for a text prompt, the word
+    count (flagged as ``input_tokens_estimated``);
+  * cached prompt tokens: ``usage.prompt_tokens_details.cached_tokens`` (chat/completions) or
+    ``meta_info.cached_tokens`` (native). ``cache_hit_rate`` is cached / prompt tokens over the
+    requests that reported it (None when none did).
 
 Run from the repository root against a running ``afd serve``:
 ``python benchmarks/bench_serving.py --backend completions --num-prompts 64``.
@@ -40,30 +55,35 @@ import argparse
 import asyncio
 import json
 import math
-import random
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-NUM_SPECIAL_IDS = 5  # ids 0..4 are bos, eos, pad, User, Assistant in the tiny tokenizer (and rarely text elsewhere)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_datasets import (  # noqa: E402  (the workloads; re-exported for other scripts)
+    NUM_SPECIAL_IDS,
+    WORDS,  # noqa: F401
+    Conversation,
+    Request,
+    first_turn,
+    is_token_ids,
+    make_requests,  # noqa: F401
+    make_workload,
+    next_turn,
+    warmup_requests,
+)
+
 MAX_ERRORS_SHOWN = 5
 
-# Common English words: prompts that tokenize like ordinary text, without needing a tokenizer here.
-_WORDS_TEXT = (
-    "the of and to in is was for on that with as by at from his her which this be are or an had not "
-    "but have were they one all their there been has more when who will would can if no time out up "
-    "about into only other new some could these two may first then do any like my now over such our "
-    "man me even most made after also did many before must through back years where much your way well "
-    "down should because each just those people how too little state good very make world still own see "
-    "men work long get here between both life being under never day same another know while last might "
-    "us great old year off come since against go came right used take three house water number city"
-)
-WORDS = _WORDS_TEXT.split()
+DATASETS = ("random-ids", "random", "sharegpt", "generated-shared-prefix", "multi-turn")
+GSP_FLAGS = ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")
+MT_FLAGS = ("mt_num_conversations", "mt_num_turns", "mt_system_prompt_len", "mt_turn_len", "mt_output_len")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--model", default=None, help="model name (default: the first id of GET /v1/models)")
     p.add_argument("--backend", default="completions", choices=("chat", "completions", "native"))
-    p.add_argument("--dataset-name", default="random-ids", choices=("random-ids", "random", "sharegpt"))
+    p.add_argument("--dataset-name", default="random-ids", choices=DATASETS)
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --dataset-name sharegpt)")
     p.add_argument(
         "--sharegpt-output-len",
@@ -121,13 +141,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
     p.add_argument("--disable-tqdm", action="store_true")
+    g = p.add_argument_group("generated-shared-prefix (groups x prompts per group requests; lengths are fixed)")
+    g.add_argument("--gsp-num-groups", type=int, default=8, help="system prompts")
+    g.add_argument("--gsp-prompts-per-group", type=int, default=8, help="questions per system prompt")
+    g.add_argument("--gsp-system-prompt-len", type=int, default=128)
+    g.add_argument("--gsp-question-len", type=int, default=32)
+    g.add_argument("--gsp-output-len", type=int, default=32)
+    m = p.add_argument_group("multi-turn (conversations x turns requests; lengths are fixed)")
+    m.add_argument("--mt-num-conversations", type=int, default=8)
+    m.add_argument("--mt-num-turns", type=int, default=4)
+    m.add_argument("--mt-system-prompt-len", type=int, default=64, help="0: no system prompt")
+    m.add_argument("--mt-turn-len", type=int, default=16, help="length of each new user message")
+    m.add_argument("--mt-output-len", type=int, default=32, help="tokens generated per turn")
     return p
 
 
 def validate_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "random_input_len", "random_output_len"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("num_prompts", "random_input_len", "random_output_len", *GSP_FLAGS, *MT_FLAGS):
+        least = 0 if name == "mt_system_prompt_len" else 1
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}")
     if not 0.0 <= args.random_range_ratio <= 1.0:
         p.error("--random-range-ratio must be in [0, 1]")
     if args.random_vocab_size <= NUM_SPECIAL_IDS:
@@ -140,6 +173,11 @@ def validate_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--dataset-name sharegpt needs --dataset-path (a local file; nothing is downloaded)")
     if args.warmup_requests < 0:
         p.error("--warmup-requests must be >= 0")
+    if args.dataset_name == "multi-turn" and args.backend == "completions":
+        p.error(
+            "--dataset-name multi-turn needs --backend native (resends the exact output ids) or chat "
+            "(resends the reply as an assistant message); completions has no way to resend the output"
+        )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -165,66 +203,6 @@ def _as_namespace(args: argparse.Namespace | Mapping[str, Any]) -> argparse.Name
 
 
 # ---------------------------------------------------------------------------------------------
-# Datasets
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Request:
-    """One benchmark request: a text or token-id prompt and the number of tokens to generate."""
-
-    prompt: str | list[int]
-    prompt_len: int  # exact for token ids; the word count for text
-    output_len: int
-
-
-def _lengths(rng: random.Random, n: int, length: int, ratio: float) -> list[int]:
-    low = max(1, int(length * ratio))
-    return [rng.randint(low, length) for _ in range(n)]
-
-
-def random_requests(args: argparse.Namespace, as_ids: bool) -> list[Request]:
-    rng = random.Random(args.seed)
-    in_lens = _lengths(rng, args.num_prompts, args.random_input_len, args.random_range_ratio)
-    out_lens = _lengths(rng, args.num_prompts, args.random_output_len, args.random_range_ratio)
-    reqs = []
-    for in_len, out_len in zip(in_lens, out_lens):
-        if as_ids:
-            prompt: str | list[int] = [rng.randrange(NUM_SPECIAL_IDS, args.random_vocab_size) for _ in range(in_len)]
-        else:
-            prompt = " ".join(rng.choice(WORDS) for _ in range(in_len))
-        reqs.append(Request(prompt, in_len, out_len))
-    return reqs
-
-
-def sharegpt_requests(args: argparse.Namespace) -> list[Request]:
-    """The first (human, gpt) pair of each conversation, shuffled with the seed."""
-    with open(args.dataset_path, encoding="utf-8") as f:
-        data = json.load(f)
-    pairs = []
-    for item in data:
-        turns = item.get("conversations") or item.get("conversation") or []
-        if len(turns) >= 2 and turns[0].get("value") and turns[1].get("value"):
-            pairs.append((turns[0]["value"], turns[1]["value"]))
-    random.Random(args.seed).shuffle(pairs)
-    if len(pairs) < args.num_prompts:
-        raise ValueError(f"{args.dataset_path} has {len(pairs)} usable conversations, fewer than --num-prompts")
-    reqs = []
-    for question, answer in pairs[: args.num_prompts]:
-        out_len = args.sharegpt_output_len or max(1, len(answer.split()))
-        reqs.append(Request(question, len(question.split()), out_len))
-    return reqs
-
-
-def make_requests(args: argparse.Namespace) -> list[Request]:
-    if args.dataset_name == "sharegpt":
-        return sharegpt_requests(args)
-    # Chat has no way to send token ids, so random-ids falls back to random words there.
-    as_ids = args.dataset_name == "random-ids" and args.backend != "chat"
-    return random_requests(args, as_ids)
-
-
-# ---------------------------------------------------------------------------------------------
 # One request
 # ---------------------------------------------------------------------------------------------
 
@@ -241,6 +219,10 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     prompt_tokens_exact: bool = False
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
+    cached_tokens_reported: bool = False
+    output_ids: list[int] = field(default_factory=list)  # native
+    output_text: str = ""  # chat and completions
 
     @property
     def tpot(self) -> float | None:
@@ -267,7 +249,8 @@ def build_payload(args: argparse.Namespace, model: str, req: Request) -> tuple[s
         "stream_options": {"include_usage": True},
     }
     if args.backend == "chat":
-        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": req.prompt}]}
+        messages = req.prompt if isinstance(req.prompt, list) else [{"role": "user", "content": req.prompt}]
+        return "/v1/chat/completions", {**body, "messages": messages}
     return "/v1/completions", {**body, "prompt": req.prompt}
 
 
@@ -284,26 +267,41 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
                 yield line[5:].removesuffix("\r").removeprefix(" ")
 
 
-def chunk_content(backend: str, chunk: dict) -> tuple[bool, int]:
-    """(whether this chunk carries generated content, the number of token ids it carries (native))."""
+def chunk_content(backend: str, chunk: dict) -> str | list[int]:
+    """The generated content a chunk carries: token ids (native) or text; empty when none."""
     if backend == "native":
-        n = len(chunk.get("output_ids") or ())
-        return n > 0, n
+        return list(chunk.get("output_ids") or ())
     choices = chunk.get("choices") or []
     if not choices:
-        return False, 0
+        return ""
     if backend == "chat":
-        return bool((choices[0].get("delta") or {}).get("content")), 0
-    return bool(choices[0].get("text")), 0
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+def record_usage(res: Result, chunk: dict) -> None:
+    """Takes the token counts a chunk reports: ``usage`` (chat/completions, the last chunk) or
+    ``meta_info`` (native, every event). Either may hold the cached prompt tokens."""
+    if chunk.get("usage"):
+        usage = chunk["usage"]
+        res.output_tokens = usage["completion_tokens"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    elif chunk.get("meta_info"):
+        usage = chunk["meta_info"]
+        cached = usage.get("cached_tokens")
+    else:
+        return
+    if usage.get("prompt_tokens") is not None:
+        res.prompt_tokens, res.prompt_tokens_exact = usage["prompt_tokens"], True
+    if cached is not None:
+        res.cached_tokens, res.cached_tokens_reported = cached, True
 
 
 async def send_request(client: httpx.AsyncClient, args: argparse.Namespace, model: str, req: Request) -> Result:
     """Streams one request and times it; any failure is recorded in the result, never raised."""
     path, payload = build_payload(args, model, req)
-    res = Result(
-        prompt_tokens=len(req.prompt) if isinstance(req.prompt, list) else req.prompt_len,
-        prompt_tokens_exact=isinstance(req.prompt, list),
-    )
+    ids = is_token_ids(req.prompt)
+    res = Result(prompt_tokens=len(req.prompt) if ids else req.prompt_len, prompt_tokens_exact=ids)
     start = time.perf_counter()
     last = None  # time of the previous content chunk
     done = False
@@ -322,13 +320,14 @@ async def send_request(client: httpx.AsyncClient, args: argparse.Namespace, mode
                 if "error" in chunk:
                     res.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
                     return res
-                has_content, n_ids = chunk_content(args.backend, chunk)
-                res.output_tokens += n_ids
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.prompt_tokens_exact = True
-                if has_content:
+                content = chunk_content(args.backend, chunk)
+                if isinstance(content, list):
+                    res.output_ids += content
+                    res.output_tokens += len(content)
+                else:
+                    res.output_text += content
+                record_usage(res, chunk)
+                if content:
                     if last is None:
                         res.ttft = now - start
                     else:
@@ -370,19 +369,21 @@ async def fetch_model(client: httpx.AsyncClient) -> str:
 
 
 async def run_load(
-    client: httpx.AsyncClient, args: argparse.Namespace, model: str, requests: list[Request]
+    client: httpx.AsyncClient, args: argparse.Namespace, model: str, workload: list[Request] | list[Conversation]
 ) -> tuple[list[Result], float]:
-    """Sends all requests on the arrival schedule, at most --max-concurrency at a time.
+    """Sends the workload on the arrival schedule, at most --max-concurrency requests at a time.
 
-    Returns the results (in request order) and the benchmark duration: from the first request
-    being sent to the last one finishing.
+    A conversation's first turn arrives on the schedule; each later turn is sent as soon as the
+    previous one has finished, and after a failed turn the rest count as failed, unsent. Returns
+    the results (in workload order, a conversation's turns in order) and the benchmark duration:
+    from the first request being sent to the last one finishing.
     """
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bar = None
     if not args.disable_tqdm:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(requests), file=sys.stderr)
+        bar = tqdm(total=sum(_num_requests(w) for w in workload), file=sys.stderr)
 
     async def one(req: Request) -> Result:
         # The arrival time is fixed by the schedule; the semaphore only delays the send, as a
@@ -396,17 +397,35 @@ async def run_load(
             bar.update(1)
         return res
 
+    async def converse(conv: Conversation) -> list[Result]:
+        req = first_turn(conv)
+        results = [await one(req)]
+        for k, user in enumerate(conv.user_turns[1:], start=1):
+            if not results[-1].success:
+                error = f"not sent: turn {k - 1} of its conversation failed"
+                return results + [Result(error=error) for _ in conv.user_turns[k:]]
+            req = next_turn(req, results[-1], user)
+            results.append(await one(req))
+        return results
+
+    async def item(w: Request | Conversation) -> list[Result]:
+        return await converse(w) if isinstance(w, Conversation) else [await one(w)]
+
     start = time.perf_counter()
     tasks = []
-    for req, delay in zip(requests, arrival_delays(len(requests), args.request_rate, args.seed)):
+    for w, delay in zip(workload, arrival_delays(len(workload), args.request_rate, args.seed)):
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(req)))
-    results = await asyncio.gather(*tasks)
+        tasks.append(asyncio.create_task(item(w)))
+    results = [res for batch in await asyncio.gather(*tasks) for res in batch]
     duration = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    return list(results), duration
+    return results, duration
+
+
+def _num_requests(w: Request | Conversation) -> int:
+    return len(w.user_turns) if isinstance(w, Conversation) else 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,6 +474,7 @@ def compute_metrics(results: list[Result], duration: float, args: argparse.Names
         # Little's law: the average number of requests in flight.
         "concurrency": sum(r.latency for r in ok) / duration,
     }
+    m.update(cache_metrics(ok))
     m.update(_stats("ttft", [r.ttft for r in ok]))
     m.update(_stats("itl", [gap for r in ok for gap in r.itl]))
     m.update(_stats("tpot", [r.tpot for r in ok if r.tpot is not None]))
@@ -468,6 +488,17 @@ def compute_metrics(results: list[Result], duration: float, args: argparse.Names
     return m
 
 
+def cache_metrics(ok: list[Result]) -> dict[str, Any]:
+    """Cached prompt tokens and their share of the prompt tokens, over the successful requests
+    whose server reported them (both None when none did)."""
+    reported = [r for r in ok if r.cached_tokens_reported]
+    if not reported:
+        return {"total_cached_tokens": None, "cache_hit_rate": None}
+    cached = sum(r.cached_tokens for r in reported)
+    prompt = sum(r.prompt_tokens for r in reported)
+    return {"total_cached_tokens": cached, "cache_hit_rate": cached / prompt if prompt else 0.0}
+
+
 def format_table(m: dict[str, Any], args: argparse.Namespace) -> str:
     """SGLang-style result table."""
     rows: list[tuple[str, Any]] = [
@@ -479,6 +510,8 @@ def format_table(m: dict[str, Any], args: argparse.Namespace) -> str:
         ("Benchmark duration (s)", m["duration"]),
         ("Total input tokens" + (" (estimated)" if m["input_tokens_estimated"] else ""), m["total_input_tokens"]),
         ("Total generated tokens", m["total_output_tokens"]),
+        ("Total cached prompt tokens", _or_not_reported(m["total_cached_tokens"])),
+        ("Cache hit rate (cached / prompt tokens)", _or_not_reported(m["cache_hit_rate"])),
         ("Request throughput (req/s)", m["request_throughput"]),
         ("Input token throughput (tok/s)", m["input_throughput"]),
         ("Output token throughput (tok/s)", m["output_throughput"]),
@@ -501,6 +534,10 @@ def format_table(m: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(_row(f"{word} {label} (ms)", m[f"{stat}_{key}_ms"]))
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+def _or_not_reported(value: Any) -> Any:
+    return "not reported" if value is None else value
 
 
 def _row(name: str, value: Any) -> str:
@@ -530,18 +567,18 @@ async def run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> dict[st
     """Runs one benchmark and returns its metrics (plus "settings"); also prints the table and
     appends the record to --output-file when set. Failed requests are counted, not raised."""
     args = _as_namespace(args)
-    requests = make_requests(args)
+    workload = make_workload(args)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: a proxy from the environment would sit in the timed path.
     async with httpx.AsyncClient(
         base_url=args.base_url, timeout=httpx.Timeout(args.request_timeout), limits=limits, trust_env=False
     ) as client:
         model = args.model or await fetch_model(client)
-        for i in range(args.warmup_requests):
-            warm = await send_request(client, args, model, requests[i % len(requests)])
+        for req in warmup_requests(args, workload):
+            warm = await send_request(client, args, model, req)
             if not warm.success:
                 raise RuntimeError(f"warmup request failed: {warm.error}")
-        results, duration = await run_load(client, args, model, requests)
+        results, duration = await run_load(client, args, model, workload)
     metrics = compute_metrics(results, duration, args)
     metrics["settings"] = _settings(args, model)
     print(format_table(metrics, args), flush=True)
@@ -555,6 +592,8 @@ async def run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> dict[st
                 itls=[r.itl for r in results],
                 latencies=[r.latency for r in results],
                 output_lens=[r.output_tokens for r in results],
+                input_lens=[r.prompt_tokens for r in results],
+                cached_lens=[r.cached_tokens for r in results],
                 all_errors=[r.error for r in results],
             )
         write_record(args.output_file, record)
@@ -567,7 +606,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     metrics = asyncio.run(run_benchmark(args))
     if metrics["failed"]:
-        print(f"{metrics['failed']} of {args.num_prompts} requests failed", file=sys.stderr)
+        print(f"{metrics['failed']} of {len(metrics['results'])} requests failed", file=sys.stderr)
         return 1
     return 0
 

@@ -1,8 +1,10 @@
 """End-to-end test of benchmarks/bench_serving.py against a real `afd serve` subprocess.
 
-One server (the tiny DeepSeek-V3, served as "tiny") is shared by the module; the script runs as a
-subprocess, exactly as a user would run it. Timings are not checked, only that they are there and
-that the counts are exact (ignore_eos makes every request generate exactly --random-output-len).
+One server (the tiny DeepSeek-V3, served as "tiny", prefix cache on, 16-token pages) is shared by
+the module; the script runs as a subprocess, exactly as a user would run it. Timings are not
+checked, only that they are there and that the counts are exact (ignore_eos makes every request
+generate exactly the requested number of tokens). Every run that reads cache hits uses a seed of
+its own, so that no run finds another's prompts in the shared server's cache.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def run_bench(server: Server, tmp_path: Path, *extra: str) -> dict:
         "P99 ITL (ms)",
         "Median TPOT (ms)",
         "Mean E2E Latency (ms)",
+        "Cache hit rate (cached / prompt tokens)",
     ):
         assert name in proc.stdout, name
     lines = out.read_text().splitlines()
@@ -68,6 +71,8 @@ def check_quick_record(rec: dict) -> None:
         assert rec[key] > 0, key
     assert rec["mean_e2e_latency_ms"] >= rec["mean_ttft_ms"]
     assert rec["settings"]["model"] == "tiny"
+    # The warm-up request is the first request: its cached page (chat prompts pass 16 tokens) may count.
+    assert rec["total_cached_tokens"] is not None and 0 <= rec["cache_hit_rate"] < 0.5
 
 
 @pytest.mark.parametrize("backend", ["chat", "completions", "native"])
@@ -128,3 +133,160 @@ def test_slo():
     r = b.Result(success=True, ttft=0.1, latency=0.5, output_tokens=5)  # TPOT = 100 ms
     assert b.meets_slo(r, 100.0, 100.0) and not b.meets_slo(r, 99.0, None) and not b.meets_slo(r, None, 99.0)
     assert not b.meets_slo(b.Result(success=False), None, None)
+
+
+# -- prefix datasets against the server -----------------------------------------------------------
+
+GSP = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "4"]
+GSP += ["--gsp-system-prompt-len", "64", "--gsp-question-len", "8", "--gsp-output-len", "4"]
+
+
+@pytest.mark.parametrize(("backend", "seed"), [("completions", "11"), ("native", "12")])
+def test_shared_prefix_hits_the_cache(server, tmp_path, backend, seed):
+    """One request at a time: the first request of each group finds nothing cached (the warm-up
+    comes from another seed); each later one finds exactly the 64-token system prompt (4 pages;
+    its question differs from the first token on)."""
+    flags = [*GSP, "--backend", backend, "--seed", seed, "--max-concurrency", "1", "--output-details"]
+    rec = run_bench(server, tmp_path, *flags)
+    assert rec["completed"] == 8 and rec["failed"] == 0 and rec["total_output_tokens"] == 32
+    assert rec["input_lens"] == [72] * 8 and rec["total_input_tokens"] == 576
+    firsts, expected = set(), []
+    for req in _module().make_requests(_module().parse_args([*GSP, "--seed", seed])):
+        system = tuple(req.prompt[:64])
+        expected.append(0 if system not in firsts else 64)
+        firsts.add(system)
+    assert rec["cached_lens"] == expected and rec["total_cached_tokens"] == 6 * 64
+    assert rec["cache_hit_rate"] == pytest.approx(384 / 576)
+
+
+MT = ["--mt-num-conversations", "2", "--mt-num-turns", "3", "--mt-system-prompt-len", "32"]
+MT += ["--mt-turn-len", "8", "--mt-output-len", "4", "--max-concurrency", "2", "--output-details"]
+
+
+def test_multi_turn_native_resends_the_output(server, tmp_path):
+    """Turn k+1's prompt is turn k's prompt + its 4 output ids + 8 new ids, as the server counted it;
+    each later turn finds at least the full pages of the previous turn's prompt cached."""
+    rec = run_bench(server, tmp_path, "--dataset-name", "multi-turn", "--backend", "native", "--seed", "13", *MT)
+    assert rec["completed"] == 6 and rec["failed"] == 0 and rec["output_lens"] == [4] * 6
+    assert rec["input_lens"] == [40, 52, 64] * 2  # conversation by conversation, turns in order
+    for conv in (rec["cached_lens"][:3], rec["cached_lens"][3:]):
+        assert conv[0] == 0
+        assert 32 <= conv[1] <= 40 + 4 and 48 <= conv[2] <= 52 + 4  # 40 -> 2 pages, 52 -> 3 pages
+    assert rec["cache_hit_rate"] == pytest.approx(sum(rec["cached_lens"]) / 312)
+
+
+def test_multi_turn_chat_sends_the_conversation(server, tmp_path):
+    rec = run_bench(server, tmp_path, "--dataset-name", "multi-turn", "--backend", "chat", "--seed", "14", *MT)
+    assert rec["completed"] == 6 and rec["failed"] == 0 and rec["output_lens"] == [4] * 6
+    for lens, cached in (
+        (rec["input_lens"][:3], rec["cached_lens"][:3]),
+        (rec["input_lens"][3:], rec["cached_lens"][3:]),
+    ):
+        assert lens[0] < lens[1] < lens[2]  # each turn adds an assistant and a user message
+        assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+    assert 0 < rec["cache_hit_rate"] < 1
+
+
+def test_multi_turn_refuses_completions(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dataset-name", "multi-turn", "--backend", "completions"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "--dataset-name multi-turn needs --backend native" in proc.stderr
+
+
+# -- prefix datasets and cache figures, pure ----------------------------------------------------
+
+
+def test_shared_prefix_shapes():
+    b = _module()
+    flags = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "3", "--gsp-prompts-per-group", "4"]
+    flags += ["--gsp-system-prompt-len", "20", "--gsp-question-len", "5", "--gsp-output-len", "7"]
+    reqs = b.make_requests(b.parse_args(flags))
+    assert len(reqs) == 12
+    assert all(len(r.prompt) == 25 and r.prompt_len == 25 and r.output_len == 7 for r in reqs)
+    assert all(b.NUM_SPECIAL_IDS <= t < 512 for r in reqs for t in r.prompt)
+    groups: dict[tuple, list] = {}
+    for r in reqs:
+        groups.setdefault(tuple(r.prompt[:20]), []).append(tuple(r.prompt[20:]))
+    assert len(groups) == 3 and all(len(qs) == 4 for qs in groups.values())
+    assert len({q for qs in groups.values() for q in qs}) == 12  # every question its own
+    order = [list(groups).index(tuple(r.prompt[:20])) for r in reqs]
+    assert order != sorted(order)  # groups interleave
+    assert [r.prompt for r in b.make_requests(b.parse_args(flags))] == [r.prompt for r in reqs]  # same seed
+    assert [r.prompt for r in b.make_requests(b.parse_args([*flags, "--seed", "2"]))] != [r.prompt for r in reqs]
+
+    chat = b.make_requests(b.parse_args([*flags, "--backend", "chat"]))
+    assert all([m["role"] for m in r.prompt] == ["system", "user"] for r in chat)
+    assert all(len(r.prompt[0]["content"].split()) == 20 and len(r.prompt[1]["content"].split()) == 5 for r in chat)
+    assert len({r.prompt[0]["content"] for r in chat}) == 3
+
+
+def test_warmup_shares_no_prefix_with_the_workload():
+    b = _module()
+    args = b.parse_args(["--dataset-name", "generated-shared-prefix", "--warmup-requests", "2"])
+    workload = b.make_workload(args)
+    warm = b.warmup_requests(args, workload)
+    assert len(warm) == 2 and all(len(w.prompt) == len(workload[0].prompt) for w in warm)
+    assert not {tuple(w.prompt[:16]) for w in warm} & {tuple(r.prompt[:16]) for r in workload}
+    plain = b.parse_args(["--warmup-requests", "3", "--num-prompts", "2"])
+    reqs = b.make_workload(plain)
+    assert b.warmup_requests(plain, reqs) == [reqs[0], reqs[1], reqs[0]]
+
+
+def test_multi_turn_prompts_grow_by_output_and_turn():
+    b = _module()
+    flags = ["--dataset-name", "multi-turn", "--mt-num-conversations", "3", "--mt-num-turns", "2"]
+    flags += ["--mt-system-prompt-len", "10", "--mt-turn-len", "6", "--mt-output-len", "5"]
+    convs = b.make_workload(b.parse_args([*flags, "--backend", "native"]))
+    assert len(convs) == 3 and len({tuple(c.system) for c in convs}) == 3
+    conv = convs[0]
+    assert len(conv.system) == 10 and [len(t) for t in conv.user_turns] == [6, 6] and conv.output_len == 5
+    first = b.first_turn(conv)
+    assert first.prompt == conv.system + conv.user_turns[0] and first.prompt_len == 16
+    second = b.next_turn(first, b.Result(output_ids=[7, 8, 9, 10, 11]), conv.user_turns[1])
+    assert second.prompt == first.prompt + [7, 8, 9, 10, 11] + conv.user_turns[1]
+    assert second.prompt_len == len(second.prompt) == 16 + 5 + 6 and second.output_len == 5
+
+    chat = b.make_workload(b.parse_args([*flags, "--backend", "chat"]))[0]
+    first = b.first_turn(chat)
+    assert first.prompt == [{"role": "system", "content": chat.system}, {"role": "user", "content": chat.user_turns[0]}]
+    second = b.next_turn(first, b.Result(output_text="a reply"), chat.user_turns[1])
+    assert second.prompt == first.prompt + [
+        {"role": "assistant", "content": "a reply"},
+        {"role": "user", "content": chat.user_turns[1]},
+    ]
+    assert second.prompt_len == 16 + 2 + 6
+    no_system = b.make_workload(b.parse_args([*flags, "--backend", "chat", "--mt-system-prompt-len", "0"]))[0]
+    assert [m["role"] for m in b.first_turn(no_system).prompt] == ["user"]
+
+
+def test_cached_tokens_and_hit_rate():
+    b = _module()
+    usage = {"prompt_tokens": 40, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 32}}
+    chat = b.Result(success=True)
+    b.record_usage(chat, {"choices": [], "usage": usage})
+    assert (chat.prompt_tokens, chat.output_tokens, chat.cached_tokens, chat.cached_tokens_reported) == (
+        40,
+        4,
+        32,
+        True,
+    )
+    native = b.Result(success=True, prompt_tokens=3)
+    b.record_usage(native, {"output_ids": [9], "meta_info": {"prompt_tokens": 60, "cached_tokens": 16}})
+    assert (native.prompt_tokens, native.prompt_tokens_exact, native.cached_tokens) == (60, True, 16)
+    other = b.Result(success=True, prompt_tokens=100)  # a server that reports no cache figures
+    b.record_usage(other, {"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 4}})
+    assert not other.cached_tokens_reported
+
+    args = b.parse_args([])
+    m = b.compute_metrics([chat, native, other, b.Result(error="x", cached_tokens=99)], 2.0, args)
+    assert m["total_cached_tokens"] == 48 and m["cache_hit_rate"] == pytest.approx(48 / 100)
+    none = b.compute_metrics([other], 1.0, args)
+    assert none["total_cached_tokens"] is None and none["cache_hit_rate"] is None
+    assert "not reported" in b.format_table(none, args)
