@@ -15,7 +15,7 @@ from afd_engine.model_config import ModelConfig
 from afd_engine.models import Kernels, load_model
 from afd_engine.offline import OfflineEngine
 from afd_engine.runtime.kv_cache import KVPool, pages_for
-from afd_engine.runtime.model_runner import ModelRunner, StepRunner
+from afd_engine.runtime.model_runner import ModelRunner, Scored, StepRunner
 from afd_engine.runtime.radix_cache import RadixCache
 from afd_engine.runtime.request import Request, RequestOutput, TokenLogprob, TokenUpdate
 from afd_engine.runtime.sampler import Sampler, SamplingBatch
@@ -145,6 +145,9 @@ class Engine(OfflineEngine):
         return updates + [self._update(r, [], True) for r in finished if r not in sampled]
 
     def _update(self, req: Request, new: list[int], finished: bool) -> TokenUpdate:
+        prompt_logprobs = None  # sent once, with the first update after the prompt was scored
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and req.next_scored == len(req.prompt_ids):
+            prompt_logprobs, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
         return TokenUpdate(
             req.rid,
             new,
@@ -155,6 +158,7 @@ class Engine(OfflineEngine):
             len(req.prompt_ids),
             len(req.output_ids),
             req.num_cached_tokens,
+            prompt_logprobs,
         )
 
     def _step(self) -> tuple[list[Request], list[Request]]:
@@ -162,9 +166,16 @@ class Engine(OfflineEngine):
         plan = self.scheduler.schedule()
         done, sampled = list(plan.finished), []
         if self.runner.begin_step(plan):
-            sampled, logits = self.runner.run(plan)
+            inputs, logits = self.runner.run(plan)
+            sampled = inputs.samplers
+            if inputs.scored:
+                _record_prompt_logprobs(inputs.scored, logits)
             if sampled:
-                done += self._append_tokens(sampled, logits)
+                done += self._append_tokens(sampled, logits[inputs.sample_rows] if inputs.scored else logits)
+            for req in [r for r, _ in plan.extend] + plan.decode:  # scored its prompt, generates nothing
+                if req.params.max_new_tokens == 0 and req.pending == 0:
+                    req.finish_reason = "length"
+                    done.append(req)
         for req in done:
             self.scheduler.remove(req)
             self._requests.pop(req.rid, None)
@@ -203,6 +214,7 @@ class Engine(OfflineEngine):
             req.error,
             req.logprobs,
             req.num_cached_tokens,
+            req.prompt_logprobs,
         )
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
@@ -240,6 +252,22 @@ def _record_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Te
     for j, i in enumerate(asking):
         n = reqs[i].params.logprobs
         reqs[i].logprobs.append(TokenLogprob(chosen[j], top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
+
+
+def _record_prompt_logprobs(scored: list[Scored], logits: torch.Tensor) -> None:
+    """Appends the scored prompt tokens' logprobs (and top-k) of every request, in one pass."""
+    rows = torch.cat([torch.arange(s.first, s.first + s.count) for s in scored]).to(logits.device)
+    targets = [t for s in scored for t in s.req.prompt_ids[s.req.next_scored : s.req.next_scored + s.count]]
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [n, V]
+    chosen = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()
+    k = max(s.req.params.prompt_logprobs for s in scored)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    i = 0
+    for s in scored:
+        n = s.req.params.prompt_logprobs
+        s.req.prompt_logprobs += [TokenLogprob(chosen[j], top_ids[j][:n], top_lp[j][:n]) for j in range(i, i + s.count)]
+        i += s.count
 
 
 def _load_tokenizer(model_path):

@@ -28,6 +28,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the k most likely
+    # prompt tokens' logprobs from position prompt_logprobs_start on (the first token has none):
+    # None: none; 0: each prompt token's; k: also the k most likely. With them, max_new_tokens
+    # may be 0 (score the prompt, generate nothing).
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -48,8 +53,8 @@ class SamplingParams:
 
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
             raise bad("max_new_tokens", "must be an integer")
-        if self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "must be at least 1")
+        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise bad("max_new_tokens", "must be at least 1 (0 only with prompt logprobs)")
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise bad("temperature", "must be a number")
         if not 0.0 <= self.temperature <= 100.0:
@@ -68,6 +73,18 @@ class SamplingParams:
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
+        if (
+            isinstance(self.prompt_logprobs_start, bool)
+            or not isinstance(self.prompt_logprobs_start, int)
+            or self.prompt_logprobs_start < 0
+        ):
+            raise bad("prompt_logprobs_start", "must be a non-negative integer")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not _is_unicode(s) for s in self.stop):

@@ -97,4 +97,6 @@ def decode(data: bytes):
 
 def _update(u: dict) -> TokenUpdate:
     logprobs = None if u["logprobs"] is None else [TokenLogprob(**lp) for lp in u["logprobs"]]
-    return TokenUpdate(**{**u, "logprobs": logprobs})
+    prompt = u.get("prompt_logprobs")
+    prompt = None if prompt is None else [None if lp is None else TokenLogprob(**lp) for lp in prompt]
+    return TokenUpdate(**{**u, "logprobs": logprobs, "prompt_logprobs": prompt})

@@ -104,14 +104,14 @@ class PipelineRunner(StepRunner):
         commit(plan)
         self.timeline.end_step(self.step_id)
         self.step_id += 1
-        return inputs.samplers, torch.cat(outs) if outs else torch.empty(0, device=self.pool.device)
+        return inputs, torch.cat(outs) if outs else torch.empty(0, device=self.pool.device)
 
     def _micro_batch(self, inputs: StepInputs, group: range) -> dict:
         n_ext = len(inputs.extend)
         ext = [inputs.extend[i] for i in group if i < n_ext]
         dec = [inputs.decode[i - n_ext] for i in group if i >= n_ext]
         fb = ForwardBatch.build(ext, dec, self.pool.page_table, self.pool.page_size, self.pool.device)
-        rows = logit_rows(ext + dec, [inputs.samples[i] for i in group], self.pool.device)
+        rows = logit_rows(ext + dec, [inputs.rows[i] for i in group], self.pool.device)
         return {"fb": fb, "kv_cache": self.pool.cache, "rows": rows}
 
     def _announce(self, tokens: list[int], shutdown: bool = False) -> None:

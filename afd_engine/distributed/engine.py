@@ -100,6 +100,8 @@ class DistributedEngine(OfflineEngine):
                 continue
             req["tokens"] += u.token_ids
             req["logprobs"] += u.logprobs or []
+            if u.prompt_logprobs is not None:
+                req["prompt_logprobs"] = u.prompt_logprobs
             if u.finish_reason is not None:
                 del self._pending[u.request_id]
                 self.router.finished(u.request_id)
@@ -117,6 +119,7 @@ class DistributedEngine(OfflineEngine):
             u.error,
             req["logprobs"] if req["params"].logprobs is not None else None,
             u.num_cached_tokens,
+            req.get("prompt_logprobs"),
         )
 
     def abort(self, request_id: str) -> None:

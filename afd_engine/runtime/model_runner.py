@@ -17,30 +17,65 @@ from afd_engine.runtime.request import Request
 from afd_engine.runtime.scheduler import StepPlan
 
 
+@dataclass(frozen=True)
+class Scored:
+    """Prompt logprobs of one request in a step: `count` rows of the step's logits from `first`,
+    predicting its prompt tokens from `req.next_scored` on."""
+
+    req: Request
+    first: int
+    count: int
+
+
 @dataclass
 class StepInputs:
-    """A step's sequences in batch order (extend chunks, then decodes) and who samples."""
+    """A step's sequences in batch order (extend chunks, then decodes) and which of their tokens'
+    logits the step returns: each sampler's last token, and the prompt positions being scored."""
 
     extend: list[SeqChunk]
     decode: list[SeqChunk]
-    samples: list[bool]  # per sequence, in the same order: does it sample a token this step
+    rows: list[list[int]]  # per sequence, in the same order: offsets in its chunk of the logit rows
     samplers: list[Request]
+    sample_rows: list[int]  # each sampler's row in the step's logits
+    scored: list[Scored]
 
     @staticmethod
     def of(plan: StepPlan) -> StepInputs:
         extend = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + n)) for r, n in plan.extend]
         decode = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + 1)) for r in plan.decode]
-        # A request samples when this step completes its pending tokens: the last token of a
-        # finished prefill chunk, and every decode token.
-        samples = [n == r.pending for r, n in plan.extend] + [True] * len(plan.decode)
-        samplers = [r for (r, _), s in zip(plan.extend, samples) if s] + list(plan.decode)
-        return StepInputs(extend, decode, samples, samplers)
+        rows, samplers, sample_rows, scored, total = [], [], [], [], 0
+        for r, n in plan.extend:
+            start, mine = r.num_cached, []
+            # position p's logits score prompt token p + 1
+            lo, hi = max(start, r.next_scored - 1), min(start + n, len(r.prompt_ids) - 1)
+            if hi > lo:
+                scored.append(Scored(r, total, hi - lo))
+                mine = list(range(lo - start, hi - start))
+            # A request samples when this step completes its pending tokens (unless it only
+            # scores its prompt): the last token of a finished prefill chunk.
+            if n == r.pending and r.params.max_new_tokens > 0:
+                samplers.append(r)
+                sample_rows.append(total + len(mine))
+                mine.append(n - 1)
+            rows.append(mine)
+            total += len(mine)
+        for r in plan.decode:  # and every decode token (but a prompt's last one that only scores)
+            sampling = r.params.max_new_tokens > 0
+            if sampling:
+                samplers.append(r)
+                sample_rows.append(total)
+            rows.append([0] if sampling else [])
+            total += sampling
+        return StepInputs(extend, decode, rows, samplers, sample_rows, scored)
 
 
-def logit_rows(chunks: list[SeqChunk], samples: list[bool], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Rows (last token of each sampling sequence) in the flat token order of `chunks`."""
-    ends = torch.tensor([len(c.tokens) for c in chunks], dtype=torch.int64).cumsum(0) - 1
-    return (ends[torch.tensor(samples, dtype=torch.bool)] if chunks else ends).to(device)
+def logit_rows(chunks: list[SeqChunk], rows: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """`rows` (offsets within each chunk) as indices in the flat token order of `chunks`."""
+    flat, start = [], 0
+    for chunk, offsets in zip(chunks, rows):
+        flat += [start + o for o in offsets]
+        start += len(chunk.tokens)
+    return torch.tensor(flat, dtype=torch.int64).to(device)
 
 
 def commit(plan: StepPlan) -> None:
@@ -69,8 +104,9 @@ class StepRunner(ABC):
         """Called every round; True when a forward step runs now (`run` must follow)."""
 
     @abstractmethod
-    def run(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
-        """Forwards the step; returns the requests that sample now and their logits [n, V] fp32."""
+    def run(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
+        """Forwards the step; returns its inputs (who samples, which prompt tokens are scored) and
+        the logits of their rows [len(rows), V] fp32."""
 
     def request_stop(self) -> None:
         """Asks to stop; a lockstep runner stops in the next round its peers agree on."""
@@ -90,12 +126,12 @@ class ModelRunner(StepRunner):
     def begin_step(self, plan: StepPlan) -> bool:
         return not plan.empty
 
-    def run(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
+    def run(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
         inputs = StepInputs.of(plan)
         fb = ForwardBatch.build(
             inputs.extend, inputs.decode, self.pool.page_table, self.pool.page_size, self.pool.device
         )
-        rows = logit_rows(inputs.extend + inputs.decode, inputs.samples, self.pool.device)
+        rows = logit_rows(inputs.extend + inputs.decode, inputs.rows, self.pool.device)
         logits = self.model(fb, self.pool.cache, rows)
         commit(plan)
-        return inputs.samplers, logits
+        return inputs, logits

@@ -66,14 +66,14 @@ class RadixCache:
 
     def prefix_len(self, req: Request) -> int:
         """Tokens of req that admitting it now would take from the cache."""
-        return len(self.match(req.tokens(0, req.total_len), req.total_len - 1)[1]) * self.page_size
+        return len(self.match(req.tokens(0, req.total_len), req.cacheable_len())[1]) * self.page_size
 
     # -- a request's life ----------------------------------------------------------------------
 
     def acquire(self, req: Request) -> list[int]:
-        """Locks req's longest cached prefix (all but its last token at most) as req.prefix and
+        """Locks req's longest cached prefix (up to req.cacheable_len() tokens) as req.prefix and
         returns that prefix's pages; the caller opens req's row with them."""
-        node, pages = self.match(req.tokens(0, req.total_len), req.total_len - 1)
+        node, pages = self.match(req.tokens(0, req.total_len), req.cacheable_len())
         self._touch(node)
         self._lock(node)
         req.prefix = node

@@ -31,10 +31,31 @@ class Request:
     text_trim: int | None = None  # stop-string cut, as a character index into the output text
     num_preemptions: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per output token when params.logprobs is set
+    # with params.prompt_logprobs: one per prompt token from prompt_logprobs_start on, filled as
+    # the prompt is computed (None for token 0, which nothing predicts)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] if self.params.prompt_logprobs_start == 0 else []
+
+    @property
+    def next_scored(self) -> int:
+        """The next prompt token whose logprob is still to be recorded (the prompt's length: none)."""
+        if self.prompt_logprobs is None:
+            return len(self.prompt_ids)
+        return min(self.params.prompt_logprobs_start + len(self.prompt_logprobs), len(self.prompt_ids))
+
+    def cacheable_len(self) -> int:
+        """How many leading tokens may come from the prefix cache: not the last one (it must be
+        computed to sample from), nor any whose logits the prompt logprobs still need."""
+        limit = self.total_len - 1
+        if self.next_scored < len(self.prompt_ids):
+            limit = min(limit, self.next_scored - 1)  # token i's logprob comes from position i - 1
+        return limit
 
     @property
     def total_len(self) -> int:
@@ -82,6 +103,7 @@ class TokenUpdate:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, in the first update after the prompt
 
 
 @dataclass(frozen=True)
@@ -96,3 +118,4 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token from the asked start
