@@ -242,7 +242,12 @@ def _routes(app: FastAPI, state: Callable[[], ServerState]) -> None:
         )
         return await _serve(s, request, body, prompts, "completions")
 
-    @app.post("/generate", response_model=P.GenerateResponse, responses={**error_responses(400, 413, 503), **_SSE})
+    @app.post(
+        "/generate",
+        response_model=P.GenerateResponse,
+        response_model_exclude_none=True,  # the logprob fields only when asked for
+        responses={**error_responses(400, 413, 503), **_SSE},
+    )
     async def generate(body: P.GenerateRequest, request: Request):
         s = state()
         _check_prompt_chars(s, body.text_chars(), "text")
@@ -303,7 +308,7 @@ async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]
         return Response(status_code=499)
     s.metrics.requests.labels(endpoint, "ok").inc()
     return {"chat": _chat_response, "completions": _completion_response, "generate": _generate_response}[endpoint](
-        s, choices
+        s, body, choices
     )
 
 
@@ -390,7 +395,7 @@ def _chat_logprobs(s: ServerState, c: Choice, token_ids: list[int], lps) -> P.Ch
     return s.logprob_format.chat_logprobs(token_ids, *P.LogprobFormatter.unpack(lps))
 
 
-def _chat_response(s: ServerState, choices: list[Choice]) -> P.ChatCompletionResponse:
+def _chat_response(s: ServerState, body, choices: list[Choice]) -> P.ChatCompletionResponse:
     out = [
         P.ChatCompletionChoice(
             index=c.index,
@@ -434,24 +439,47 @@ def _completion_logprobs(s: ServerState, c: Choice, token_ids, lps, offset: int)
     return s.logprob_format.completion_logprobs(token_ids, *P.LogprobFormatter.unpack(lps), text_offset=offset)
 
 
-def _completion_response(s: ServerState, choices: list[Choice]) -> P.CompletionResponse:
-    out = [
-        P.CompletionChoice(
-            index=c.index,
-            text=c.text,
-            finish_reason=c.finish_reason,
-            logprobs=_completion_logprobs(s, c, c.token_ids, c.logprobs, 0),
+def _echo(s: ServerState, c: Choice) -> tuple[str, P.CompletionLogprobs | None]:
+    """An echoed prompt: its text, and its tokens' logprobs when asked for (the first one null)."""
+    text = s.tokenizer.decode(c.prompt_ids, skip_special_tokens=c.params.skip_special_tokens)
+    return text, _completion_logprobs(s, c, c.prompt_ids, c.prompt_logprobs or [], 0)
+
+
+def _completion_response(s: ServerState, body, choices: list[Choice]) -> P.CompletionResponse:
+    out = []
+    for c in choices:
+        prefix = _echo(s, c)[0] if body.echo else ""
+        tokens, lps = (
+            (c.prompt_ids + c.token_ids, (c.prompt_logprobs or []) + c.logprobs)
+            if body.echo
+            else (
+                c.token_ids,
+                c.logprobs,
+            )
         )
-        for c in choices
-    ]
+        out.append(
+            P.CompletionChoice(
+                index=c.index,
+                text=prefix + c.text,
+                finish_reason=c.finish_reason,
+                logprobs=_completion_logprobs(s, c, tokens, lps, 0),
+            )
+        )
     return P.CompletionResponse(model=s.model_name, choices=out, usage=_usage(choices))
 
 
 async def _completion_events(s: ServerState, body, choices: list[Choice], stream) -> AsyncIterator:
     rid = P.random_id("cmpl")
+    echoed: dict[int, int] = {}  # choice index -> characters of its echoed prompt
     async for c, delta, update in stream:
+        if body.echo and c.index not in echoed:  # the prompt goes first, in a chunk of its own
+            text, lps = _echo(s, c)
+            echoed[c.index] = len(text)
+            yield P.CompletionChunk(
+                id=rid, model=s.model_name, choices=[P.CompletionChoice(index=c.index, text=text, logprobs=lps)]
+            )
         if delta or update.finish_reason is not None or update.logprobs:
-            offset = len(c.text) - len(delta)
+            offset = echoed.get(c.index, 0) + len(c.text) - len(delta)
             lps = _completion_logprobs(s, c, update.token_ids, update.logprobs or [], offset)
             yield P.CompletionChunk(
                 id=rid,
@@ -472,7 +500,14 @@ async def _completion_events(s: ServerState, body, choices: list[Choice], stream
 # -- native -----------------------------------------------------------------------------------
 
 
-def _generate_response(s: ServerState, choices: list[Choice]) -> P.GenerateResponse:
+def _sglang_logprobs(entries, token_ids: list[int]) -> tuple[list, list]:
+    """SGLang's layout: [logprob, token id, null] per token, and per token its top alternatives."""
+    tokens = [[e and e.logprob, t, None] for e, t in zip(entries, token_ids)]
+    top = [e and [[lp, i, None] for i, lp in zip(e.top_ids, e.top_logprobs)] for e in entries]
+    return tokens, top
+
+
+def _generate_response(s: ServerState, body, choices: list[Choice]) -> P.GenerateResponse:
     c = choices[0]
     meta = P.GenerateMetaInfo(
         finish_reason=c.finish_reason,
@@ -480,6 +515,13 @@ def _generate_response(s: ServerState, choices: list[Choice]) -> P.GenerateRespo
         completion_tokens=len(c.token_ids),
         cached_tokens=c.num_cached_tokens,
     )
+    if body.return_logprob:
+        meta.output_token_logprobs, top = _sglang_logprobs(c.logprobs, c.token_ids)
+        meta.output_top_logprobs = top if body.top_logprobs_num else None
+        if body.logprob_start_len >= 0:
+            scored = c.prompt_ids[min(body.logprob_start_len, len(c.prompt_ids)) :]
+            meta.input_token_logprobs, top = _sglang_logprobs(c.prompt_logprobs or [], scored)
+            meta.input_top_logprobs = top if body.top_logprobs_num else None
     return P.GenerateResponse(text=c.text, output_ids=c.token_ids, meta_info=meta)
 
 

@@ -31,12 +31,15 @@ class Choice:
     finish_reason: str | None = None
     last_token_at: float | None = None
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, once the prompt is scored
 
     def absorb(self, update: TokenUpdate) -> str:
         """Takes one update; returns the text that became safe to show."""
         self.token_ids += update.token_ids
         self.logprobs += update.logprobs or []
         self.num_cached_tokens = update.num_cached_tokens
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
         delta = self.detok.add(update.token_ids)
         if update.finish_reason is not None:
             self.finish_reason = "stop" if update.finish_reason == "stop" else update.finish_reason

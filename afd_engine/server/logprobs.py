@@ -147,10 +147,14 @@ class LogprobFormatter:
         for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
             t = self.token_text(token_id)
             out.tokens.append(t.token)
-            out.token_logprobs.append(_finite(lp))
+            out.token_logprobs.append(None if lp is None else _finite(lp))
             out.text_offset.append(offset)
             if t.in_text:
                 offset += len(decoder.decode(t.raw))
+            if lp is None:  # an echoed first prompt token: nothing predicts it
+                if out.top_logprobs is not None:
+                    out.top_logprobs.append(None)
+                continue
             if out.top_logprobs is not None:
                 alternatives = {}
                 if i < len(top):
@@ -163,5 +167,6 @@ class LogprobFormatter:
     @staticmethod
     def unpack(entries: Sequence[Any]) -> tuple[list[float], list[tuple[list[int], list[float]]]]:
         """(logprobs, top) from the engine's per-token records (``.logprob``, ``.top_ids``,
-        ``.top_logprobs``, as in ``afd_engine.runtime.request.TokenLogprob``)."""
-        return [e.logprob for e in entries], [(e.top_ids, e.top_logprobs) for e in entries]
+        ``.top_logprobs``, as in ``afd_engine.runtime.request.TokenLogprob``); a None record (a
+        first prompt token) stays None."""
+        return [e and e.logprob for e in entries], [e and (e.top_ids, e.top_logprobs) for e in entries]

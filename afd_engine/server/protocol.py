@@ -6,7 +6,7 @@ Requests
     purpose: ``"max_tokens": "5"`` is a client bug that lax coercion would hide, so integers,
     booleans and strings must arrive as such (a JSON integer is still a valid float). Fields we
     do not know are ignored, because OpenAI clients send many optional ones; fields we know but
-    cannot honour (penalties, ``echo``, ``tools``, ``response_format``, ...) are rejected unless
+    cannot honour (penalties, ``tools``, ``response_format``, ...) are rejected unless
     they are the no-op value, and their JSON schema says which value that is.
     Every string that reaches the tokenizer, the chat template or the stop checker must be valid
     Unicode (see :data:`Text`), and stop strings are bounded in number and length.
@@ -350,7 +350,12 @@ class _OpenAISamplingRequest(_NullMeansDefault):
             if value is not None:
                 kwargs[name] = value
         kwargs["logprobs"] = self._logprobs()
+        kwargs.update(self._prompt_scoring())
         return SamplingParams(**kwargs)
+
+    def _prompt_scoring(self) -> dict[str, Any]:
+        """SamplingParams for the prompt's own logprobs (completions' echo); none by default."""
+        return {}
 
     def choice_sampling_params(self, default_max_tokens: int) -> list[SamplingParams]:
         """One SamplingParams per choice (``n`` of them), seeds offset per choice."""
@@ -469,9 +474,11 @@ class CompletionRequest(_OpenAISamplingRequest):
     """``POST /v1/completions`` (the legacy text completions API)."""
 
     prompt: Annotated[PromptInput, PlainValidator(_validate_prompt, json_schema_input_type=_PromptSchema)]
-    max_tokens: PositiveInt | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
-    echo: no_op_only(lambda v: v is False, Literal[False], "false") = False
+    # echo: the prompt comes back before the completion; with logprobs, with its tokens' logprobs
+    # (the first token's null), and max_tokens 0 scores the prompt without generating (evaluators)
+    echo: StrictBool = False
+    max_tokens: NonNegativeInt | None = None
     suffix: no_op_only(lambda v: v == "", Literal[""], '""') = None
     best_of: no_op_only(lambda v: _is_number(v, 1), Literal[1], "1") = None
 
@@ -493,8 +500,20 @@ class CompletionRequest(_OpenAISamplingRequest):
         # max_tokens means "up to the server's default" here, as in chat.
         return self.max_tokens
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_tokens_only_to_score(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not (info.data.get("echo") and info.data.get("logprobs") is not None):
+            raise PydanticCustomError(
+                "max_tokens", "max_tokens 0 scores the prompt only: it needs echo true and logprobs set"
+            )
+        return value
+
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _prompt_scoring(self) -> dict[str, Any]:
+        return {"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}
 
     def text_chars(self) -> int:
         """Characters of text to tokenize, for the server's prompt limit."""
@@ -510,7 +529,7 @@ class GenerateSamplingParams(_NullMeansDefault):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: PositiveInt | None = None
+    max_new_tokens: NonNegativeInt | None = None  # 0: score the prompt only (return_logprob)
     # SamplingParams enforces the upper bound (with its own message); the schema shows it.
     temperature: Annotated[StrictFloat, Field(ge=0.0, json_schema_extra={"maximum": 100.0})] | None = None
     top_p: TopP | None = None
@@ -525,6 +544,10 @@ class GenerateSamplingParams(_NullMeansDefault):
 
 
 class GenerateRequest(_NullMeansDefault):
+    # SGLang's logprob fields: with return_logprob, meta_info carries output_token_logprobs and,
+    # from prompt position logprob_start_len on (-1: none), input_token_logprobs; each entry is
+    # [logprob, token id, null] (the first prompt token's logprob is null); top_logprobs_num > 0
+    # adds output_top_logprobs / input_top_logprobs.
     """``POST /generate``: exactly one of ``text`` and ``input_ids``."""
 
     model_config = ConfigDict(
@@ -541,6 +564,9 @@ class GenerateRequest(_NullMeansDefault):
     input_ids: Annotated[list[NonNegativeInt], Field(min_length=1)] | None = Field(default=None, validate_default=True)
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: StrictBool = False
+    return_logprob: StrictBool = False
+    logprob_start_len: Annotated[StrictInt, Field(ge=-1)] = -1
+    top_logprobs_num: Annotated[StrictInt, Field(ge=0, le=20)] = 0
 
     @field_validator("input_ids")
     @classmethod
@@ -570,6 +596,11 @@ class GenerateRequest(_NullMeansDefault):
             if value is not None:
                 kwargs[name] = value
         kwargs["logprobs"] = sp.logprobs
+        if self.return_logprob:
+            kwargs["logprobs"] = max(self.top_logprobs_num, sp.logprobs or 0)
+            if self.logprob_start_len >= 0:
+                kwargs["prompt_logprobs"] = self.top_logprobs_num
+                kwargs["prompt_logprobs_start"] = self.logprob_start_len
         return SamplingParams(**kwargs)
 
     def text_chars(self) -> int:

@@ -73,8 +73,8 @@ class CompletionLogprobs(BaseModel):
     """``choices[i].logprobs`` of a legacy text completion (or of one chunk)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)  # null: an echoed first prompt token
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -178,6 +178,11 @@ class GenerateMetaInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # with return_logprob (SGLang's layout): [logprob, token id, null] per token
+    output_token_logprobs: list[list[float | int | None]] | None = None
+    input_token_logprobs: list[list[float | int | None]] | None = None
+    output_top_logprobs: list[list[list[float | int | None]]] | None = None
+    input_top_logprobs: list[list[list[float | int | None]] | None] | None = None
 
 
 class GenerateResponse(BaseModel):

@@ -309,7 +309,6 @@ FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type":
         (COMPLETIONS, {"suffix": "tail"}, "suffix"),
         (COMPLETIONS, {"best_of": 3}, "best_of"),
         (COMPLETIONS, {"logit_bias": {"5": -100}}, "logit_bias"),
-        (COMPLETIONS, {"echo": True}, "echo"),
     ],
 )
 def test_unsupported_fields_are_400_not_ignored(server, path, patch, param):

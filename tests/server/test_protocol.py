@@ -207,8 +207,11 @@ def test_error_messages_read_well():
         ({"prompt": [-1]}, "prompt"),
         ({"logprobs": 6}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
-        ({"echo": True}, "echo"),
+        ({"echo": 1}, "echo"),
         ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "echo": True}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
     ],
 )
 def test_completion_invalid(patch, param):
