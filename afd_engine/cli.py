@@ -39,7 +39,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _demo(ns: argparse.Namespace) -> int:
-    """Offline generation on the embedded tiny model (random weights: the text is noise)."""
+    """Offline generation on the embedded model (trained on Python's documentation, tiny)."""
     from afd_engine import EngineArgs, SamplingParams, make_engine
     from afd_engine.default_model import DEFAULT_MODEL_NAME
     from afd_engine.model_config import ModelConfig
@@ -48,7 +48,7 @@ def _demo(ns: argparse.Namespace) -> int:
     with make_engine(args) as engine:
         print(
             f"model: {engine.model_path} ({DEFAULT_MODEL_NAME if not args.model_path else 'user checkpoint'}; "
-            f"{ModelConfig.from_pretrained(engine.model_path).architecture}, random weights if tiny)"
+            f"{ModelConfig.from_pretrained(engine.model_path).architecture})"
         )
         start = time.perf_counter()
         outs = engine.generate(
@@ -58,7 +58,7 @@ def _demo(ns: argparse.Namespace) -> int:
         )
         elapsed = time.perf_counter() - start
     for prompt, o in zip(DEMO_PROMPTS, outs):
-        print(f"{prompt!r} -> {o.token_ids[:12]}... {o.finish_reason}")
+        print(f"{prompt!r} -> {o.text[:80]!r} ({len(o.token_ids)} tokens, {o.finish_reason})")
     n = sum(len(o.token_ids) for o in outs)
     print(f"{len(outs)} requests, {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s)")
     return 0
@@ -105,6 +105,12 @@ def _make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
     from afd_engine.tiny_model import main_make_tiny_model
 
     return main_make_tiny_model(rest)
+
+
+def _train_tiny(rest: list[str]) -> int:
+    from afd_engine.train_tiny import main_train_tiny
+
+    return main_train_tiny(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (see its --help)", add_help=False)
     sub.add_parser(
+        "train-tiny", help="train the small default model on Python's documentation (see its --help)", add_help=False
+    )
+    sub.add_parser(
         "plan", help="performance model: comm | deploy | sparsity | calibrate (see its --help)", add_help=False
     )
     return parser
@@ -172,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-tiny-model"]:
         return _make_tiny(None, argv[1:])
+    if argv[:1] == ["train-tiny"]:
+        return _train_tiny(argv[1:])
     if argv[:1] == ["plan"]:
         from afd_engine.planner.cli import main as plan_main
 

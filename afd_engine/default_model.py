@@ -1,38 +1,21 @@
-"""The embedded default model: a tiny random DeepSeek-V3 checkpoint made on first use."""
+"""The embedded default model: a small DeepSeek-V3-shaped checkpoint trained on Python's documentation.
+
+It ships inside the package (``afd_engine/assets/``), so serving it needs no download and no
+cache. ``afd train-tiny OUT_DIR`` retrains it; its README.md records the run. Tests that want
+random weights of a chosen shape use ``afd_engine.tiny_model.make_tiny_model`` instead.
+"""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "tiny-deepseek-v3-random"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("AFD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "afd-engine")
-    return Path(root)
+# Also the checkpoint directory's name, which the server reports as the model's name.
+DEFAULT_MODEL_NAME = "tiny-deepseek-v3-pydoc"
 
 
 def default_model_path() -> Path:
-    """Makes the default checkpoint into the cache directory once (atomically) and returns it."""
-    from afd_engine.tiny_model import make_tiny_model
-
-    target = cache_dir() / DEFAULT_MODEL_NAME
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".making-"))
-    try:
-        make_tiny_model(tmp, arch="deepseek_v3", seed=0)
-        os.replace(tmp, target)  # another process may have won the race: then keep theirs
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """The shipped checkpoint directory."""
+    return Path(__file__).resolve().parent / "assets" / DEFAULT_MODEL_NAME
 
 
 def resolve_model_path(model_path: str | None) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -127,6 +128,14 @@ def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
     The result adds the bos token in front of every encoded text (like DeepSeek's tokenizer) and
     decodes byte-level pieces back to the original Unicode text.
     """
+    return build_bpe_tokenizer(_CORPUS.split("\n\n"), vocab_size)
+
+
+def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on `texts`, with the DeepSeek special tokens as ids 0..4.
+
+    Deterministic for the same texts and size; encoding prepends the bos token.
+    """
     tokenizer = Tokenizer(models.BPE())
     # GPT-2 style splitting into words/numbers/punctuation before BPE, at the byte level.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -139,7 +148,7 @@ def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS.split("\n\n"), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
 
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     # Prompts start with bos, as with DeepSeek checkpoints; the chat template writes its own bos.
@@ -189,9 +198,15 @@ def write_tiny_tokenizer(out_dir: str | pathlib.Path, chat_template: str = CHAT_
     Returns the vocabulary size and special token ids, which the model's config.json must match.
     The files are byte-identical across calls.
     """
+    return write_tokenizer_files(out_dir, build_tiny_tokenizer(), chat_template)
+
+
+def write_tokenizer_files(
+    out_dir: str | pathlib.Path, tokenizer: Tokenizer, chat_template: str = CHAT_TEMPLATE
+) -> TokenizerInfo:
+    """Write `tokenizer` with the DeepSeek tokenizer_config.json and special_tokens_map.json."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer()
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     _write_json(out / "tokenizer_config.json", _tokenizer_config(chat_template))
     _write_json(

@@ -98,7 +98,7 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
         holder["info"] = deployment.start()
         return holder["info"]
 
-    # the checkpoint directory's name; the embedded default's says it has random weights
+    # the checkpoint directory's name; the embedded default's says what it is
     name = server_args.served_model_name or Path(args.model_path).name
     app = build_app(
         args.model_path,
