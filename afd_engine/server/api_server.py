@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -43,21 +42,10 @@ from afd_engine.server.errors import (
     without_422,
 )
 from afd_engine.server.metrics import ServerMetrics
+from afd_engine.server.state import ServerState
 
 DISCONNECT_POLL_S = 0.25
 log = logging.getLogger("afd.serve")
-
-
-@dataclass
-class ServerState:
-    client: EngineClient
-    tokenizer: object
-    model_name: str
-    context_len: int
-    default_max_tokens: int
-    metrics: ServerMetrics
-    logprob_format: P.LogprobFormatter
-    max_prompt_chars: int
 
 
 def build_app(

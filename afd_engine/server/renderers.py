@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from afd_engine.server import protocol as P
 from afd_engine.server.choices import Choice
-
-if TYPE_CHECKING:
-    from afd_engine.server.api_server import ServerState
+from afd_engine.server.state import ServerState
 
 
 def usage(choices: list[Choice]) -> P.UsageInfo:

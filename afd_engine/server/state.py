@@ -1,0 +1,21 @@
+"""What the routes share: the engine client, the tokenizer and the server's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from afd_engine.server.engine_client import EngineClient
+from afd_engine.server.logprobs import LogprobFormatter
+from afd_engine.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    tokenizer: object
+    model_name: str
+    context_len: int
+    default_max_tokens: int
+    metrics: ServerMetrics
+    logprob_format: LogprobFormatter
+    max_prompt_chars: int
