@@ -231,11 +231,13 @@ def save_checkpoint(model, config: dict, out: pathlib.Path) -> None:
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
-        {
-            "_from_model_config": True,
+        {  # the server's defaults for requests that set no temperature / top_p: a tiny model's
+            # text at temperature 1 breaks words apart
             "bos_token_id": config["bos_token_id"],
             "eos_token_id": config["eos_token_id"],
-            "do_sample": False,
+            "do_sample": True,
+            "temperature": 0.7,
+            "top_p": 0.9,
         },
     )
 

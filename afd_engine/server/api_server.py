@@ -82,6 +82,7 @@ def build_app(
             ServerMetrics(),
             P.LogprobFormatter(tokenizer),
             server_args.max_prompt_chars,
+            P.generation_defaults(model_path),
         )
         _banner(server_args, model_name)
         yield
@@ -276,9 +277,9 @@ async def _render_chat(s: ServerState, messages: list[dict[str, str]]) -> list[i
 
 async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]], endpoint: str):
     params = (
-        body.choice_sampling_params(_max_tokens_left(s, prompts))
+        body.choice_sampling_params(_max_tokens_left(s, prompts), s.sampling_defaults)
         if endpoint != "generate"
-        else [body.to_sampling_params(_max_tokens_left(s, prompts))]
+        else [body.to_sampling_params(_max_tokens_left(s, prompts), s.sampling_defaults)]
     )
     _check_lengths(s, prompts, params[0].max_new_tokens)
     choices = make_choices(s.tokenizer, P.random_id("req"), prompts, params)

@@ -332,8 +332,10 @@ class _OpenAISamplingRequest(_NullMeansDefault):
         """Top-logprob count for the engine (None: none); chat and completions spell it differently."""
         return None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine parameters of the first choice; unset fields take the engine defaults.
+    def to_sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
+        """The engine parameters of the first choice; unset fields take the model's defaults
+        (`model_defaults`: temperature / top_p / top_k of its generation_config.json), then the
+        engine's.
 
         ``max_tokens`` defaults to ``default_max_tokens`` (the server typically passes what is
         left of the context after the prompt); OpenAI's default temperature and top_p are 1,
@@ -346,7 +348,7 @@ class _OpenAISamplingRequest(_NullMeansDefault):
             "ignore_eos": self.ignore_eos,
         }
         for name in ("temperature", "top_p", "top_k", "seed"):
-            value = getattr(self, name)
+            value = _or_default(getattr(self, name), name, model_defaults)
             if value is not None:
                 kwargs[name] = value
         kwargs["logprobs"] = self._logprobs()
@@ -357,9 +359,11 @@ class _OpenAISamplingRequest(_NullMeansDefault):
         """SamplingParams for the prompt's own logprobs (completions' echo); none by default."""
         return {}
 
-    def choice_sampling_params(self, default_max_tokens: int) -> list[SamplingParams]:
+    def choice_sampling_params(
+        self, default_max_tokens: int, model_defaults: dict | None = None
+    ) -> list[SamplingParams]:
         """One SamplingParams per choice (``n`` of them), seeds offset per choice."""
-        base = self.to_sampling_params(default_max_tokens)
+        base = self.to_sampling_params(default_max_tokens, model_defaults)
         return [sampling_params_for_choice(base, i) for i in range(self.n)]
 
 
@@ -580,8 +584,9 @@ class GenerateRequest(_NullMeansDefault):
             raise PydanticCustomError("empty_input", "input_ids must not be empty")
         return value
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Engine parameters; unset ones take SamplingParams' defaults, max_new_tokens the server's."""
+    def to_sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
+        """Engine parameters; unset ones take the model's defaults, then SamplingParams',
+        max_new_tokens the server's."""
         sp = self.sampling_params
         kwargs: dict[str, Any] = {
             "max_new_tokens": default_max_tokens if sp.max_new_tokens is None else sp.max_new_tokens,
@@ -592,7 +597,7 @@ class GenerateRequest(_NullMeansDefault):
             "skip_special_tokens": sp.skip_special_tokens,
         }
         for name in ("temperature", "top_p", "top_k", "seed"):
-            value = getattr(sp, name)
+            value = _or_default(getattr(sp, name), name, model_defaults)
             if value is not None:
                 kwargs[name] = value
         kwargs["logprobs"] = sp.logprobs
@@ -605,6 +610,26 @@ class GenerateRequest(_NullMeansDefault):
 
     def text_chars(self) -> int:
         return len(self.text or "")
+
+
+def _or_default(value, name: str, model_defaults: dict | None):
+    return value if value is not None or not model_defaults else model_defaults.get(name)
+
+
+def generation_defaults(model_path) -> dict[str, float | int]:
+    """The sampling defaults a checkpoint's generation_config.json declares (temperature, top_p,
+    top_k; none when it says do_sample false), for request fields left unset, as vLLM does."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(model_path) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict) or config.get("do_sample") is False:
+        return {}
+    return {k: config[k] for k in ("temperature", "top_p", "top_k") if isinstance(config.get(k), (int, float))}
 
 
 from afd_engine.server.logprobs import LogprobFormatter  # noqa: E402,F401

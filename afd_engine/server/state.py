@@ -19,3 +19,4 @@ class ServerState:
     metrics: ServerMetrics
     logprob_format: LogprobFormatter
     max_prompt_chars: int
+    sampling_defaults: dict  # temperature / top_p / top_k from the model's generation_config.json

@@ -545,3 +545,24 @@ def test_logprob_edge_values(tokenizer):
     assert math.isfinite(json.loads(out.model_dump_json())["content"][0]["logprob"])
     legacy = fmt.completion_logprobs([44, 44], [-1.0, -2.0])
     assert legacy.top_logprobs is None and legacy.text_offset == [0, 1]
+
+
+def test_unset_sampling_fields_take_the_models_generation_config(tmp_path):
+    from afd_engine.default_model import default_model_path
+    from afd_engine.server.protocol import generation_defaults
+
+    defaults = generation_defaults(default_model_path())
+    assert defaults == {"temperature": 0.7, "top_p": 0.9}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    sp = ChatCompletionRequest.model_validate(chat).to_sampling_params(16, defaults)
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0.7, 0.9, -1)
+    sp = ChatCompletionRequest.model_validate({**chat, "temperature": 0}).to_sampling_params(16, defaults)
+    assert (sp.temperature, sp.top_p) == (0.0, 0.9)  # what the request sets wins
+    native = GenerateRequest.model_validate({"input_ids": [1], "sampling_params": {"top_p": 0.5}})
+    assert (native.to_sampling_params(16, defaults).temperature, native.to_sampling_params(16, defaults).top_p) == (
+        0.7,
+        0.5,
+    )
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.3}))
+    assert generation_defaults(tmp_path) == {}  # greedy-by-default configs impose nothing
+    assert generation_defaults(tmp_path / "missing") == {}
