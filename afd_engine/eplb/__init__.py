@@ -1,0 +1,1 @@
+"""Expert load balancing: where the copies of hot experts go (placement.py)."""
