@@ -172,10 +172,9 @@ class Engine(OfflineEngine):
                 _record_prompt_logprobs(inputs.scored, logits)
             if sampled:
                 done += self._append_tokens(sampled, logits[inputs.sample_rows] if inputs.scored else logits)
-            for req in [r for r, _ in plan.extend] + plan.decode:  # scored its prompt, generates nothing
-                if req.params.max_new_tokens == 0 and req.pending == 0:
-                    req.finish_reason = "length"
-                    done.append(req)
+            for req in inputs.scoring_done:  # scored its prompt, generates nothing
+                req.finish_reason = "length"
+            done += inputs.scoring_done
         for req in done:
             self.scheduler.remove(req)
             self._requests.pop(req.rid, None)

@@ -26,6 +26,21 @@ def afd_run(*args: str, env=None, timeout: float = 300) -> subprocess.CompletedP
     )
 
 
+def bench_run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python benchmarks/SCRIPT ARGS` from the repository root to completion; fails the test with
+    the end of its output when it exits non-zero."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run(
+        [sys.executable, os.path.join("benchmarks", script), *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
 def afd_start(*args: str, new_session: bool = False) -> subprocess.Popen:
     """`afd ARGS` in the background, stdout and stderr merged into one text pipe."""
     return subprocess.Popen(

@@ -38,12 +38,13 @@ class StepInputs:
     samplers: list[Request]
     sample_rows: list[int]  # each sampler's row in the step's logits
     scored: list[Scored]
+    scoring_done: list[Request]  # requests that only score their prompt (max_new_tokens 0) and end now
 
     @staticmethod
     def of(plan: StepPlan) -> StepInputs:
         extend = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + n)) for r, n in plan.extend]
         decode = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + 1)) for r in plan.decode]
-        rows, samplers, sample_rows, scored, total = [], [], [], [], 0
+        rows, samplers, sample_rows, scored, scoring_done, total = [], [], [], [], [], 0
         for r, n in plan.extend:
             start, mine = r.num_cached, []
             # position p's logits score prompt token p + 1
@@ -57,6 +58,8 @@ class StepInputs:
                 samplers.append(r)
                 sample_rows.append(total + len(mine))
                 mine.append(n - 1)
+            elif n == r.pending:
+                scoring_done.append(r)
             rows.append(mine)
             total += len(mine)
         for r in plan.decode:  # and every decode token (but a prompt's last one that only scores)
@@ -64,9 +67,11 @@ class StepInputs:
             if sampling:
                 samplers.append(r)
                 sample_rows.append(total)
+            else:
+                scoring_done.append(r)
             rows.append([0] if sampling else [])
             total += sampling
-        return StepInputs(extend, decode, rows, samplers, sample_rows, scored)
+        return StepInputs(extend, decode, rows, samplers, sample_rows, scored, scoring_done)
 
 
 def logit_rows(chunks: list[SeqChunk], rows: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -27,6 +27,8 @@ Log-probabilities
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -619,9 +621,6 @@ def _or_default(value, name: str, model_defaults: dict | None):
 def generation_defaults(model_path) -> dict[str, float | int]:
     """The sampling defaults a checkpoint's generation_config.json declares (temperature, top_p,
     top_k; none when it says do_sample false), for request fields left unset, as vLLM does."""
-    import json
-    import pathlib
-
     path = pathlib.Path(model_path) / "generation_config.json"
     try:
         config = json.loads(path.read_text())

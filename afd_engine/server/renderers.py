@@ -76,28 +76,26 @@ def _completion_logprobs(s: ServerState, c: Choice, token_ids, lps, offset: int)
     return s.logprob_format.completion_logprobs(token_ids, *P.LogprobFormatter.unpack(lps), text_offset=offset)
 
 
+def _echo_text(s: ServerState, c: Choice) -> str:
+    return s.tokenizer.decode(c.prompt_ids, skip_special_tokens=c.params.skip_special_tokens)
+
+
 def _echo(s: ServerState, c: Choice) -> tuple[str, P.CompletionLogprobs | None]:
     """An echoed prompt: its text, and its tokens' logprobs when asked for (the first one null)."""
-    text = s.tokenizer.decode(c.prompt_ids, skip_special_tokens=c.params.skip_special_tokens)
-    return text, _completion_logprobs(s, c, c.prompt_ids, c.prompt_logprobs or [], 0)
+    return _echo_text(s, c), _completion_logprobs(s, c, c.prompt_ids, c.prompt_logprobs or [], 0)
 
 
 def completion_response(s: ServerState, body, choices: list[Choice]) -> P.CompletionResponse:
     out = []
     for c in choices:
-        prefix = _echo(s, c)[0] if body.echo else ""
-        tokens, lps = (
-            (c.prompt_ids + c.token_ids, (c.prompt_logprobs or []) + c.logprobs)
-            if body.echo
-            else (
-                c.token_ids,
-                c.logprobs,
-            )
-        )
+        tokens, lps, text = c.token_ids, c.logprobs, c.text
+        if body.echo:
+            tokens, lps = c.prompt_ids + tokens, (c.prompt_logprobs or []) + lps
+            text = _echo_text(s, c) + text
         out.append(
             P.CompletionChoice(
                 index=c.index,
-                text=prefix + c.text,
+                text=text,
                 finish_reason=c.finish_reason,
                 logprobs=_completion_logprobs(s, c, tokens, lps, 0),
             )

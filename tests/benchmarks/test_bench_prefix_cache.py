@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.process_helpers import bench_run
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_prefix_cache.py"
@@ -17,14 +17,7 @@ RUNS = ["1 rank, cache on", "1 rank, cache off", "2 ranks, cache_aware", "2 rank
 
 def test_quick_run_writes_every_figure(tmp_path, tiny_v3):
     out = tmp_path / "prefix.json"
-    res = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--model-path", tiny_v3, "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = bench_run(SCRIPT.name, "--quick", "--model-path", tiny_v3, "--json", str(out))
     data = json.loads(out.read_text())
     runs = data["runs"]
     assert list(runs) == RUNS

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.process_helpers import bench_run
 
 ROOT = Path(__file__).resolve().parents[2]
 # every kind of malformed request the soak must send (stated here, not read from the bench)
@@ -23,16 +24,9 @@ MALFORMED = (
 @pytest.mark.parametrize("mode", ["single", "afd"])
 def test_quick_soak_is_clean(tmp_path, tiny_v3, mode):
     out = tmp_path / "soak.json"
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_soak.py"), "--quick", "--mode", mode, "--model-path", tiny_v3]
-        # 20 seconds say nothing about memory growth; the RSS figures are checked for presence only.
-        + ["--max-rss-growth-pct", "1000", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # 20 seconds say nothing about memory growth; the RSS figures are checked for presence only.
+    flags = ["--quick", "--mode", mode, "--model-path", tiny_v3, "--max-rss-growth-pct", "1000", "--json", str(out)]
+    res = bench_run("bench_soak.py", *flags)
     report = json.loads(out.read_text())
     assert report["passed"] and report["reasons"] == []
     assert "PASS" in res.stdout
