@@ -101,6 +101,31 @@ def _launch(ns: argparse.Namespace) -> int:
         deployment.stop()
 
 
+def _expert_load(ns: argparse.Namespace) -> int:
+    """Fetches GET /expert_load from a running server; prints the expert ranks' loads, writes JSON."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(ns.url.rstrip("/") + "/expert_load")
+    if ns.api_key:
+        req.add_header("Authorization", f"Bearer {ns.api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            report = json.loads(resp.read())
+    except (urllib.error.URLError, OSError) as exc:
+        raise AFDError(f"cannot read {req.full_url}: {exc}") from None
+    if ns.output:
+        with open(ns.output, "w") as f:
+            json.dump(report, f)
+    loads = ", ".join(f"{x:g}" for x in report["expert_rank_load"])
+    print(
+        f"placement {report['placement']['version']}, {report['steps']} steps, window {report['window_steps']}: "
+        f"expert rank loads [{loads}], imbalance {report['imbalance']:.3f}"
+    )
+    return 0
+
+
 def _make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
     from afd_engine.tiny_model import main_make_tiny_model
 
@@ -158,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="offline generation demo on the embedded tiny model")
     demo.add_argument("--max-new-tokens", type=int, default=32)
 
+    load = sub.add_parser(
+        "expert-load", help="the expert load statistics and placement of a running server (GET /expert_load)"
+    )
+    load.add_argument("--url", default="http://127.0.0.1:30000", help="the server's base URL")
+    load.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    load.add_argument("--output", default=None, help="also write the whole report as JSON to this file")
+
     for engine_parser in (gen, srv, launch, demo):
         EngineArgs.add_cli_args(engine_parser)
         engine_parser.add_argument("--config", default=None, help="deployment settings from a YAML file (see configs/)")
@@ -192,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from afd_engine.deploy_config import apply_config
 
+        if ns.command == "expert-load":
+            return _expert_load(ns)
         apply_config(ns, _defaults(parser, ns.command))
         return {"generate": _generate, "demo": _demo, "serve": _serve, "launch": _launch}[ns.command](ns)
     except AFDError as exc:

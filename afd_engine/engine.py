@@ -10,6 +10,9 @@ import torch
 
 from afd_engine.default_model import resolve_model_path
 from afd_engine.engine_args import EngineArgs
+from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
+from afd_engine.eplb.recorder import ExpertLoadRecorder
+from afd_engine.eplb.report import merge_reports, rank_report
 from afd_engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 from afd_engine.model_config import ModelConfig
 from afd_engine.models import Kernels, load_model
@@ -40,12 +43,13 @@ class Engine(OfflineEngine):
         args: EngineArgs | None = None,
         *,
         rank_runner: RankRunnerFactory | None = None,
-        expert_range: tuple[int, int] | None = None,
+        expert_slots: dict[int, list[int]] | None = None,
         device: torch.device | None = None,
         **kwargs,
     ) -> None:
         """`rank_runner(model, pool)` makes the runner of one rank of a deployment (lockstep with its
-        peers); `expert_range` is which routed experts that rank holds; `device` that rank's device.
+        peers); `expert_slots` is which routed experts that rank holds (per MoE layer, the expert of
+        each slot); `device` that rank's device.
         Without them this process runs the whole model on `args.device_for(0)`."""
         args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
         args.validate()
@@ -63,7 +67,11 @@ class Engine(OfflineEngine):
         self.config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
-        self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_range, kernels, self.device)
+        self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_slots, kernels, self.device)
+        self.expert_load = ExpertLoadRecorder(
+            self.config.moe_layers, self.config.n_routed_experts, args.load_window_steps
+        )
+        self.model.load_recorder = self.expert_load
         self.context_len = min(
             args.context_length or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
@@ -167,6 +175,7 @@ class Engine(OfflineEngine):
         done, sampled = list(plan.finished), []
         if self.runner.begin_step(plan):
             inputs, logits = self.runner.run(plan)
+            self.expert_load.end_step()
             sampled = inputs.samplers
             if inputs.scored:
                 _record_prompt_logprobs(inputs.scored, logits)
@@ -229,6 +238,20 @@ class Engine(OfflineEngine):
                 f"prompt token ids must be integers in [0, {self.config.vocab_size})", param="prompt_token_ids"
             )
         return ids
+
+    # -- expert load ---------------------------------------------------------------------------
+
+    def expert_load_report(self) -> dict:
+        """This rank's expert load window and placement (eplb/report.py)."""
+        emap = self.runner.expert_map
+        if emap is None:  # every expert here: one expert rank
+            emap = ExpertMap.initial(ExpertLayout(self.config.n_routed_experts, 0, 1, 1), self.config.moe_layers)
+        return rank_report(self.expert_load, emap)
+
+    def expert_load(self) -> dict:
+        """Tokens routed per MoE layer and expert over the window, the placement, and the
+        expert ranks' loads and imbalance."""
+        return merge_reports([self.expert_load_report()])
 
     # -- lifetime ----------------------------------------------------------------------------
 

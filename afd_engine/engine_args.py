@@ -105,11 +105,24 @@ class EngineArgs:
         "auto", "combine wire format: auto (the activations' dtype), fp32 or bf16", choices=("auto", "fp32", "bf16")
     )
     comm_timeout: float = opt(30.0, "seconds a rank waits for a peer before failing the step")
+    ep_num_redundant_experts: int = opt(
+        0,
+        "colocated/afd: physical expert slots beyond one per expert, per MoE layer, holding copies of hot "
+        "experts (experts + this must divide over the expert ranks)",
+    )
+    enable_eplb: bool = opt(False, "colocated/afd: rebalance expert placement from the measured load while serving")
+    eplb_rebalance_num_iterations: int = opt(1000, "with --enable-eplb: steps between rebalances")
+    eplb_window_steps: int | None = opt(
+        None, "steps of expert load statistics kept (default: --eplb-rebalance-num-iterations)"
+    )
     record_timeline: str | None = opt(
         None, "write per-operation timing events of every rank to PATH.<role><rank>.jsonl"
     )
     inject_attention_delay_ms: float = opt(0.0, "experiments: extra compute per MoE layer and micro-batch on A")
     inject_ffn_delay_ms: float = opt(0.0, "experiments: extra compute per MoE layer and micro-batch on F")
+    inject_ffn_delay_us_per_token: float = opt(
+        0.0, "experiments: extra compute per token copy an FFN rank receives, per MoE layer (a compute-bound rank)"
+    )
     inject_link_delay_ms: float = opt(0.0, "experiments: latency added to every data-plane message")
 
     def validate(self) -> None:
@@ -146,6 +159,14 @@ class EngineArgs:
             "the colocated baseline dispatches directly; two-stage needs --mode afd",
         )
         need(self.comm_timeout > 0, "comm_timeout", "must be positive")
+        need(self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0")
+        need(
+            self.mode != "single" or (self.ep_num_redundant_experts == 0 and not self.enable_eplb),
+            "mode",
+            "redundant experts and --enable-eplb balance expert ranks; use --mode colocated or afd",
+        )
+        need(self.eplb_rebalance_num_iterations >= 1, "eplb_rebalance_num_iterations", "must be at least 1")
+        need(self.eplb_window_steps is None or self.eplb_window_steps >= 1, "eplb_window_steps", "must be >= 1")
         need(self.device in ("auto", "cpu", "cuda"), "device", "use cpu, cuda or auto")
         need(self.base_gpu_id >= 0, "base_gpu_id", "must be >= 0")
         need(
@@ -166,6 +187,10 @@ class EngineArgs:
     @property
     def num_micro_batches(self) -> int:
         return self.micro_batches or (3 if self.mode == "afd" else 1)
+
+    @property
+    def load_window_steps(self) -> int:
+        return self.eplb_window_steps or self.eplb_rebalance_num_iterations
 
     @property
     def dispatch_mode(self) -> str:

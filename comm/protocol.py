@@ -11,9 +11,10 @@ liveness messages use negative pseudo-layers so they can never collide with a la
     combine          relay -> sender                    out
     dispatch_direct  sender -> FFN rank (direct)        hidden scales ids rows
     combine_direct   FFN rank -> sender                 out
-    sync             attention rank -> attention ranks  (meta: tokens, stop)
-    step             attention rank -> FFN ranks        (meta: tokens per micro-batch, shutdown)
+    sync             attention rank -> attention ranks  (meta: tokens, stop, eplb_*; loads when planning)
+    step             attention rank -> FFN ranks        (meta: tokens per micro-batch, shutdown, eplb_*)
     keepalive        idle attention rank -> FFN ranks   -
+    eplb_ready       FFN rank -> attention ranks        (key step = placement version; see afd_engine/eplb)
 
 hidden [n, H] (fp32/bf16, or fp8 values with scales [n, H/128] fp32; scales is [n, 0] otherwise),
 ids [n, K] int32 (-1: another node's or rank's slot; direct: [n] one expert per copy),
@@ -29,6 +30,7 @@ import torch
 from comm.messages import CommError, Message, MsgKey
 
 SYNC_LAYER, STEP_LAYER, KEEPALIVE_LAYER = -2, -1, -3  # pseudo-layers of the lockstep and liveness messages
+EPLB_LAYER = -4  # pseudo-layer of rebalancing messages
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # wire names of activation dtypes
 

@@ -80,6 +80,8 @@ class EngineLoop:
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.sub, zmq.POLLIN)
         self._last_sent = 0.0
+        self._rank_load: tuple[float, ...] = ()
+        self._rank_load_at = float("-inf")
 
     def run(self) -> None:
         engine = self.engine
@@ -103,7 +105,15 @@ class EngineLoop:
             s.cache_hit_tokens,
             s.prompt_tokens,
             cache.evicted_pages,
+            self._expert_rank_load(),
         )
+
+    def _expert_rank_load(self) -> tuple[float, ...]:
+        """The expert ranks' load from this rank's window, recomputed at most once per heartbeat."""
+        if time.monotonic() - self._rank_load_at >= HEARTBEAT_S:
+            self._rank_load = tuple(self.engine.expert_load_report()["expert_rank_load"])
+            self._rank_load_at = time.monotonic()
+        return self._rank_load
 
     def _receive(self, timeout_ms: int) -> None:
         for sock, _ in self.poller.poll(timeout_ms):
@@ -132,6 +142,8 @@ class EngineLoop:
                 self._send(msgs.Rejected(msg.rid, f"the engine could not take this request: {exc}"))
         elif isinstance(msg, msgs.AbortRequest):  # broadcast: only the owning rank knows the id
             self.engine.abort(msg.rid)
+        elif isinstance(msg, msgs.DumpExpertLoad):
+            self._send(msgs.ExpertLoadReport(msg.token, self.rank, self.engine.expert_load_report()))
         elif isinstance(msg, msgs.Shutdown):
             self.engine.request_stop()  # lockstep ranks all stop in the same agreement round
 

@@ -1,7 +1,8 @@
 """Control-plane messages between the API server and the engine process (ZeroMQ, JSON frames).
 
-front end -> engine: AddRequest, AbortRequest, Shutdown
-engine -> front end: StepOutput (token updates of one step, and engine stats), Rejected
+front end -> engine: AddRequest, AbortRequest, Shutdown, DumpExpertLoad
+engine -> front end: StepOutput (token updates of one step, and engine stats), Rejected,
+ExpertLoadReport (one per attention rank, answering DumpExpertLoad)
 Each message is a frozen dataclass; `encode`/`decode` are the only way on and off the wire.
 """
 
@@ -34,6 +35,18 @@ class Shutdown:
 
 
 @dataclass(frozen=True)
+class DumpExpertLoad:
+    token: str  # echoed by every rank's report
+
+
+@dataclass(frozen=True)
+class ExpertLoadReport:
+    token: str
+    rank: int
+    report: dict  # eplb.report.rank_report
+
+
+@dataclass(frozen=True)
 class EngineStats:
     running: int = 0
     waiting: int = 0
@@ -43,12 +56,22 @@ class EngineStats:
     cache_hit_tokens: int = 0  # since start: prompt tokens served from the prefix cache
     prompt_tokens: int = 0  # since start: prompt tokens of admitted requests
     cache_evicted_pages: int = 0  # since start
+    expert_rank_load: tuple[float, ...] = ()  # tokens per expert rank over the load window
 
     @staticmethod
     def total(stats) -> EngineStats:
-        """Field by field sum (the deployment's counters over its attention ranks)."""
-        names = [f.name for f in dataclasses.fields(EngineStats)]
-        return EngineStats(*(sum(getattr(s, n) for s in stats) for n in names))
+        """Field by field sum (the deployment's counters over its attention ranks; per-rank
+        lists element by element)."""
+        stats = list(stats)
+        out = {}
+        for f in dataclasses.fields(EngineStats):
+            values = [getattr(s, f.name) for s in stats]
+            if f.name == "expert_rank_load":
+                values = [v for v in values if v]
+                out[f.name] = tuple(map(sum, zip(*values))) if values else ()
+            else:
+                out[f.name] = sum(values)
+        return EngineStats(**out)
 
 
 @dataclass(frozen=True)
@@ -75,7 +98,9 @@ class InvalidAddRequest:
     param: str | None = None
 
 
-_TYPES = {t.__name__: t for t in (AddRequest, AbortRequest, Shutdown, StepOutput, Rejected)}
+_TYPES = {
+    t.__name__: t for t in (AddRequest, AbortRequest, Shutdown, StepOutput, Rejected, DumpExpertLoad, ExpertLoadReport)
+}
 
 
 def encode(msg) -> bytes:
@@ -91,7 +116,8 @@ def decode(data: bytes):
         except (InvalidRequestError, TypeError) as exc:  # TypeError: an unknown sampling field
             return InvalidAddRequest(body["rid"], str(exc), getattr(exc, "param", None))
     if kind == "StepOutput":
-        return StepOutput([_update(u) for u in body["updates"]], EngineStats(**body["stats"]), body["rank"])
+        stats = EngineStats(**{**body["stats"], "expert_rank_load": tuple(body["stats"]["expert_rank_load"])})
+        return StepOutput([_update(u) for u in body["updates"]], stats, body["rank"])
     return _TYPES[kind](**body)
 
 

@@ -18,6 +18,7 @@ message from every rank for every layer and micro-batch.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -25,6 +26,8 @@ import torch
 from afd_engine.distributed.remote_experts import CommExpertServer, RemoteExpertExecutor
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.distributed.timeline import Timeline
+from afd_engine.eplb.rebalancer import Rebalancer
+from afd_engine.eplb.stager import ExpertStager, load_shard
 from afd_engine.operations import run_micro_batches, split_micro_batches
 from afd_engine.operations.strategy import AFD_ATTENTION, COLOCATED
 from afd_engine.runtime.forward_batch import ForwardBatch
@@ -49,12 +52,17 @@ class PipelineRunner(StepRunner):
         self.spec, self.rank, self.transport = spec, rank, transport
         topo, config = spec.topology, spec.comm_config()
         self.sender = attention_endpoint(topo, rank, transport, config)
-        self.executor = RemoteExpertExecutor(self.sender, pool.device)
         self.server = (
             CommExpertServer(ffn_endpoint(topo, rank, transport, config), pool.device) if topo.colocated else None
         )
         self.peers = [topo.sender_endpoint(i) for i in range(topo.num_senders) if i != rank]
         self.ffn = [] if topo.colocated else [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks)]
+        stager = None
+        if topo.colocated and spec.args.enable_eplb:
+            stager = ExpertStager(functools.partial(load_shard, spec.args, model.config, pool.device), rank)
+        every = spec.args.eplb_rebalance_num_iterations if spec.args.enable_eplb else None
+        self.rebalancer = Rebalancer(spec.initial_map(), model.load_recorder, every, transport, self.ffn, stager)
+        self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder)
         self.n = spec.args.num_micro_batches
         self.step_id = self.sync_id = self.keepalive_id = 0
         self.last_ffn_send = float("-inf")  # monotonic time of the last message to the FFN ranks
@@ -79,14 +87,20 @@ class PipelineRunner(StepRunner):
         self._keepalive()
         mine = sum(n for _, n in plan.extend) + len(plan.decode)
         key = MsgKey(self.sync_id, SYNC_LAYER, 0)
+        eplb_meta, loads = self.rebalancer.sync_out(self.step_id)
+        meta = {"tokens": mine, "stop": self.want_stop, **eplb_meta}
         for peer in self.peers:
-            self.transport.send(
-                peer, Message("sync", key, self.sender.endpoint, meta={"tokens": mine, "stop": self.want_stop})
-            )
-        metas = [self.sender.recv(p, "sync", key).meta for p in self.peers]
+            self.transport.send(peer, Message("sync", key, self.sender.endpoint, loads, meta))
+        msgs = [self.sender.recv(p, "sync", key) for p in self.peers]
+        metas = [m.meta for m in msgs]
         self.sync_id += 1
+        self.rebalancer.sync_in(self.step_id, [meta, *metas], loads + [t for m in msgs for t in m.tensors])
         self.stopped = self.want_stop or any(m["stop"] for m in metas)
         return not self.stopped and mine + sum(m["tokens"] for m in metas) > 0
+
+    @property
+    def expert_map(self):
+        return self.rebalancer.map
 
     # -- one step --------------------------------------------------------------------------
 
@@ -96,7 +110,10 @@ class PipelineRunner(StepRunner):
         seqs = inputs.extend + inputs.decode
         groups = split_micro_batches([len(c.tokens) for c in seqs], self.n)
         micro = [self._micro_batch(inputs, g) for g in groups]
-        self._announce([int(m["fb"].num_tokens) for m in micro])
+        serving = self.model.routed_experts() if self.server is not None else None
+        eplb = self.rebalancer.begin_step(serving, self.spec.args.comm_timeout)
+        self.executor.expert_map = self.rebalancer.map
+        self._announce([int(m["fb"].num_tokens) for m in micro], extra=eplb)
         self.executor.step = self.step_id
         if self.server is not None:
             self.server.step = self.step_id
@@ -114,13 +131,13 @@ class PipelineRunner(StepRunner):
         rows = logit_rows(ext + dec, [inputs.rows[i] for i in group], self.pool.device)
         return {"fb": fb, "kv_cache": self.pool.cache, "rows": rows}
 
-    def _announce(self, tokens: list[int], shutdown: bool = False) -> None:
-        """The step descriptor every FFN rank checks before serving the step."""
+    def _announce(self, tokens: list[int], shutdown: bool = False, extra: dict | None = None) -> None:
+        """The step descriptor every FFN rank checks before serving the step (`extra`: a
+        rebalance's plan or switch)."""
         key = MsgKey(self.step_id, STEP_LAYER, 0)
+        meta = {"tokens": tokens, "shutdown": shutdown, **(extra or {})}
         for ep in self.ffn:
-            self.transport.send(
-                ep, Message("step", key, self.sender.endpoint, meta={"tokens": tokens, "shutdown": shutdown})
-            )
+            self.transport.send(ep, Message("step", key, self.sender.endpoint, meta=meta))
         self.last_ffn_send = time.monotonic()
 
     def _keepalive(self) -> None:
@@ -136,5 +153,7 @@ class PipelineRunner(StepRunner):
 
     def close(self) -> None:
         self._announce([], shutdown=True)
+        if self.rebalancer.stager is not None:
+            self.rebalancer.stager.close()
         if self.server is not None:
             self.server.endpoint.close()

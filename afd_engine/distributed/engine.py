@@ -8,6 +8,7 @@ rank (`--load-balance-method`).
 from __future__ import annotations
 
 import itertools
+import time
 
 import zmq
 
@@ -16,6 +17,7 @@ from afd_engine.control.loop import FrontEndSockets
 from afd_engine.control.router import Router
 from afd_engine.distributed.launcher import Deployment
 from afd_engine.engine_args import EngineArgs
+from afd_engine.eplb.report import merge_reports
 from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.offline import OfflineEngine
 from afd_engine.runtime.request import RequestOutput
@@ -45,6 +47,7 @@ class DistributedEngine(OfflineEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self._pending: dict[str, dict] = {}
         self._ids = itertools.count()
+        self._backlog: list[RequestOutput] = []  # finished while waiting for something else
 
     def add_request(
         self,
@@ -76,11 +79,11 @@ class DistributedEngine(OfflineEngine):
 
     def step(self) -> list[RequestOutput]:
         """Waits for the ranks' next messages; returns the requests that finished."""
+        done, self._backlog = self._backlog, []
         if not self.pull.poll(POLL_MS):
             if not self.deployment.alive():
                 raise DeploymentDied("a rank of the deployment died")
-            return []
-        done = []
+            return done
         while True:
             try:
                 msg = msgs.decode(self.pull.recv(zmq.NOBLOCK))
@@ -88,7 +91,30 @@ class DistributedEngine(OfflineEngine):
                 return done
             done += self._absorb(msg)
 
+    def expert_load(self, timeout: float = 30.0) -> dict:
+        """The deployment's expert load report (eplb/report.py): every attention rank's, summed."""
+        token = f"load-{next(self._ids)}"
+        self.pub.send(msgs.encode(msgs.DumpExpertLoad(token)))
+        reports: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(reports) < self.deployment.num_attention_ranks:
+            if time.monotonic() > deadline:
+                raise DeploymentDied(f"attention ranks {sorted(reports)} answered within {timeout:g} s, not all")
+            if not self.pull.poll(POLL_MS):
+                if not self.deployment.alive():
+                    raise DeploymentDied("a rank of the deployment died")
+                continue
+            msg = msgs.decode(self.pull.recv())
+            if isinstance(msg, msgs.ExpertLoadReport):
+                if msg.token == token:
+                    reports[msg.rank] = msg.report
+            else:
+                self._backlog += self._absorb(msg)
+        return merge_reports([reports[r] for r in sorted(reports)])
+
     def _absorb(self, msg) -> list[RequestOutput]:
+        if isinstance(msg, msgs.ExpertLoadReport):  # an answer nobody waits for any more
+            return []
         if isinstance(msg, msgs.Rejected):
             self.router.finished(msg.rid)
             req = self._pending.pop(msg.rid, None)

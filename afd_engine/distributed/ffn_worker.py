@@ -15,19 +15,23 @@ of m, and never holds that combine back.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from afd_engine.distributed.remote_experts import CommExpertServer
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.distributed.timeline import Timeline
+from afd_engine.eplb.expert_map import ExpertMap
+from afd_engine.eplb.stager import ExpertStager
 from afd_engine.operations import run_micro_batches
 from afd_engine.operations.strategy import AFD_FFN
 from comm.ffn_side import ffn_endpoint
-from comm.messages import CommError, CommTimeout, MsgKey
-from comm.protocol import KEEPALIVE_LAYER, STEP_LAYER
+from comm.messages import CommError, CommTimeout, Message, MsgKey
+from comm.protocol import EPLB_LAYER, KEEPALIVE_LAYER, STEP_LAYER
 from comm.transport.base import Transport
 
 log = logging.getLogger("afd.ffn")
@@ -60,6 +64,9 @@ def check_descriptors(metas: dict[int, dict], num_micro_batches: int, step: int)
             f"step {step}: expected {num_micro_batches} token counts (one per micro-batch) from every attention "
             f"endpoint, got {bad}: start every role with the same --micro-batches"
         )
+    for field in ("eplb_plan", "eplb_switch"):
+        if len({json.dumps(m.get(field), sort_keys=True) for m in metas.values()}) > 1:
+            raise DescriptorMismatchError(f"step {step}: attention endpoints disagree on {field}")
     return False
 
 
@@ -73,10 +80,18 @@ def _valid_counts(tokens, n: int) -> bool:
 
 class FfnWorker:
     def __init__(
-        self, shard, spec: DeploymentSpec, rank: int, transport: Transport, device: torch.device | str = "cpu"
+        self,
+        shard,
+        spec: DeploymentSpec,
+        rank: int,
+        transport: Transport,
+        device: torch.device | str = "cpu",
+        load_shard: Callable[[dict[int, list[int]]], torch.nn.Module] | None = None,
     ) -> None:
+        """`load_shard(slots)` loads the experts a rebalance moves here (see eplb/stager.py)."""
         self.shard, self.spec, self.rank, self.transport = shard, spec, rank, transport
         topo = spec.topology
+        self.stager = ExpertStager(load_shard, rank) if load_shard is not None else None
         self.server = CommExpertServer(ffn_endpoint(topo, rank, transport, spec.comm_config()), device)
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.n = spec.args.num_micro_batches
@@ -87,7 +102,12 @@ class FfnWorker:
         ops = shard.operations(self.server).wrap("receive", self.timeline.timed("recv"))
         ops = ops.wrap(
             "experts",
-            self.timeline.timed("ffn", lambda st: st.get("received").hidden.shape[0], spec.args.inject_ffn_delay_ms),
+            self.timeline.timed(
+                "ffn",
+                lambda st: st.get("received").hidden.shape[0],
+                spec.args.inject_ffn_delay_ms,
+                (lambda st: int((st.get("received").local_ids >= 0).sum()), spec.args.inject_ffn_delay_us_per_token),
+            ),
         )
         self.ops, self.delays = AFD_FFN.arrange(ops, self.n), AFD_FFN.delays(self.n)
 
@@ -99,12 +119,34 @@ class FfnWorker:
             self.timeline.end_step(self.step_id)
             self.step_id += 1
         self.server.endpoint.close()
+        if self.stager is not None:
+            self.stager.close()
 
     def _next_step(self) -> bool:
         """Waits for every attention rank's descriptor of the next step; False on shutdown."""
         key = MsgKey(self.step_id, STEP_LAYER, 0)
         metas = {ep: self._descriptor(ep, key).meta for ep in self.senders}
-        return not check_descriptors(metas, self.n, self.step_id)
+        if check_descriptors(metas, self.n, self.step_id):
+            return False
+        self._rebalance(metas[self.senders[0]])
+        return True
+
+    def _rebalance(self, meta: dict) -> None:
+        """A descriptor's rebalance parts: stage a new placement (answering every attention rank
+        when loaded), or serve the staged one from this step on."""
+        if "eplb_plan" not in meta and "eplb_switch" not in meta:
+            return
+        if self.stager is None:
+            raise DescriptorMismatchError(f"step {self.step_id}: told to rebalance, but this rank cannot load experts")
+        if "eplb_plan" in meta:
+            self.stager.stage(ExpertMap.from_description(self.spec.layout, meta["eplb_plan"]), self._ready)
+        if "eplb_switch" in meta:
+            self.stager.switch(meta["eplb_switch"], self.shard.routed_experts(), self.spec.args.comm_timeout)
+
+    def _ready(self, version: int) -> None:
+        me = self.spec.topology.ffn_endpoint(self.rank)
+        for ep in self.senders:
+            self.transport.send(ep, Message("eplb_ready", MsgKey(version, EPLB_LAYER, 0), me))
 
     def _descriptor(self, ep: int, key: MsgKey):
         """The step descriptor from attention endpoint ep, however long an idle deployment takes;

@@ -1,7 +1,8 @@
 """The routed experts of a deployment, reached through the dispatch/combine library.
 
 `RemoteExpertExecutor` is the attention side of a MoE layer in colocated and AFD modes: dispatch
-sends the micro-batch's tokens to the ranks holding their experts, combine waits for the results.
+sends the micro-batch's tokens to the ranks holding a copy of their experts, combine waits for the
+results.
 `CommExpertServer` is the expert side (FFN ranks; colocated ranks for their peers). Both name
 their messages (step, layer, micro-batch); the runner advances `step` before each step.
 
@@ -20,15 +21,25 @@ from comm.ffn_side import FfnEndpoint
 
 
 class RemoteExpertExecutor(ExpertExecutor):
-    def __init__(self, endpoint: AttentionEndpoint, device: torch.device | str = "cpu") -> None:
-        self.endpoint, self.device = endpoint, torch.device(device)
+    """Dispatches physical expert slots: `expert_map` (eplb.expert_map.ExpertMap, swapped by a
+    rebalance between steps) picks one copy of each routed expert."""
+
+    def __init__(
+        self, endpoint: AttentionEndpoint, expert_map, device: torch.device | str = "cpu", recorder=None
+    ) -> None:
+        self.endpoint, self.expert_map, self.device = endpoint, expert_map, torch.device(device)
+        self.recorder = recorder
         self.step = 0
 
     def dispatch(
         self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchHandle:
+        if self.recorder is not None:
+            self.recorder.record(layer_id, topk_ids)
         key = MsgKey(self.step, layer_id, micro_batch)
-        return self.endpoint.dispatch(hidden.cpu(), topk_ids.cpu(), topk_weights.cpu(), key)
+        salt = self.step + micro_batch + self.endpoint.sender  # which copy takes a batch's odd pairs
+        slots = self.expert_map.to_physical(layer_id, topk_ids, salt)
+        return self.endpoint.dispatch(hidden.cpu(), slots.cpu(), topk_weights.cpu(), key)
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
         return self.endpoint.combine(handle).to(self.device)

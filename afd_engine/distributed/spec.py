@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afd_engine.engine_args import EngineArgs
+from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
 from comm.endpoint import CommConfig
@@ -18,10 +19,11 @@ class DeploymentSpec:
     args: EngineArgs
     num_experts: int
     moe_layers: tuple[int, ...]
+    num_groups: int = 1  # expert groups of group-limited routing (kept on one node by the placement)
 
     @staticmethod
     def of(args: EngineArgs, cfg: ModelConfig) -> DeploymentSpec:
-        spec = DeploymentSpec(args, cfg.n_routed_experts, cfg.moe_layers)
+        spec = DeploymentSpec(args, cfg.n_routed_experts, cfg.moe_layers, cfg.n_group)
         spec.validate()
         return spec
 
@@ -29,11 +31,15 @@ class DeploymentSpec:
         a = self.args
         ranks = self.num_expert_ranks
         held_by = f"{ranks} FFN ranks" if a.mode == "afd" else f"{ranks} ranks"
-        if self.num_experts % ranks:
+        slots = self.num_experts + a.ep_num_redundant_experts
+        if slots % ranks:
             fix = "--ffn-nodes x --ffn-ranks-per-node" if a.mode == "afd" else "--dp-size"
+            what = f"{self.num_experts} routed experts" + (
+                f" + {a.ep_num_redundant_experts} redundant copies" if a.ep_num_redundant_experts else ""
+            )
             raise ConfigError(
-                f"the model has {self.num_experts} routed experts, which do not divide over {held_by}; "
-                f"choose {fix} that divides {self.num_experts}"
+                f"the model has {what}, which do not divide over {held_by}; choose {fix} that divides {slots}"
+                + (" or another --ep-num-redundant-experts" if a.ep_num_redundant_experts else "")
             )
         if a.ep_size is not None and a.ep_size != ranks:
             how = "--ffn-nodes x --ffn-ranks-per-node" if a.mode == "afd" else "--dp-size"
@@ -51,15 +57,29 @@ class DeploymentSpec:
         return a.ffn_nodes * a.ffn_ranks_per_node if a.mode == "afd" else a.dp_size
 
     @property
-    def topology(self) -> Topology:
+    def ranks_per_node(self) -> int:
         a = self.args
-        if a.mode == "afd":
-            return Topology(a.dp_size, a.ffn_nodes, a.ffn_ranks_per_node, self.num_experts)
-        return Topology(a.dp_size, a.ffn_nodes, a.dp_size // a.ffn_nodes, self.num_experts, colocated=True)
+        return a.ffn_ranks_per_node if a.mode == "afd" else a.dp_size // a.ffn_nodes
 
-    def expert_range(self, rank: int) -> tuple[int, int]:
-        per = self.num_experts // self.num_expert_ranks
-        return rank * per, (rank + 1) * per
+    @property
+    def layout(self) -> ExpertLayout:
+        a = self.args
+        return ExpertLayout(
+            self.num_experts, a.ep_num_redundant_experts, a.ffn_nodes, self.ranks_per_node, self.num_groups
+        )
+
+    @property
+    def topology(self) -> Topology:
+        """Dispatch addresses physical expert slots (experts + redundant copies), not experts."""
+        a, slots = self.args, self.layout.num_slots
+        return Topology(a.dp_size, a.ffn_nodes, self.ranks_per_node, slots, colocated=a.mode != "afd")
+
+    def initial_map(self) -> ExpertMap:
+        return ExpertMap.initial(self.layout, self.moe_layers)
+
+    def expert_slots(self, rank: int) -> dict[int, list[int]]:
+        """Per MoE layer, the logical expert of each slot expert rank `rank` starts with."""
+        return self.initial_map().rank_slots(rank)
 
     def comm_config(self) -> CommConfig:
         a = self.args

@@ -47,19 +47,26 @@ class Timeline:
             )
 
     def timed(
-        self, kind: str, tokens: Callable[[MicroBatchState], int] | None = None, delay_ms: float = 0.0
+        self,
+        kind: str,
+        tokens: Callable[[MicroBatchState], int] | None = None,
+        delay_ms: float = 0.0,
+        scaled_delay: tuple[Callable[[MicroBatchState], int], float] | None = None,
     ) -> Callable[[Operation], Operation]:
         """A wrapper for `ModelOps.wrap`: the operation runs inside a span of `kind`, followed by
-        the injected delay; `tokens(state)`, read before it runs, is the rows it computes on."""
+        the injected delay; `tokens(state)`, read before it runs, is the rows it computes on.
+        `scaled_delay` (count(state), us) adds us microseconds per counted item (experiments)."""
+        count, per_item_us = scaled_delay or (None, 0.0)
 
         def wrap(op: Operation) -> Operation:
-            if self.file is None and delay_ms <= 0:
+            if self.file is None and delay_ms <= 0 and per_item_us <= 0:
                 return op  # nothing to record or inject: the hot path stays as it is
 
             def timed_op(st: MicroBatchState) -> None:
+                extra_ms = per_item_us * count(st) / 1000 if per_item_us > 0 else 0.0
                 with self.span(kind, st.micro_batch, op.layer, tokens(st) if tokens else -1):
                     op(st)
-                    pause(delay_ms)
+                    pause(delay_ms + extra_ms)
 
             return Operation(op.name, timed_op, op.layer)
 

@@ -15,8 +15,8 @@ from afd_engine.distributed.rendezvous import RendezvousSpec, register
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine
 from afd_engine.engine_args import EngineArgs
+from afd_engine.eplb.stager import load_shard
 from afd_engine.model_config import ModelConfig
-from afd_engine.models import Kernels, load_expert_shard
 from comm.transport.zmq_transport import ZmqTransport
 
 
@@ -30,12 +30,12 @@ def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(args.model_path))
     topo = spec.topology
     transport = _transport(topo.sender_endpoint(rank), comm_addresses, spec)
-    experts = spec.expert_range(rank) if topo.colocated else (0, 0)  # AFD: no routed experts here
+    experts = spec.expert_slots(rank) if topo.colocated else {}  # AFD: no routed experts here
 
     def runner(model, pool):
         return PipelineRunner(model, pool, spec, rank, transport)
 
-    return Engine(args, expert_range=experts, rank_runner=runner, device=args.device_for(rank))
+    return Engine(args, expert_slots=experts, rank_runner=runner, device=args.device_for(rank))
 
 
 def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int, comm_addresses) -> None:
@@ -54,17 +54,15 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
         device = args.device_for(local_index)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        shard = load_expert_shard(
-            cfg, args.model_path, args.torch_dtype, spec.expert_range(rank), Kernels.named(moe=args.moe_backend), device
-        )
+        shard = load_shard(args, cfg, device, spec.expert_slots(rank))
         transport = _transport(spec.topology.ffn_endpoint(rank), comm_addresses, spec)
     except Exception as exc:  # reported to the launcher, which stops the deployment
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
     ready.send({"ok": True})
-    logging.getLogger("afd.ffn").info("FFN rank %d ready: experts %s", rank, spec.expert_range(rank))
+    logging.getLogger("afd.ffn").info("FFN rank %d ready", rank)
     try:
-        FfnWorker(shard, spec, rank, transport, device).run()
+        FfnWorker(shard, spec, rank, transport, device, functools.partial(load_shard, args, cfg, device)).run()
     except (PeerLostError, DescriptorMismatchError) as exc:  # expected ways to end: one line, exit status 1
         logging.getLogger("afd.ffn").error("%s", exc)
         _exit_now(transport)

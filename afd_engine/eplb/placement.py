@@ -85,7 +85,7 @@ def place(
         experts = [g * group_size + i for g in sorted(groups) for i in range(group_size)]
         copies = _replicate([float(load[e]) for e in experts], slots_per_node)
         pieces = [(float(load[e]) / copies[i], e) for i, e in enumerate(experts) for _ in range(copies[i])]
-        ranks = _pack([p[0] for p in pieces], ranks_per_node, slots_per_rank)
+        ranks = _pack([p[0] for p in pieces], ranks_per_node, slots_per_rank, [p[1] for p in pieces])
         for members in ranks:
             slot_expert += sorted(pieces[i][1] for i in members)
     return Placement(slot_expert, slots_per_rank)
@@ -103,13 +103,19 @@ def _replicate(loads: list[float], num_slots: int) -> list[int]:
     return copies
 
 
-def _pack(weights: list[float], num_bins: int, per_bin: int) -> list[list[int]]:
+def _pack(weights: list[float], num_bins: int, per_bin: int, keys: list[int] | None = None) -> list[list[int]]:
     """Items into `num_bins` bins of exactly `per_bin` items: heaviest first, each into the lightest
-    bin with room (ties: the lower bin). Returns each bin's item indices."""
+    bin with room (ties: the lower bin), avoiding bins that already hold an item of the same key
+    (two copies of an expert on one rank would waste a slot) while others have room. Returns
+    each bin's item indices."""
     bins: list[list[int]] = [[] for _ in range(num_bins)]
+    held: list[set] = [set() for _ in range(num_bins)]
     totals = [0.0] * num_bins
     for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        b = min((b for b in range(num_bins) if len(bins[b]) < per_bin), key=lambda b: (totals[b], b))
+        key = keys[i] if keys is not None else i
+        room = [b for b in range(num_bins) if len(bins[b]) < per_bin]
+        b = min([b for b in room if key not in held[b]] or room, key=lambda b: (totals[b], b))
         bins[b].append(i)
+        held[b].add(key)
         totals[b] += weights[i]
     return bins

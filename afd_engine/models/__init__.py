@@ -52,14 +52,14 @@ def load_model(
     cfg: ModelConfig,
     model_path: str | Path,
     dtype: torch.dtype,
-    expert_range: tuple[int, int] | None = None,
+    expert_slots: dict[int, list[int]] | None = None,
     kernels: Kernels | None = None,
     device: torch.device | str = "cpu",
 ) -> DeepseekForCausalLM:
     """Builds the model for `cfg.architecture` in `dtype` on `device` and loads its weights from
     `model_path` (read on the host, copied to the device tensor by tensor)."""
     with torch.device("meta"):  # no random init of weights that the checkpoint overwrites
-        model = MODEL_REGISTRY[cfg.architecture](cfg, expert_range, kernels or Kernels.named())
+        model = MODEL_REGISTRY[cfg.architecture](cfg, expert_slots, kernels or Kernels.named())
     model.to(dtype)
     for layer in model.model.layers:  # the router's bias stays fp32, as the checkpoint stores it
         gate = getattr(layer.mlp, "gate", None)
@@ -75,13 +75,14 @@ def load_expert_shard(
     cfg: ModelConfig,
     model_path: str | Path,
     dtype: torch.dtype,
-    expert_range: tuple[int, int],
+    expert_slots: dict[int, list[int]],
     kernels: Kernels | None = None,
     device: torch.device | str = "cpu",
 ) -> ExpertShard:
-    """Only the routed experts in `expert_range` of every MoE layer (an FFN rank's weights)."""
+    """Only the routed experts of `expert_slots` (per MoE layer, the logical expert of each slot):
+    an FFN rank's weights, or the experts a rebalance stages."""
     with torch.device("meta"):
-        shard = ExpertShard(cfg, expert_range, kernels or Kernels.named())
+        shard = ExpertShard(cfg, expert_slots, kernels or Kernels.named())
     shard.to(dtype)
     _keep_fp32_scales(shard)
     shard.to_empty(device=device)

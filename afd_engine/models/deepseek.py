@@ -87,15 +87,18 @@ class Gate(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """The experts [first, first + count) of one layer, stacked for grouped compute.
+    """One layer's routed experts held here, one stacked slot per copy, for grouped compute.
 
-    The one implementation of routed-expert compute: single mode calls it through the local
-    executor, FFN ranks and colocated ranks on the token copies they receive.
+    `slot_expert` is the logical expert of each slot: all experts in order in single mode, a rank's
+    share (redundant copies included) elsewhere. The one implementation of routed-expert compute:
+    single mode calls it through the local executor, FFN ranks and colocated ranks on the token
+    copies they receive (local ids index the slots).
     """
 
-    def __init__(self, cfg: ModelConfig, first: int, count: int, kernels) -> None:
+    def __init__(self, cfg: ModelConfig, slot_expert, kernels) -> None:
         super().__init__()
-        self.first, self.count, self.kernels = first, count, kernels
+        self.slot_expert, self.count, self.kernels = list(slot_expert), len(slot_expert), kernels
+        count = self.count
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         self.fp8 = keeps_fp8_experts(cfg, kernels)
         if self.fp8:  # the checkpoint's FP8 bytes (uint8, so that model.to(dtype) leaves them) + block scales
@@ -112,10 +115,19 @@ class RoutedExperts(nn.Module):
         if self.fp8:
             self.w13_scale, self.w2_scale = self.w13_scale.float(), self.w2_scale.float()
 
+    def adopt(self, other: RoutedExperts) -> None:
+        """Takes `other`'s slots and weights (same slot count; no copy): a rebalance's switch."""
+        if other.count != self.count or other.fp8 != self.fp8:
+            raise ValueError(f"cannot adopt {other.count} slots into {self.count}")
+        for name in ("w13_q", "w2_q", "w13_scale", "w2_scale") if self.fp8 else ("w13", "w2"):
+            setattr(self, name, getattr(other, name))
+        self.slot_expert = list(other.slot_expert)
+
     def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Global expert ids [T, K] -> this module's indices, -1 where another rank holds the expert."""
-        local = topk_ids - self.first
-        return torch.where((local >= 0) & (local < self.count), local, -1)
+        """Logical expert ids [T, K] -> slot indices (single mode: every expert once, in order)."""
+        if self.slot_expert != list(range(self.count)):
+            raise ValueError("to_local needs every expert once, in order (single mode)")
+        return topk_ids
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], local_ids [T, K] int64 (-1: not here), weights [T, K] fp32 -> [T, H], per token
@@ -140,10 +152,10 @@ def keeps_fp8_experts(cfg: ModelConfig, moe_kernels) -> bool:
 class MoE(nn.Module):
     """Gate, routed experts and optional shared experts; its forward is the MoE layer's operations."""
 
-    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int], moe_kernels) -> None:
+    def __init__(self, cfg: ModelConfig, slot_expert, moe_kernels) -> None:
         super().__init__()
         self.gate = Gate(cfg)
-        self.experts = RoutedExperts(cfg, expert_range[0], expert_range[1] - expert_range[0], moe_kernels)
+        self.experts = RoutedExperts(cfg, slot_expert, moe_kernels)
         self.shared_experts = (
             DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
             if cfg.n_shared_experts
@@ -220,13 +232,13 @@ class MLAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, expert_range, kernels) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, slot_expert, kernels) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.self_attn = (GQAttention if cfg.attention == "gqa" else MLAttention)(cfg, rotary, kernels.attention)
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp = (
-            MoE(cfg, expert_range, kernels.moe) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+            MoE(cfg, slot_expert, kernels.moe) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -282,27 +294,28 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, expert_range, kernels) -> None:
+    def __init__(self, cfg: ModelConfig, expert_slots: dict[int, list[int]], kernels) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.rotary, expert_range, kernels) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, self.rotary, expert_slots.get(i, ()), kernels) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
-    """The model of an attention rank (or the whole model in one process). `expert_range` limits
-    which routed experts live here; `kernels` holds the chosen attention and MoE backends."""
+    """The model of an attention rank (or the whole model in one process). `expert_slots` says which
+    routed experts live here (per MoE layer, the logical expert of each slot; None: all, in order);
+    `kernels` holds the chosen attention and MoE backends."""
 
-    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None, kernels) -> None:
+    def __init__(self, cfg: ModelConfig, expert_slots: dict[int, list[int]] | None, kernels) -> None:
         super().__init__()
         self.config = cfg
-        self.expert_range = expert_range or (0, cfg.n_routed_experts)
-        self.model = DeepseekModel(cfg, self.expert_range, kernels)
+        self.model = DeepseekModel(cfg, all_experts(cfg) if expert_slots is None else expert_slots, kernels)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
         self._local_ops: list | None = None
+        self.load_recorder = None  # counts the gates' choices (eplb.recorder), set by the engine
 
     def prepare(self) -> None:
         for layer in self.model.layers:
@@ -324,7 +337,8 @@ class DeepseekForCausalLM(nn.Module):
         """Runs one step in this process; kv_cache [layers, slots, C + R]; returns fp32 logits
         [len(logit_rows), V]."""
         if self._local_ops is None:
-            self._local_ops = SINGLE.arrange(self.operations(LocalExpertExecutor(self.routed_experts())))
+            executor = LocalExpertExecutor(self.routed_experts(), self.load_recorder)
+            self._local_ops = SINGLE.arrange(self.operations(executor))
         state = {"fb": fb, "kv_cache": kv_cache, "rows": logit_rows}
         return run_micro_batches(self._local_ops, [state])[0]
 
@@ -341,27 +355,37 @@ class DeepseekForCausalLM(nn.Module):
         st.set_output(self.lm_head(self.model.norm(x[rows])).float())
 
 
+def all_experts(cfg: ModelConfig) -> dict[int, list[int]]:
+    """Every routed expert once, in order, for every MoE layer (single mode)."""
+    return {layer: list(range(cfg.n_routed_experts)) for layer in cfg.moe_layers}
+
+
 class _Holder(nn.Module):
     """A named level of the module tree, so that expert shards keep the checkpoint's names."""
 
 
 class ExpertShard(nn.Module):
-    """Only the routed experts [first, first + count) of every MoE layer: what an FFN rank loads.
+    """Only routed experts, per MoE layer the slots of `expert_slots`: what an FFN rank loads (and
+    what a rebalance stages before switching to it).
 
     Parameter names are the full model's (`model.layers.3.mlp.experts.w13`), so the same loader
     fills them and skips everything else in the checkpoint.
     """
 
-    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int], kernels) -> None:
+    def __init__(self, cfg: ModelConfig, expert_slots: dict[int, list[int]], kernels) -> None:
         super().__init__()
-        self.config, self.expert_range = cfg, expert_range
+        self.config = cfg
         self.model = _Holder()
         self.model.layers = nn.ModuleDict()
-        for layer_id in cfg.moe_layers:
+        for layer_id, slots in expert_slots.items():
             holder = _Holder()
             holder.mlp = _Holder()
-            holder.mlp.experts = RoutedExperts(cfg, expert_range[0], expert_range[1] - expert_range[0], kernels.moe)
+            holder.mlp.experts = RoutedExperts(cfg, slots, kernels.moe)
             self.model.layers[str(layer_id)] = holder
+
+    def routed_experts(self) -> dict[int, RoutedExperts]:
+        """layer id -> the routed experts held here."""
+        return {int(i): holder.mlp.experts for i, holder in self.model.layers.items()}
 
     def operations(self, server: ExpertServer) -> ModelOps:
         """The expert side of every MoE layer (post_dispatch, receive, experts, send_combine)."""

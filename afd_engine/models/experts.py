@@ -34,7 +34,10 @@ class Experts(Protocol):
 
 
 class ExpertExecutor(ABC):
-    """Runs the routed experts of one (layer, micro-batch): `dispatch` starts, `combine` finishes."""
+    """Runs the routed experts of one (layer, micro-batch): `dispatch` starts, `combine` finishes.
+    With a `recorder` (eplb.recorder.ExpertLoadRecorder), dispatch counts the gate's choices."""
+
+    recorder = None
 
     @abstractmethod
     def dispatch(
@@ -51,10 +54,13 @@ class ExpertExecutor(ABC):
 class LocalExpertExecutor(ExpertExecutor):
     """Every routed expert lives in this process (single mode): dispatch computes at once."""
 
-    def __init__(self, experts: Mapping[int, Experts]) -> None:
+    def __init__(self, experts: Mapping[int, Experts], recorder=None) -> None:
         self.experts = experts  # layer id -> that layer's experts
+        self.recorder = recorder
 
     def dispatch(self, layer_id, micro_batch, hidden, topk_ids, topk_weights) -> torch.Tensor:
+        if self.recorder is not None:
+            self.recorder.record(layer_id, topk_ids)
         experts = self.experts[layer_id]
         return experts(hidden, experts.to_local(topk_ids), topk_weights)
 

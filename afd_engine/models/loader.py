@@ -47,33 +47,54 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
 
 
 def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
-    """Fills every parameter and buffer of `model` from the checkpoint; errors name what is missing."""
+    """Fills every parameter and buffer of `model` from the checkpoint; errors name what is missing.
+    Only tensors the model holds are read."""
     model_path = Path(model_path)
     cfg = model.config
     params = dict(model.named_parameters()) | dict(model.named_buffers())
+    slots = _expert_slots(model)
     filled: Counter[str] = Counter()
-    first, last = model.expert_range
     for file in checkpoint_files(model_path):
         with safe_open(str(file), framework="pt") as f:
             names = set(f.keys())
             for name in names:
                 if name.endswith("_scale_inv") or _skip_layer(name, cfg.num_layers):
                     continue
-                fp8 = _fp8_expert_dest(name, params, first, last)
-                if fp8 is not None:
-                    for dest in _place_fp8_expert(f, name, fp8, params):
-                        filled[dest] += 1
+                m = _EXPERT.match(name)
+                if m is None:
+                    if name in params:
+                        _copy(params[name].data, _read(f, name, names, cfg.fp8_block), name)
+                        filled[name] += 1
                     continue
-                tensor = _read(f, name, names, cfg.fp8_block)
-                dest = _place(name, tensor, params, first, last)
-                if dest is not None:
-                    filled[dest] += 1
+                layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+                rows = slots.get(layer, {}).get(expert)
+                if not rows:
+                    continue
+                prefix = f"model.layers.{layer}.mlp.experts.{_STACK_SLOT[proj][0]}"
+                if prefix + "_q" in params:
+                    dests = _place_fp8_expert(f, name, proj, rows, prefix, params)
+                else:
+                    dests = _place_expert(_read(f, name, names, cfg.fp8_block), name, proj, rows, params[prefix])
+                    dests = [prefix] * dests
+                filled.update(dests)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # prepare() ties it to the embedding
     missing = sorted(n for n, p in params.items() if filled[n] != _pieces(n, p) and n not in tied)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ModelLoadError(f"checkpoint {str(model_path)!r} lacks weights the model needs: {shown}")
     model.prepare()
+
+
+def _expert_slots(model: torch.nn.Module) -> dict[int, dict[int, list[int]]]:
+    """layer -> logical expert -> the slots holding it, from each routed-experts module's
+    `slot_expert` (a rank may hold two copies of one expert)."""
+    out: dict[int, dict[int, list[int]]] = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "slot_expert"):
+            rows = out.setdefault(int(_LAYER.match(name + ".").group(1)), {})
+            for slot, expert in enumerate(module.slot_expert):
+                rows.setdefault(expert, []).append(slot)
+    return out
 
 
 def _pieces(name: str, param: torch.Tensor) -> int:
@@ -99,27 +120,16 @@ def _read(f, name: str, names: set[str], fp8_block) -> torch.Tensor:
     return tensor
 
 
-def _place(name: str, tensor: torch.Tensor, params: dict, first: int, last: int) -> str | None:
-    """Copies one checkpoint tensor into its parameter; returns the parameter name (None: not ours)."""
-    m = _EXPERT.match(name)
-    if m:
-        layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
-        if not first <= expert < last:
-            return None
-        stacked, half = _STACK_SLOT[proj]
-        dest = f"model.layers.{layer}.mlp.experts.{stacked}"
-        if dest not in params:
-            return None
-        param = params[dest].data[expert - first]
+def _place_expert(tensor: torch.Tensor, name: str, proj: str, rows: list[int], stacked: torch.Tensor) -> int:
+    """Copies one expert projection into each of its slots (gate/up: a half of w13); returns how
+    many pieces it filled."""
+    half = _STACK_SLOT[proj][1]
+    for row in rows:
+        param = stacked.data[row]
         if half is not None:
-            rows = param.shape[0] // 2
-            param = param[half * rows : (half + 1) * rows]
+            param = param[half * (param.shape[0] // 2) : (half + 1) * (param.shape[0] // 2)]
         _copy(param, tensor, name)
-        return dest
-    if name not in params:
-        return None
-    _copy(params[name].data, tensor, name)
-    return name
+    return len(rows)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -128,29 +138,19 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
-def _fp8_expert_dest(name: str, params: dict, first: int, last: int) -> tuple[int, int, str] | None:
-    """(layer, expert, projection) of a routed-expert weight this model keeps FP8, else None."""
-    m = _EXPERT.match(name)
-    if m is None or not first <= int(m.group(2)) < last:
-        return None
-    layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
-    stacked = _STACK_SLOT[proj][0]
-    return (layer, expert - first, proj) if f"model.layers.{layer}.mlp.experts.{stacked}_q" in params else None
-
-
-def _place_fp8_expert(f, name: str, dest: tuple[int, int, str], params: dict) -> list[str]:
-    """Copies an expert's FP8 weight bytes and its 128x128 block scales into the stacked buffers:
-    gate rows then up rows of w13 (and of w13_scale, whole blocks since I % 128 == 0), or w2."""
-    layer, local, proj = dest
-    stacked, half = _STACK_SLOT[proj]
-    prefix = f"model.layers.{layer}.mlp.experts.{stacked}"
+def _place_fp8_expert(f, name: str, proj: str, rows: list[int], prefix: str, params: dict) -> list[str]:
+    """Copies an expert's FP8 weight bytes and its 128x128 block scales into the stacked buffers of
+    each of its slots: gate rows then up rows of w13 (and of w13_scale, whole blocks since
+    I % 128 == 0), or w2."""
+    half = _STACK_SLOT[proj][1]
     weight, scale = f.get_tensor(name), f.get_tensor(name + "_scale_inv")
     if weight.dtype != torch.float8_e4m3fn:
         raise ModelLoadError(f"{name} has a scale_inv but is {weight.dtype}, not float8_e4m3fn")
-    q, s = params[prefix + "_q"].data[local], params[prefix + "_scale"].data[local]
-    if half is not None:
-        q = q[half * (q.shape[0] // 2) : (half + 1) * (q.shape[0] // 2)]
-        s = s[half * (s.shape[0] // 2) : (half + 1) * (s.shape[0] // 2)]
-    _copy(q, weight.view(torch.uint8), name)
-    _copy(s, scale.float(), name + "_scale_inv")
-    return [prefix + "_q", prefix + "_scale"]
+    for row in rows:
+        q, s = params[prefix + "_q"].data[row], params[prefix + "_scale"].data[row]
+        if half is not None:
+            q = q[half * (q.shape[0] // 2) : (half + 1) * (q.shape[0] // 2)]
+            s = s[half * (s.shape[0] // 2) : (half + 1) * (s.shape[0] // 2)]
+        _copy(q, weight.view(torch.uint8), name)
+        _copy(s, scale.float(), name + "_scale_inv")
+    return [prefix + "_q", prefix + "_scale"] * len(rows)

@@ -9,6 +9,7 @@ import sys
 from afd_engine.errors import AFDError, ConfigError
 from afd_engine.planner.calibration import Calibration, calibrate
 from afd_engine.planner.deploy import Estimate
+from afd_engine.planner.expert_load import load_expert_imbalance
 from afd_engine.planner.hardware import get_hardware, load_hardware_file
 from afd_engine.planner.model_spec import get_model
 from afd_engine.planner.network import CommCase, comm_time
@@ -46,12 +47,23 @@ def _comm(ns) -> dict:
     return {**out, "layout": "colocated EP (symmetric)" if symmetric else "AFD (attention -> F)", "mode": mode}
 
 
-def _stage_model(ns, model) -> StageModel:
+def _expert_imbalance(ns) -> tuple[float, str]:
+    """The factor and where it came from (argparse keeps the two flags exclusive)."""
+    if ns.expert_load:
+        value, key = load_expert_imbalance(ns.expert_load)
+        return value, f"{ns.expert_load}: {key}"
+    if ns.expert_imbalance is not None:
+        return ns.expert_imbalance, "--expert-imbalance"
+    return StageModel.expert_imbalance, "default: balanced routing"
+
+
+def _stage_model(ns, model, expert_imbalance: float) -> StageModel:
     attn_hw = _hw(ns, ns.attn_hw)
     ffn_hw = _hw(ns, ns.ffn_hw) if ns.ffn_hw else attn_hw
     calib = Calibration.load(ns.calibration) if ns.calibration else None
+    attn_dtype = ns.attn_dtype or model.default_attn_dtype
     return StageModel(
-        model, attn_hw, ffn_hw, ns.context, ns.attn_dtype or model.default_attn_dtype, calib, ns.weight_dtype
+        model, attn_hw, ffn_hw, ns.context, attn_dtype, calib, ns.weight_dtype, expert_imbalance=expert_imbalance
     )
 
 
@@ -82,7 +94,8 @@ def _best(sm: StageModel, ns, mode: str) -> list[Estimate]:
 
 def _deploy(ns) -> dict:
     model = get_model(ns.model)
-    sm = _stage_model(ns, model)
+    imbalance, imbalance_source = _expert_imbalance(ns)
+    sm = _stage_model(ns, model, imbalance)
     modes = ("afd", "colocated") if ns.mode == "both" else (ns.mode,)
     out = {}
     for mode in modes:
@@ -97,7 +110,13 @@ def _deploy(ns) -> dict:
         if sm.calibration
         else f"roofline ({sm.attn_hw.name} efficiency factors)"
     )
-    info = {"model": model.name, "context": ns.context, "stage_times": stages}
+    info = {
+        "model": model.name,
+        "context": ns.context,
+        "stage_times": stages,
+        "expert_imbalance": sm.expert_imbalance,
+        "expert_imbalance_source": imbalance_source,
+    }
     if len(modes) == 1:
         return {**out[modes[0]], **info}
     ratio = out["afd"]["tokens_per_gpu_s"] / out["colocated"]["tokens_per_gpu_s"]
@@ -187,6 +206,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--shared-expert", choices=("attention", "ffn", "any"), default="any", help="AFD: where the shared expert runs"
     )
     d.add_argument("--calibration", default=None, help="measured stage times from `afd plan calibrate`")
+    skew = d.add_mutually_exclusive_group()
+    skew.add_argument(
+        "--expert-imbalance",
+        type=float,
+        metavar="FLOAT",
+        default=None,
+        help="max over mean token load of the expert ranks, >= 1.0; scales the busiest rank's "
+        "routed-expert work and the traffic into it (default: 1.0, balanced routing)",
+    )
+    skew.add_argument(
+        "--expert-load",
+        default=None,
+        metavar="FILE",
+        help="read --expert-imbalance from JSON: 'imbalance_after' (benchmarks/bench_eplb.py --json), "
+        "else 'imbalance' (afd expert-load)",
+    )
     d.add_argument("--top", type=int, default=5, help="alternatives to list")
     d.add_argument("--plot", default=None, help="write the throughput-vs-TPOT frontier to this PNG")
     common(d)
@@ -240,6 +275,7 @@ def _print_human(what: str, out: dict) -> None:
             )
     print("* best of its mode; seqs/GPU: running sequences per attention GPU")
     print(f"{out['model']}, context {out['context']}, stage times: {out['stage_times']}")
+    print(f"expert-rank imbalance (max / mean load): {out['expert_imbalance']:.2f} ({out['expert_imbalance_source']})")
     if "afd_over_colocated_per_gpu" in out:
         print(f"AFD / colocated tokens per GPU per second: {out['afd_over_colocated_per_gpu']:.3f}")
 

@@ -115,6 +115,7 @@ def estimate(sm: StageModel, dep: Deployment) -> Estimate:
         receivers=ep,
         mode=dep.dispatch if afd else "direct",
         symmetric=not afd,
+        imbalance=sm.expert_imbalance,
     )
     comm = comm_time(case, sm.attn_hw, sm.ffn_hw if afd else None)
     t_d, t_c = comm.dispatch_us, comm.combine_us

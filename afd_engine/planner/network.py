@@ -13,6 +13,12 @@ Two layouts:
 
 The time is the busiest link's bytes / goodput: the sender's NIC, the receiver's NIC, or the scale-up
 link. With more attention senders than F receivers the receivers' NICs are the busiest.
+
+`imbalance` (max over mean token load of the expert ranks) scales what reaches the busiest rank:
+its NIC in direct mode and colocated EP, and its scale-up link (the last hop of two-stage, and
+colocated copies from its own node). It does not scale the relays' NICs in two-stage mode: relay
+`i mod R` takes every copy for its node from sender i, whichever rank owns the expert, so those NICs
+carry the node's load, whose imbalance a rank-level figure does not give (it is at most that figure).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from math import comb
 
 from afd_engine.errors import ConfigError
+from afd_engine.planner.expert_load import check_imbalance
 from afd_engine.planner.hardware import Hardware
 
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
@@ -97,6 +104,7 @@ class CommCase:
     dispatch_dtype: str = "fp8"
     combine_dtype: str = "bf16"
     symmetric: bool = False  # colocated EP: senders are the receivers
+    imbalance: float = 1.0  # max / mean token load of the receivers (expert ranks)
 
 
 def comm_time(case: CommCase, hw: Hardware, receiver_hw: Hardware | None = None) -> CommTime:
@@ -104,6 +112,7 @@ def comm_time(case: CommCase, hw: Hardware, receiver_hw: Hardware | None = None)
         raise ConfigError(f"dispatch mode {case.mode!r} must be 'direct' or 'two-stage'")
     if case.tokens < 0 or min(case.hidden, case.topk, case.experts, case.senders, case.receivers) < 1:
         raise ConfigError("tokens must be >= 0; hidden, topk, experts, senders and receivers >= 1")
+    k = check_imbalance(case.imbalance, "CommCase.imbalance")  # into the busiest receiver, over the mean's
     rhw = receiver_hw or hw
     eff, reff = hw.efficiency, rhw.efficiency
     d_bytes, c_bytes = copy_bytes(case.hidden, case.dispatch_dtype), copy_bytes(case.hidden, case.combine_dtype)
@@ -117,20 +126,22 @@ def comm_time(case: CommCase, hw: Hardware, receiver_hw: Hardware | None = None)
         net = t * case.topk * remote_share
         local = t * case.topk * (per_node - 1) / case.senders
         s_d, s_c = net * d_bytes / nic_s, net * c_bytes / nic_s
-        r_d, r_c = s_d, s_c
-        u_d, u_c = local * d_bytes / su_r, local * c_bytes / su_r
+        r_d, r_c = k * s_d, k * s_c
+        u_d, u_c = k * local * d_bytes / su_r, k * local * c_bytes / su_r
         copies, inter = case.topk * remote_share, round(net * d_bytes * case.senders)
     else:
         f_nodes = max(1, case.receivers // rhw.gpus_per_node)
         per_node = case.receivers // f_nodes
         copies = case.topk if case.mode == "direct" else expected_distinct(f_nodes, case.experts, case.topk)
         net = t * copies  # copies leaving one sender
-        inbound = net * case.senders / case.receivers  # copies arriving at one F GPU
+        inbound = net * case.senders / case.receivers  # copies arriving at one F GPU, on average
         s_d, s_c = net * d_bytes / nic_s, net * c_bytes / nic_s
+        if case.mode == "direct":  # every copy lands on its expert's rank
+            inbound *= k
         r_d, r_c = inbound * d_bytes / nic_r, inbound * c_bytes / nic_r
         if case.mode == "two-stage":  # relay -> FFN ranks inside the node, minus the relay's own experts
             owners_per_node_hit = expected_distinct(case.receivers, case.experts, case.topk) / copies
-            forwarded = inbound * owners_per_node_hit * (1 - 1 / per_node)
+            forwarded = k * inbound * owners_per_node_hit * (1 - 1 / per_node)  # into the busiest rank
             u_d, u_c = forwarded * d_bytes / su_r, forwarded * c_bytes / su_r
         else:
             u_d = u_c = 0.0

@@ -26,7 +26,8 @@ def plot_frontier(sm: StageModel, spaces: dict[str, SearchSpace], png: str, slo_
     ax.set_xlabel("TPOT (ms)")
     ax.set_ylabel("tokens / GPU / s")
     ffn = f" + {sm.ffn_hw.name} (F)" if sm.ffn_hw is not sm.attn_hw else ""
-    ax.set_title(f"{sm.model.name}, {sm.attn_hw.name}{ffn}, context {sm.context}, attention {sm.attn_dtype}")
+    skew = f", expert imbalance {sm.expert_imbalance:g}" if sm.expert_imbalance != 1.0 else ""
+    ax.set_title(f"{sm.model.name}, {sm.attn_hw.name}{ffn}, context {sm.context}, attention {sm.attn_dtype}{skew}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -5,6 +5,11 @@ run one after another, so their times add. Weights are `weight_dtype` (fp8 by de
 bf16 math on parts without fp8 units, as Step-3 assumes); the gate and the lm_head are bf16.
 `attn_dtype` is the precision of the attention core and its KV cache (DeepSeek-V3 serves it in
 bf16 over fp8 projections; Step-3 in fp8).
+
+`expert_imbalance` is the measured max over mean token load of the expert ranks (expert_load.py):
+the busiest rank computes that many times the balanced straggler's rows. It scales the routed
+experts' FLOPs (or a calibration's per-row term), not their weight reads (a rank reads at most its
+own experts, all of them once a decode batch is large) nor the shared expert (not routed).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from math import log, sqrt
 
 from afd_engine.errors import ConfigError
 from afd_engine.planner.calibration import Calibration
+from afd_engine.planner.expert_load import BALANCED, check_imbalance
 from afd_engine.planner.hardware import Hardware
 from afd_engine.planner.model_spec import ModelSpec
 
@@ -47,6 +53,7 @@ class StageModel:
     attn_dtype: str = "fp8"
     calibration: Calibration | None = None  # measured attention and expert stages replace the roofline
     weight_dtype: str = "fp8"  # projections, experts and dense FFNs (fp8: 8-bit, or int8 where no fp8 units)
+    expert_imbalance: float = BALANCED  # max / mean token load of the expert ranks, measured
 
     def __post_init__(self) -> None:
         if self.attn_dtype not in ATTN_DTYPES:
@@ -55,6 +62,7 @@ class StageModel:
             raise ConfigError(f"--weight-dtype {self.weight_dtype!r} must be one of {', '.join(ATTN_DTYPES)}")
         if self.context < 1:
             raise ConfigError(f"--context must be >= 1 (got {self.context})")
+        check_imbalance(self.expert_imbalance, "--expert-imbalance")
 
     @property
     def attn_bytes(self) -> int:
@@ -114,7 +122,7 @@ class StageModel:
             gemm_us(hw, tokens / ffn_gpus, m.shared_params, self.w_bytes, self.weight_dtype) if shared_expert else 0.0
         )
         local_experts = m.experts / ffn_gpus
-        copies = expected_max_load(tokens * m.topk / ffn_gpus, ffn_gpus)
+        copies = self.busiest_rank_rows(tokens, ffn_gpus)
         if self.calibration is not None:
             return self.calibration.ffn(copies) + shared
         hit = 1 - (1 - m.topk / m.experts) ** tokens  # chance an expert got at least one token
@@ -122,6 +130,12 @@ class StageModel:
         compute = 2 * copies * m.expert_params / (hw.tflops(self.weight_dtype) * eff.gemm_compute * 1e6)
         memory = local_experts * hit * m.expert_params * self.w_bytes / (hw.mem_bw_tbs * eff.gemm_memory * 1e6)
         return max(compute, memory) + shared + eff.layer_overhead_us
+
+    def busiest_rank_rows(self, tokens: float, ffn_gpus: int) -> float:
+        """Token copies the busiest of `ffn_gpus` expert ranks computes for `tokens` tokens in all: the
+        straggler of balanced routing (random fluctuation per step) times the measured imbalance
+        (systematic skew, e.g. hot experts, counted over a window of many steps)."""
+        return self.expert_imbalance * expected_max_load(tokens * self.model.topk / ffn_gpus, ffn_gpus)
 
     def head_us(self, seqs: float) -> float:
         """Embedding lookup, final norm and lm_head (bf16) for one step's sequences on one GPU."""

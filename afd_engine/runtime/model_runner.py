@@ -100,6 +100,7 @@ class StepRunner(ABC):
     """
 
     lockstep: bool = False
+    expert_map = None  # eplb.expert_map.ExpertMap of a rank that dispatches to expert ranks
 
     def __init__(self) -> None:
         self.stopped = False  # once true the engine loop ends; set by request_stop or an agreed round

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI). Tokenizes, forwards to the engine, detokenizes.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (native, token ids),
-GET /v1/models, GET /health, GET /metrics.
+GET /v1/models, GET /health, GET /metrics, GET /expert_load (admin.py).
 
 The boundary is hardened in layers: a body over ``--max-request-bytes`` is refused before it is
 parsed; the schema (protocol.py) refuses invalid Unicode and unsupported fields; text over
@@ -29,6 +29,7 @@ from afd_engine.control.router import Router
 from afd_engine.errors import AFDError
 from afd_engine.server import protocol as P
 from afd_engine.server import renderers as R
+from afd_engine.server.admin import admin_routes
 from afd_engine.server.choices import make_choices, run_choices
 from afd_engine.server.engine_client import EngineClient, EngineUnavailable
 from afd_engine.server.errors import (
@@ -100,6 +101,7 @@ def build_app(
         return server_error(f"the engine is unavailable: {exc}", status=503)
 
     _routes(app, lambda: holder["s"])
+    admin_routes(app, lambda: holder["s"])
     return app
 
 
@@ -162,13 +164,17 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+ADMIN_PATHS = ("/expert_load",)  # behind the API key too
+
+
 def _install_auth(app: FastAPI, api_key: str | None) -> None:
     if not api_key:
         return
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {api_key}":
+        protected = request.url.path.startswith("/v1/") or request.url.path in ADMIN_PATHS
+        if protected and request.headers.get("authorization") != f"Bearer {api_key}":
             return invalid_api_key()
         return await call_next(request)
 

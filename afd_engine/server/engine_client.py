@@ -18,6 +18,7 @@ import zmq.asyncio
 from afd_engine.control import messages as msgs
 from afd_engine.control.loop import HEARTBEAT_S, ControlAddrs, FrontEndSockets
 from afd_engine.control.router import Router
+from afd_engine.eplb.report import merge_reports
 from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.runtime.request import TokenUpdate
 from afd_engine.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class EngineClient:
         now = time.monotonic()
         self.last_heard = {r: now for r in ranks}
         self._queues: dict[str, asyncio.Queue] = {}
+        self._load_reports: dict[str, tuple[dict[int, dict], asyncio.Future]] = {}
+        self._load_ids = 0
         self._reader: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -67,6 +70,27 @@ class EngineClient:
                     self._deliver(update.request_id, update)
             elif isinstance(msg, msgs.Rejected):
                 self._deliver(msg.rid, msg)
+            elif isinstance(msg, msgs.ExpertLoadReport) and msg.token in self._load_reports:
+                reports, done = self._load_reports[msg.token]
+                reports[msg.rank] = msg.report
+                if len(reports) == self.router.num_ranks and not done.done():
+                    done.set_result(merge_reports([reports[r] for r in sorted(reports)]))
+
+    async def expert_load(self, timeout: float = 10.0) -> dict:
+        """The deployment's expert load report: every attention rank answers, the loads are summed."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not running")
+        self._load_ids += 1
+        token = f"load-{self._load_ids}"
+        done = asyncio.get_running_loop().create_future()
+        self._load_reports[token] = ({}, done)
+        try:
+            self._send_nowait(msgs.DumpExpertLoad(token))
+            return await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"not every attention rank reported its expert load within {timeout:g} s") from None
+        finally:
+            del self._load_reports[token]
 
     def _deliver(self, rid: str, item) -> None:
         queue = self._queues.get(rid)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from afd_engine.control.messages import EngineStats
+from afd_engine.eplb.placement import imbalance
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -34,6 +36,15 @@ class ServerMetrics:
         self.kv_used = Gauge("afd_kv_pages_used", "KV cache pages in use", registry=r)
         self.kv_total = Gauge("afd_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.cache_pages = Gauge("afd_prefix_cache_pages", "KV cache pages held by the prefix cache", registry=r)
+        self.expert_rank_load = Gauge(
+            "afd_expert_rank_load",
+            "tokens routed to each expert rank over the load window (all attention ranks)",
+            ["rank"],
+            registry=r,
+        )
+        self.expert_imbalance = Gauge(
+            "afd_expert_rank_imbalance", "max over mean of the expert ranks' load over the window", registry=r
+        )
         self.engine_counters = _EngineCounters()
         r.register(self.engine_counters)
 
@@ -44,6 +55,10 @@ class ServerMetrics:
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_pages_used)
         self.kv_total.set(stats.kv_pages_total)
+        for rank, load in enumerate(stats.expert_rank_load):
+            self.expert_rank_load.labels(rank=str(rank)).set(load)
+        if stats.expert_rank_load:
+            self.expert_imbalance.set(imbalance(torch.tensor(stats.expert_rank_load)))
         return generate_latest(self.registry)
 
 

@@ -33,7 +33,9 @@ class NoExecutor(ExpertExecutor):
 def models(tiny_v3):
     cfg = ModelConfig.from_pretrained(tiny_v3)  # 4 layers: one dense, then three MoE layers
     with torch.device("meta"):
-        return (DeepseekForCausalLM(cfg, (0, 8), Kernels.named()), ExpertShard(cfg, (8, 16), Kernels.named()))
+        half = {layer: list(range(8)) for layer in cfg.moe_layers}
+        other = {layer: list(range(8, 16)) for layer in cfg.moe_layers}
+        return (DeepseekForCausalLM(cfg, half, Kernels.named()), ExpertShard(cfg, other, Kernels.named()))
 
 
 def test_each_mode_arranges_the_same_operations(models):

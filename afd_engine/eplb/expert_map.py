@@ -1,0 +1,121 @@
+"""Logical experts -> physical expert slots, per MoE layer, with redundant copies of hot experts.
+
+A deployment with R redundant experts holds E + R physical slots per MoE layer, (E + R) / ranks on
+each expert rank (slot s on rank s // slots_per_rank). The attention side routes with logical ids
+(the gate's) and dispatches physical slot ids: every (token, expert) pair goes to one copy of the
+expert, the expert's pairs in a batch dealt round-robin over its copies, so copies share an
+expert's load evenly and the choice is deterministic (reproducible tests).
+
+`version` counts placements: 0 is the one a deployment starts with (`initial`), every rebalance
+installs the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afd_engine.eplb.placement import Placement, place
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """What a placement is placed on: experts, redundant copies, nodes x ranks, expert groups."""
+
+    num_experts: int
+    num_redundant: int
+    num_nodes: int
+    ranks_per_node: int
+    num_groups: int = 1
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_experts + self.num_redundant
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.num_ranks
+
+    def place(self, load: torch.Tensor) -> Placement:
+        return place(load, self.num_redundant, self.num_nodes, self.ranks_per_node, self.num_groups)
+
+    def initial(self) -> Placement:
+        """Before any load is known: experts in order (slot e = expert e) without redundancy, else
+        the placement of a uniform load (groups kept on nodes, spare copies to the first experts)."""
+        if self.num_redundant == 0:
+            return Placement(list(range(self.num_experts)), self.slots_per_rank)
+        return self.place(torch.ones(self.num_experts))
+
+
+class ExpertMap:
+    """The current placement of every MoE layer and the tables that route through it."""
+
+    def __init__(self, layout: ExpertLayout, placements: dict[int, Placement], version: int = 0) -> None:
+        self.layout, self.placements, self.version = layout, placements, version
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, p in placements.items():
+            replicas = p.replicas(layout.num_experts)
+            missing = [e for e, r in enumerate(replicas) if not r]
+            if missing or p.num_slots != layout.num_slots:
+                raise ValueError(
+                    f"layer {layer}: a placement needs {layout.num_slots} slots holding every expert; it has "
+                    f"{p.num_slots}" + (f" and expert {missing[0]} has no slot" if missing else "")
+                )
+            width = max(len(r) for r in replicas)
+            table = torch.tensor([r + [r[0]] * (width - len(r)) for r in replicas], dtype=torch.int64)  # [E, width]
+            self._tables[layer] = (table, torch.tensor([len(r) for r in replicas], dtype=torch.int64))
+
+    @staticmethod
+    def initial(layout: ExpertLayout, moe_layers) -> ExpertMap:
+        p = layout.initial()
+        return ExpertMap(layout, {layer: p for layer in moe_layers})
+
+    def rank_slots(self, rank: int) -> dict[int, list[int]]:
+        """Per MoE layer, the logical expert of each of `rank`'s slots, in slot order."""
+        spr = self.layout.slots_per_rank
+        return {layer: p.slot_expert[rank * spr : (rank + 1) * spr] for layer, p in self.placements.items()}
+
+    def to_physical(self, layer: int, topk_ids: torch.Tensor, salt: int = 0) -> torch.Tensor:
+        """topk_ids [T, K] logical -> [T, K] physical slots. The i-th pair (in row-major order)
+        routed to an expert with c copies goes to copy (i + salt) mod c: copies split each batch's
+        pairs evenly, and `salt` rotates which copy takes the odd ones."""
+        table, copies = self._tables[layer]
+        if table.device != topk_ids.device:
+            table, copies = table.to(topk_ids.device), copies.to(topk_ids.device)
+            self._tables[layer] = (table, copies)
+        if table.shape[1] == 1:  # no expert of this layer has a second copy
+            return table[topk_ids, 0]
+        flat = topk_ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=table.shape[0])
+        first = torch.cumsum(counts, 0) - counts  # where each expert's pairs start in sorted order
+        occurrence = torch.empty_like(flat)
+        occurrence[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
+        return table[flat, (occurrence + salt) % copies[flat]].view_as(topk_ids)
+
+    def rank_loads(self, load: torch.Tensor) -> torch.Tensor:
+        """load [layers, E] (MoE layers in order) -> [ranks]: tokens per expert rank, summed over
+        layers, each expert's load split evenly over its copies."""
+        out = torch.zeros(self.layout.num_ranks, dtype=torch.float64)
+        for i, p in enumerate(self.placements.values()):
+            out += p.rank_loads(load[i])
+        return out
+
+    @staticmethod
+    def from_description(layout: ExpertLayout, d: dict) -> ExpertMap:
+        """The inverse of `describe`."""
+        placements = {int(layer): Placement(list(s), layout.slots_per_rank) for layer, s in d["slot_expert"].items()}
+        return ExpertMap(layout, placements, d["version"])
+
+    def describe(self) -> dict:
+        """JSON-able: version and, per layer, each physical slot's logical expert."""
+        return {
+            "version": self.version,
+            "slots_per_rank": self.layout.slots_per_rank,
+            "slot_expert": {str(layer): list(p.slot_expert) for layer, p in self.placements.items()},
+        }

@@ -1,0 +1,113 @@
+"""The attention side of live rebalancing (`--enable-eplb`), one per attention rank.
+
+Every attention rank runs the same decisions from the same data, so no rank leads:
+
+1. plan: in the agreement round at which `--eplb-rebalance-num-iterations` steps have passed since
+   the last plan, every rank attaches its window of expert loads to its sync message; each sums
+   them and computes the same new placement (version v + 1), pending.
+2. stage: the expert ranks load their slots of the pending placement in the background (FFN ranks
+   learn it from the next step descriptor and answer `eplb_ready` when loaded; a colocated rank
+   stages its own share) while steps go on with placement v.
+3. switch: in the first round in which every attention rank reports that all its expert ranks are
+   ready, they agree to switch; the next step dispatches with placement v + 1 and its descriptor
+   tells the FFN ranks to serve v + 1 from that step on.
+
+No request waits for a reload, and none is dropped: the switch happens between two steps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from afd_engine.eplb.expert_map import ExpertMap
+from afd_engine.eplb.recorder import ExpertLoadRecorder
+from afd_engine.eplb.stager import ExpertStager
+from comm.messages import CommError, CommTimeout, MsgKey
+from comm.protocol import EPLB_LAYER
+from comm.transport.base import Transport
+
+log = logging.getLogger("afd.eplb")
+
+
+class Rebalancer:
+    def __init__(
+        self,
+        initial: ExpertMap,
+        recorder: ExpertLoadRecorder,
+        every: int | None,
+        transport: Transport,
+        ffn_endpoints: list[int],
+        stager: ExpertStager | None = None,
+    ) -> None:
+        """`every`: steps between plans (None: never rebalance). AFD: `ffn_endpoints` answer when
+        staged. Colocated: `stager` stages this rank's own share."""
+        self.map, self.recorder, self.every = initial, recorder, every
+        self.transport, self.ffn, self.stager = transport, ffn_endpoints, stager
+        self.pending: ExpertMap | None = None
+        self._announce = False  # the pending placement still has to reach the FFN ranks
+        self._switch = False  # the next step switches to the pending placement
+        self._acked: set[int] = set()
+        self.last_plan_step = 0
+
+    # -- the agreement round ------------------------------------------------------------------
+
+    def sync_out(self, step_id: int) -> tuple[dict, list[torch.Tensor]]:
+        """This rank's part of the round's sync message: meta and tensors."""
+        plan = self.every is not None and self.pending is None and step_id - self.last_plan_step >= self.every
+        return {"eplb_plan": plan, "eplb_ready": self._ready()}, [self.recorder.window()] if plan else []
+
+    def sync_in(self, step_id: int, metas: list[dict], loads: list[torch.Tensor]) -> None:
+        """Every rank's meta (this one's included) and the loads attached to them."""
+        plans = {m["eplb_plan"] for m in metas}
+        if len(plans) > 1:
+            raise CommError(f"step {step_id}: attention ranks disagree on whether to rebalance now")
+        if plans == {True}:
+            self._plan(step_id, torch.stack(loads).sum(dim=0))
+        elif self.pending is not None and all(m["eplb_ready"] for m in metas):
+            self._switch = True
+
+    def _plan(self, step_id: int, load: torch.Tensor) -> None:
+        layout, layers = self.map.layout, list(self.map.placements)
+        placements = {layer: layout.place(load[i]) for i, layer in enumerate(layers)}
+        self.pending = ExpertMap(layout, placements, self.map.version + 1)
+        self.last_plan_step, self._announce = step_id, bool(self.ffn)
+        self._acked.clear()
+        if self.stager is not None:
+            self.stager.stage(self.pending)
+        log.info("step %d: planned expert placement %d", step_id, self.pending.version)
+
+    def _ready(self) -> bool:
+        """Whether every expert rank this rank knows of has staged the pending placement."""
+        if self.pending is None:
+            return False
+        if self.stager is not None:
+            return self.stager.ready(self.pending.version)
+        key = MsgKey(self.pending.version, EPLB_LAYER, 0)
+        for ep in self.ffn:
+            if ep not in self._acked:
+                try:
+                    self.transport.recv(ep, "eplb_ready", key, 0.0)
+                    self._acked.add(ep)
+                except CommTimeout:
+                    pass
+        return len(self._acked) == len(self.ffn)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def begin_step(self, serving: dict | None, timeout: float) -> dict:
+        """Called before a step runs: switches if agreed (a colocated rank also switches the
+        experts it serves, `serving`), and returns what the step descriptor carries."""
+        meta = {}
+        if self._switch:
+            new, self.pending, self._switch = self.pending, None, False
+            if self.stager is not None:
+                self.stager.switch(new.version, serving, timeout)
+            self.map = new
+            meta["eplb_switch"] = new.version
+            log.info("switched to expert placement %d", new.version)
+        if self._announce:
+            meta["eplb_plan"] = self.pending.describe()
+            self._announce = False
+        return meta
