@@ -44,8 +44,11 @@ def routing(topo: Topology, tokens: int, topk: int, hidden: int, seed: int):
     return xs, ids, ws
 
 
-def exchange(topo: Topology, config: CommConfig, xs, ids, ws) -> tuple[float, list[torch.Tensor], CommStats]:
-    """One dispatch + combine for every sender; experts are identities. Returns (seconds, outputs, stats)."""
+def exchange(
+    topo: Topology, config: CommConfig, xs, ids, ws, copies: list[int] | None = None
+) -> tuple[float, list[torch.Tensor], CommStats]:
+    """One dispatch + combine for every sender; experts are identities. Returns (seconds, outputs,
+    stats); `copies`, if given, gets each FFN rank's received (token, expert) pairs."""
     fabric = InProcessFabric()
     eps = [fabric.endpoint(e) for e in range(topo.num_endpoints)]
     senders = [attention_endpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
@@ -57,6 +60,8 @@ def exchange(topo: Topology, config: CommConfig, xs, ids, ws) -> tuple[float, li
 
     def serve(ffn):
         batch = ffn.recv_dispatch(KEY)
+        if copies is not None:
+            copies[ffn.rank] = int((batch.local_ids >= 0).sum())
         ffn.send_combine(batch, batch.hidden.float() * batch.weights.sum(-1, keepdim=True))
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(topo.num_senders)]

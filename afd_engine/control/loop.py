@@ -8,6 +8,7 @@ steps every round, with or without work, because its peers must agree on every s
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -184,6 +185,7 @@ def run_engine_process(
         engine.pool.num_pages,
         engine.pool.page_size,
     )
+    gc.freeze()  # what loading made lives as long as the process: later collections skip it
     try:
         EngineLoop(engine, addrs, rank).run()
     except BaseException:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -59,7 +60,8 @@ class PipelineRunner(StepRunner):
         self.ffn = [] if topo.colocated else [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks)]
         stager = None
         if topo.colocated and spec.args.enable_eplb:
-            stager = ExpertStager(functools.partial(load_shard, spec.args, model.config, pool.device), rank)
+            load = functools.partial(load_shard, spec.args, model.config, pool.device)
+            stager = ExpertStager(load, rank, model.routed_experts())
         every = spec.args.eplb_rebalance_num_iterations if spec.args.enable_eplb else None
         self.rebalancer = Rebalancer(spec.initial_map(), model.load_recorder, every, transport, self.ffn, stager)
         self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder)
@@ -94,7 +96,8 @@ class PipelineRunner(StepRunner):
         msgs = [self.sender.recv(p, "sync", key) for p in self.peers]
         metas = [m.meta for m in msgs]
         self.sync_id += 1
-        self.rebalancer.sync_in(self.step_id, [meta, *metas], loads + [t for m in msgs for t in m.tensors])
+        with self.timeline.span("eplb_plan", 0, -1) if eplb_meta["eplb_plan"] else nullcontext():
+            self.rebalancer.sync_in(self.step_id, [meta, *metas], loads + [t for m in msgs for t in m.tensors])
         self.stopped = self.want_stop or any(m["stop"] for m in metas)
         return not self.stopped and mine + sum(m["tokens"] for m in metas) > 0
 
@@ -110,14 +113,15 @@ class PipelineRunner(StepRunner):
         seqs = inputs.extend + inputs.decode
         groups = split_micro_batches([len(c.tokens) for c in seqs], self.n)
         micro = [self._micro_batch(inputs, g) for g in groups]
-        serving = self.model.routed_experts() if self.server is not None else None
-        eplb = self.rebalancer.begin_step(serving, self.spec.args.comm_timeout)
+        with self.timeline.span("eplb_switch", 0, -1) if self.rebalancer.switching else nullcontext():
+            eplb = self.rebalancer.begin_step(self.spec.args.comm_timeout)
         self.executor.expert_map = self.rebalancer.map
         self._announce([int(m["fb"].num_tokens) for m in micro], extra=eplb)
         self.executor.step = self.step_id
         if self.server is not None:
             self.server.step = self.step_id
         outs = run_micro_batches(self.ops, micro, self.delays)
+        self.rebalancer.end_step()
         commit(plan)
         self.timeline.end_step(self.step_id)
         self.step_id += 1

@@ -91,7 +91,8 @@ class FfnWorker:
         """`load_shard(slots)` loads the experts a rebalance moves here (see eplb/stager.py)."""
         self.shard, self.spec, self.rank, self.transport = shard, spec, rank, transport
         topo = spec.topology
-        self.stager = ExpertStager(load_shard, rank) if load_shard is not None else None
+        self.stager = ExpertStager(load_shard, rank, shard.routed_experts()) if load_shard is not None else None
+        self._to_stage: ExpertMap | None = None  # a placement announced in this step's descriptor
         self.server = CommExpertServer(ffn_endpoint(topo, rank, transport, spec.comm_config()), device)
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.n = spec.args.num_micro_batches
@@ -116,6 +117,9 @@ class FfnWorker:
             self.server.step = self.step_id
             with torch.inference_mode():
                 run_micro_batches(self.ops, [{} for _ in range(self.n)], self.delays)
+            if self._to_stage is not None:
+                self.stager.stage(self._to_stage, self._ready)
+                self._to_stage = None
             self.timeline.end_step(self.step_id)
             self.step_id += 1
         self.server.endpoint.close()
@@ -138,10 +142,10 @@ class FfnWorker:
             return
         if self.stager is None:
             raise DescriptorMismatchError(f"step {self.step_id}: told to rebalance, but this rank cannot load experts")
-        if "eplb_plan" in meta:
-            self.stager.stage(ExpertMap.from_description(self.spec.layout, meta["eplb_plan"]), self._ready)
+        if "eplb_plan" in meta:  # staged once this step is served, not competing with it
+            self._to_stage = ExpertMap.from_description(self.spec.layout, meta["eplb_plan"])
         if "eplb_switch" in meta:
-            self.stager.switch(meta["eplb_switch"], self.shard.routed_experts(), self.spec.args.comm_timeout)
+            self.stager.switch(meta["eplb_switch"], self.spec.args.comm_timeout)
 
     def _ready(self, version: int) -> None:
         me = self.spec.topology.ffn_endpoint(self.rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 
@@ -61,6 +62,7 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
         return
     ready.send({"ok": True})
     logging.getLogger("afd.ffn").info("FFN rank %d ready", rank)
+    gc.freeze()  # what loading made lives as long as the process: later collections skip it
     try:
         FfnWorker(shard, spec, rank, transport, device, functools.partial(load_shard, args, cfg, device)).run()
     except (PeerLostError, DescriptorMismatchError) as exc:  # expected ways to end: one line, exit status 1

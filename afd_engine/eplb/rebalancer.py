@@ -5,9 +5,9 @@ Every attention rank runs the same decisions from the same data, so no rank lead
 1. plan: in the agreement round at which `--eplb-rebalance-num-iterations` steps have passed since
    the last plan, every rank attaches its window of expert loads to its sync message; each sums
    them and computes the same new placement (version v + 1), pending.
-2. stage: the expert ranks load their slots of the pending placement in the background (FFN ranks
-   learn it from the next step descriptor and answer `eplb_ready` when loaded; a colocated rank
-   stages its own share) while steps go on with placement v.
+2. stage: the expert ranks load their slots of the pending placement in the background, starting
+   after the next step (FFN ranks learn it from that step's descriptor and answer `eplb_ready`
+   when loaded; a colocated rank stages its own share) while steps go on with placement v.
 3. switch: in the first round in which every attention rank reports that all its expert ranks are
    ready, they agree to switch; the next step dispatches with placement v + 1 and its descriptor
    tells the FFN ranks to serve v + 1 from that step on.
@@ -48,6 +48,7 @@ class Rebalancer:
         self.pending: ExpertMap | None = None
         self._announce = False  # the pending placement still has to reach the FFN ranks
         self._switch = False  # the next step switches to the pending placement
+        self._stage = False  # this rank's own share of the pending placement is still to be staged
         self._acked: set[int] = set()
         self.last_plan_step = 0
 
@@ -71,11 +72,14 @@ class Rebalancer:
     def _plan(self, step_id: int, load: torch.Tensor) -> None:
         layout, layers = self.map.layout, list(self.map.placements)
         placements = {layer: layout.place(load[i]) for i, layer in enumerate(layers)}
+        self.last_plan_step = step_id
+        if placements == self.map.placements:
+            log.info("step %d: the expert placement stays as it is", step_id)
+            return
         self.pending = ExpertMap(layout, placements, self.map.version + 1)
-        self.last_plan_step, self._announce = step_id, bool(self.ffn)
+        self._announce = bool(self.ffn)
+        self._stage = self.stager is not None  # after the next step, not competing with it
         self._acked.clear()
-        if self.stager is not None:
-            self.stager.stage(self.pending)
         log.info("step %d: planned expert placement %d", step_id, self.pending.version)
 
     def _ready(self) -> bool:
@@ -96,14 +100,25 @@ class Rebalancer:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def begin_step(self, serving: dict | None, timeout: float) -> dict:
+    def end_step(self) -> None:
+        """After a step: a colocated rank starts staging its share of a new placement."""
+        if self._stage:
+            self.stager.stage(self.pending)
+            self._stage = False
+
+    @property
+    def switching(self) -> bool:
+        """Whether the next step switches placements."""
+        return self._switch
+
+    def begin_step(self, timeout: float) -> dict:
         """Called before a step runs: switches if agreed (a colocated rank also switches the
-        experts it serves, `serving`), and returns what the step descriptor carries."""
+        experts it serves), and returns what the step descriptor carries."""
         meta = {}
         if self._switch:
             new, self.pending, self._switch = self.pending, None, False
             if self.stager is not None:
-                self.stager.switch(new.version, serving, timeout)
+                self.stager.switch(new.version, timeout)
             self.map = new
             meta["eplb_switch"] = new.version
             log.info("switched to expert placement %d", new.version)

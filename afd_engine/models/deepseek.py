@@ -97,7 +97,7 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, cfg: ModelConfig, slot_expert, kernels) -> None:
         super().__init__()
-        self.slot_expert, self.count, self.kernels = list(slot_expert), len(slot_expert), kernels
+        self.cfg, self.slot_expert, self.count, self.kernels = cfg, list(slot_expert), len(slot_expert), kernels
         count = self.count
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         self.fp8 = keeps_fp8_experts(cfg, kernels)
@@ -119,9 +119,26 @@ class RoutedExperts(nn.Module):
         """Takes `other`'s slots and weights (same slot count; no copy): a rebalance's switch."""
         if other.count != self.count or other.fp8 != self.fp8:
             raise ValueError(f"cannot adopt {other.count} slots into {self.count}")
-        for name in ("w13_q", "w2_q", "w13_scale", "w2_scale") if self.fp8 else ("w13", "w2"):
+        for name in self._weight_names():
             setattr(self, name, getattr(other, name))
         self.slot_expert = list(other.slot_expert)
+
+    def _weight_names(self) -> tuple[str, ...]:
+        return ("w13_q", "w2_q", "w13_scale", "w2_scale") if self.fp8 else ("w13", "w2")
+
+    def gather(self, slot_expert: list[int], sources: list[RoutedExperts]) -> RoutedExperts:
+        """A new module holding `slot_expert`, each slot's weights copied from the first of `sources`
+        that holds its expert (a rebalance's staging: experts kept here are copied, not re-read)."""
+        where = {}
+        for src in sources:
+            for i, e in enumerate(src.slot_expert):
+                where.setdefault(e, (src, i))
+        with torch.device("meta"):
+            out = RoutedExperts(self.cfg, slot_expert, self.kernels)
+        for name in self._weight_names():
+            stacked = torch.stack([getattr(where[e][0], name)[where[e][1]] for e in slot_expert])
+            setattr(out, name, nn.Parameter(stacked, requires_grad=False) if name in ("w13", "w2") else stacked)
+        return out
 
     def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Logical expert ids [T, K] -> slot indices (single mode: every expert once, in order)."""

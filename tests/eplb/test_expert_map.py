@@ -80,13 +80,13 @@ def test_a_shard_loads_each_slot_with_its_expert_and_a_switch_swaps_them_in(tiny
     module = serving[layer]
     assert torch.equal(module.w13[2], full[layer].w13[8])
 
-    stager = ExpertStager(shard, rank=1)  # rank 1 of 2: slots 10..19 of a 20-slot placement
+    stager = ExpertStager(shard, 1, serving)  # rank 1 of 2: slots 10..19 of a 20-slot placement
     layout = ExpertLayout(num_experts=16, num_redundant=4, num_nodes=1, ranks_per_node=2)
     mine = [10, 11, 12, 13, 14, 15, 7, 7, 5, 3]
     new = ExpertMap(layout, {layer: Placement(list(range(10)) + mine, 10)}, version=4)
     ready = []
     stager.stage(new, ready.append)
-    stager.switch(4, serving, timeout=30)
+    stager.switch(4, timeout=30)
     assert ready == [4] and stager.ready(4) is False  # switched: nothing staged any more
     assert serving[layer] is module and module.slot_expert == mine
     for slot, expert in enumerate(mine):
