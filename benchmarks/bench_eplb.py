@@ -119,12 +119,13 @@ def load_events(prefix: str) -> dict[str, list[dict]]:
 
 
 def step_times(events: list[dict]) -> dict[int, float]:
-    """Wall time per step on an attention rank: first event start to last event end."""
-    spans: dict[int, list[float]] = {}
+    """Wall time per step on an attention rank: the step itself, plus the placement computed in
+    the agreement round before it, if any."""
+    out: dict[int, float] = {}
     for e in events:
-        lo_hi = spans.setdefault(e["step"], [e["t0"], e["t1"]])
-        lo_hi[0], lo_hi[1] = min(lo_hi[0], e["t0"]), max(lo_hi[1], e["t1"])
-    return {s: hi - lo for s, (lo, hi) in spans.items()}
+        if e["kind"] in ("step", "eplb_plan"):
+            out[e["step"]] = out.get(e["step"], 0.0) + e["t1"] - e["t0"]
+    return out
 
 
 def window_stats(events: dict[str, list[dict]], steps: range, batch: int) -> dict:
@@ -230,13 +231,8 @@ def under_load(args, workdir: Path, model_path: str) -> dict:
 
 
 def step_tokens(events: list[dict]) -> dict[int, int]:
-    """Tokens forwarded per step: the rows of the first layer's attention, over micro-batches."""
-    first = min(e["layer"] for e in events if e["kind"] == "attention")
-    out: dict[int, int] = {}
-    for e in events:
-        if e["kind"] == "attention" and e["layer"] == first:
-            out[e["step"]] = out.get(e["step"], 0) + e["tokens"]
-    return out
+    """Tokens forwarded per step."""
+    return {e["step"]: e["tokens"] for e in events if e["kind"] == "step"}
 
 
 def alike(step: int, others: list[int], tokens: dict[int, int], n: int = 5) -> list[int]:

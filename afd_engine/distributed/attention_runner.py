@@ -109,6 +109,10 @@ class PipelineRunner(StepRunner):
 
     @torch.inference_mode()
     def run(self, plan: StepPlan):
+        with self.timeline.span("step", 0, -1, sum(n for _, n in plan.extend) + len(plan.decode)):
+            return self._run(plan)
+
+    def _run(self, plan: StepPlan):
         inputs = StepInputs.of(plan)
         seqs = inputs.extend + inputs.decode
         groups = split_micro_batches([len(c.tokens) for c in seqs], self.n)

@@ -3,8 +3,9 @@
 Each event: {"rank", "step", "kind", "mb", "layer", "tokens", "t0", "t1"} with wall-clock seconds,
 so the events of all processes on one machine share a time axis; "tokens" is the rows the operation
 computed on (-1 where not known). `afd plan calibrate` fits stage times to them. Kinds on attention ranks: "attention"
-(compute, injected delay included), "wait" (blocked on combine), "eplb_plan" / "eplb_switch" (a
-rebalance's placement computed / switched to, --enable-eplb); on FFN ranks: "recv" (blocked on
+(compute, injected delay included), "wait" (blocked on combine), "step" (the whole step, its
+tokens), "eplb_plan" / "eplb_switch" (a rebalance's placement computed, before the step / switched
+to, inside it; --enable-eplb); on FFN ranks: "recv" (blocked on
 dispatch), "ffn" (expert compute). benchmarks/bench_pipeline.py draws them.
 """
 
