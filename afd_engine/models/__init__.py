@@ -13,8 +13,9 @@ import torch
 
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
-from afd_engine.models.deepseek import DeepseekForCausalLM, ExpertShard, RoutedExperts
+from afd_engine.models.deepseek import DeepseekForCausalLM
 from afd_engine.models.loader import load_weights
+from afd_engine.models.routed_experts import ExpertShard, RoutedExperts
 from kernels.registry import BackendUnavailableError, attention_backend, moe_backend
 
 MODEL_REGISTRY = {

@@ -26,7 +26,7 @@ from afd_engine.operations import Operation
 
 
 class Experts(Protocol):
-    """A layer's routed experts (models.deepseek.RoutedExperts): local expert ids in, [M, H] out."""
+    """A layer's routed experts (models.routed_experts.RoutedExperts): local slot ids in, [M, H] out."""
 
     def __call__(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
 

@@ -7,8 +7,9 @@ import torch
 
 from afd_engine.model_config import ModelConfig
 from afd_engine.models import Kernels
-from afd_engine.models.deepseek import DeepseekForCausalLM, ExpertShard, RoutedExperts
+from afd_engine.models.deepseek import DeepseekForCausalLM
 from afd_engine.models.experts import ExpertExecutor, ExpertServer, LocalExpertExecutor
+from afd_engine.models.routed_experts import ExpertShard, RoutedExperts
 from afd_engine.operations import split_stages
 from afd_engine.operations.strategy import AFD_ATTENTION, AFD_FFN, COLOCATED, SINGLE, describe
 
