@@ -71,7 +71,7 @@ def busy_fraction(events: list[dict]) -> tuple[float, int]:
     """Mean over decode steps (all but the first, the prefill) of 1 - wait / step span on A."""
     steps = defaultdict(list)
     for e in events:
-        if e["role"] == "a":
+        if e["role"] == "a" and e["kind"] in ("attention", "wait"):  # from the first layer to the last
             steps[e["step"]].append(e)
     fractions = []
     for step in sorted(steps)[1:]:
@@ -112,7 +112,7 @@ def draw(timelines: dict[str, list[dict]], png: str) -> None:
     colors = {"attention": "tab:blue", "wait": "lightgrey", "ffn": "tab:orange", "recv": "whitesmoke"}
     for ax, (title, events) in zip(axes[:, 0], timelines.items()):
         step = sorted({e["step"] for e in events})[len({e["step"] for e in events}) // 2]
-        ev = [e for e in events if e["step"] == step]
+        ev = [e for e in events if e["step"] == step and e["kind"] in colors]  # the operations, not whole steps
         t0 = min(e["t0"] for e in ev)
         rows = sorted({(e["role"], e["mb"]) for e in ev})
         for e in ev:

@@ -92,7 +92,8 @@ class ExpertMap:
             return table[topk_ids, 0]
         flat = topk_ids.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=table.shape[0])
+        ones = torch.ones_like(flat)  # index_add, not bincount: no device sync on a GPU
+        counts = torch.zeros(table.shape[0], dtype=flat.dtype, device=flat.device).index_add_(0, flat, ones)
         first = torch.cumsum(counts, 0) - counts  # where each expert's pairs start in sorted order
         occurrence = torch.empty_like(flat)
         occurrence[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]

@@ -29,7 +29,8 @@ class ExpertLoadRecorder:
         if topk_ids.numel():
             if self._ring.device != topk_ids.device:
                 self._ring = self._ring.to(topk_ids.device)
-            self._ring[self._head, self.layers[layer]] += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
+            flat = topk_ids.flatten()  # index_add, not bincount: no device sync on a GPU
+            self._ring[self._head, self.layers[layer]].index_add_(0, flat, torch.ones_like(flat))
 
     def end_step(self) -> None:
         self.steps += 1

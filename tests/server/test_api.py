@@ -188,10 +188,20 @@ def aborted_count(server, endpoint: str) -> float:
     return 0.0
 
 
-def test_aborted_streams_free_their_kv_pages(server):
+@pytest.fixture
+def few_running(tiny_v3):
+    """A server that runs 8 requests at a time: run to their end, 50 streams of 400 tokens take
+    ~2,500 steps, far longer than any abort takes to arrive, even on a loaded machine."""
+    srv = Server(tiny_v3, "--max-running-requests", "8")
+    yield srv
+    srv.stop()
+
+
+def test_aborted_streams_free_their_kv_pages(few_running):
     """50 streams of 400 tokens each, closed after 3 events: aborted, their pages are freed and
     each abort is counted. That the engine stopped them early, not at their end, is read from the
     prefix cache, which every ended request's full pages join: a few pages each, not ~25."""
+    server = few_running
     before = aborted_count(server, "chat")
     cache_before = server.metric("afd_prefix_cache_pages") + server.metric("afd_prefix_cache_evicted_pages_total")
 
