@@ -237,9 +237,11 @@ def test_aborted_streams_free_their_kv_pages(few_running):
     assert held() == 0, f"pages still held {time.monotonic() - start:.1f} s in"
     assert server.metric("afd_num_requests_running") == 0
     # pages the cache took in (what it holds now plus what it evicted since): run to the end, the
-    # 50 requests would have added ~50 x 25 pages of 16 tokens; stopped after 3 tokens, ~1-2 each
+    # 50 requests add 50 x 25 pages of 16 tokens (1,250, seen when aborts are dropped); aborted
+    # after 3 tokens, 1-2 each, plus what a loaded machine computes before the abort arrives
+    # (up to 251 pages seen). Under half: the engine stopped them early.
     inserted = server.metric("afd_prefix_cache_pages") + server.metric("afd_prefix_cache_evicted_pages_total")
-    assert inserted - cache_before < 50 * 4, inserted - cache_before
+    assert inserted - cache_before < 50 * 25 // 2, inserted - cache_before
     assert aborted_count(server, "chat") == before + 50
     assert httpx.get(server.url + "/health").status_code == 200
 
