@@ -149,7 +149,7 @@ class EngineLoop:
             self.engine.request_stop()  # lockstep ranks all stop in the same agreement round
 
     def _send(self, msg) -> None:
-        self.push.send(msgs.encode(msg))
+        self.push.send(msgs.encode_output(msg))
         self._last_sent = time.monotonic()
 
     def close(self) -> None:

@@ -86,7 +86,7 @@ class DistributedEngine(OfflineEngine):
             return done
         while True:
             try:
-                msg = msgs.decode(self.pull.recv(zmq.NOBLOCK))
+                msg = msgs.decode_output(self.pull.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return done
             done += self._absorb(msg)
@@ -104,7 +104,7 @@ class DistributedEngine(OfflineEngine):
                 if not self.deployment.alive():
                     raise DeploymentDied("a rank of the deployment died")
                 continue
-            msg = msgs.decode(self.pull.recv())
+            msg = msgs.decode_output(self.pull.recv())
             if isinstance(msg, msgs.ExpertLoadReport):
                 if msg.token == token:
                     reports[msg.rank] = msg.report

@@ -62,7 +62,7 @@ class EngineClient:
 
     async def _read(self) -> None:
         while True:
-            msg = msgs.decode(await self.pull.recv())
+            msg = msgs.decode_output(await self.pull.recv())
             if isinstance(msg, msgs.StepOutput):
                 self.last_heard[msg.rank] = time.monotonic()
                 self.rank_stats[msg.rank] = msg.stats

@@ -50,7 +50,7 @@ def until_done(socks: FrontEndSockets, rid: str):
     """The request's Rejected message, or its token ids once it finished."""
     tokens, deadline = [], time.monotonic() + 30  # heartbeats arrive twice a second: poll alone never ends
     while time.monotonic() < deadline and socks.pull.poll(1000):
-        msg = msgs.decode(socks.pull.recv())
+        msg = msgs.decode_output(socks.pull.recv())
         if isinstance(msg, msgs.Rejected) and msg.rid == rid:
             return msg
         for u in getattr(msg, "updates", []):
@@ -101,7 +101,7 @@ def test_each_rank_serves_the_requests_sent_to_it_only(tiny_v3, tmp_path):
             socks.push[rank].send(msgs.encode(msgs.AddRequest(rid, [5, 6, 7], GREEDY)))
         finished, deadline = set(), time.monotonic() + 30
         while finished != set(sent) and time.monotonic() < deadline and socks.pull.poll(1000):
-            msg = msgs.decode(socks.pull.recv())
+            msg = msgs.decode_output(socks.pull.recv())
             for u in msg.updates:
                 served.setdefault(u.request_id, set()).add(msg.rank)
                 if u.finish_reason is not None:

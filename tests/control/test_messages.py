@@ -1,0 +1,50 @@
+"""The engine's output messages survive the msgpack wire exactly, every field and every kind."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from afd_engine.control import messages as msgs
+from afd_engine.runtime.request import TokenLogprob, TokenUpdate
+
+UPDATES = [
+    TokenUpdate("plain", [17], None, None, num_prompt_tokens=5, num_output_tokens=1),
+    TokenUpdate(
+        "with-logprobs",
+        [3, 4],
+        [TokenLogprob(-0.25, [3, 9], [-0.25, -1.5]), TokenLogprob(-2.0, [], [])],
+        "stop",
+        text_trim=-3,
+        num_prompt_tokens=7,
+        num_output_tokens=9,
+        num_cached_tokens=4,
+        prompt_logprobs=[None, TokenLogprob(-1.0, [8], [-0.5])],
+    ),
+    TokenUpdate("failed", [], None, "error", error="the engine could not take this request: \u2603"),
+]
+
+
+def test_a_step_output_round_trips_exactly():
+    stats = msgs.EngineStats(3, 1, 40, 100, 12, 64, 200, 5, (10.5, 30.0))
+    out = msgs.StepOutput(UPDATES, stats, rank=1)
+    back = msgs.decode_output(msgs.encode_output(out))
+    assert back == out
+    assert isinstance(back.stats.expert_rank_load, tuple) and isinstance(back.updates[1].logprobs[0], TokenLogprob)
+
+
+def test_the_other_outputs_round_trip_and_nothing_else_travels_that_way():
+    rejected = msgs.Rejected("r1", "prompt too long", "prompt")
+    report = msgs.ExpertLoadReport("load-1", 0, {"load": [[1, 2]], "placement": {"version": 2}})
+    assert msgs.decode_output(msgs.encode_output(rejected)) == rejected
+    assert msgs.decode_output(msgs.encode_output(report)) == report
+    assert msgs.decode_output(msgs.encode_output(msgs.StepOutput())) == msgs.StepOutput()
+    with pytest.raises(TypeError, match="AbortRequest does not travel from the engine"):
+        msgs.encode_output(msgs.AbortRequest("r1"))
+    with pytest.raises(ValueError, match="unknown engine output"):
+        msgs.decode_output(msgpack.packb(["Mystery", 1]))
+
+
+def test_updates_travel_as_arrays_not_maps():
+    frame = msgpack.unpackb(msgs.encode_output(msgs.StepOutput(UPDATES[:1])))
+    assert frame[0] == "StepOutput" and frame[3] == [["plain", [17], None, None, None, None, 5, 1, 0, None]]
