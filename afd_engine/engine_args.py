@@ -112,6 +112,11 @@ class EngineArgs:
     )
     enable_eplb: bool = opt(False, "colocated/afd: rebalance expert placement from the measured load while serving")
     eplb_rebalance_num_iterations: int = opt(1000, "with --enable-eplb: steps between rebalances")
+    init_expert_location: str | None = opt(
+        None,
+        "colocated/afd: start from the placement that balances this load report (the JSON of GET /expert_load "
+        "or afd expert-load --output; every machine needs the file)",
+    )
     eplb_window_steps: int | None = opt(
         None, "steps of expert load statistics kept (default: --eplb-rebalance-num-iterations)"
     )
@@ -161,9 +166,11 @@ class EngineArgs:
         need(self.comm_timeout > 0, "comm_timeout", "must be positive")
         need(self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0")
         need(
-            self.mode != "single" or (self.ep_num_redundant_experts == 0 and not self.enable_eplb),
+            self.mode != "single"
+            or (self.ep_num_redundant_experts == 0 and not self.enable_eplb and self.init_expert_location is None),
             "mode",
-            "redundant experts and --enable-eplb balance expert ranks; use --mode colocated or afd",
+            "redundant experts, --enable-eplb and --init-expert-location balance expert ranks; "
+            "use --mode colocated or afd",
         )
         need(self.eplb_rebalance_num_iterations >= 1, "eplb_rebalance_num_iterations", "must be at least 1")
         need(self.eplb_window_steps is None or self.eplb_window_steps >= 1, "eplb_window_steps", "must be >= 1")

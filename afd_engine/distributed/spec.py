@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from afd_engine.engine_args import EngineArgs
 from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
@@ -29,6 +33,8 @@ class DeploymentSpec:
 
     def validate(self) -> None:
         a = self.args
+        if a.init_expert_location is not None:
+            read_load_report(a.init_expert_location, self.moe_layers, self.num_experts)
         ranks = self.num_expert_ranks
         held_by = f"{ranks} FFN ranks" if a.mode == "afd" else f"{ranks} ranks"
         slots = self.num_experts + a.ep_num_redundant_experts
@@ -75,7 +81,13 @@ class DeploymentSpec:
         return Topology(a.dp_size, a.ffn_nodes, self.ranks_per_node, slots, colocated=a.mode != "afd")
 
     def initial_map(self) -> ExpertMap:
-        return ExpertMap.initial(self.layout, self.moe_layers)
+        """Experts in order (with copies, the placement of a uniform load), or the placement that
+        balances the load report of --init-expert-location."""
+        path = self.args.init_expert_location
+        if path is None:
+            return ExpertMap.initial(self.layout, self.moe_layers)
+        load = read_load_report(path, self.moe_layers, self.num_experts)
+        return ExpertMap(self.layout, {layer: self.layout.place(load[i]) for i, layer in enumerate(self.moe_layers)})
 
     def expert_slots(self, rank: int) -> dict[int, list[int]]:
         """Per MoE layer, the logical expert of each slot expert rank `rank` starts with."""
@@ -86,3 +98,27 @@ class DeploymentSpec:
         act = dtype_name(a.torch_dtype)
         wire = WireFormat(dispatch=a.dispatch_dtype, combine=act if a.combine_dtype == "auto" else a.combine_dtype)
         return CommConfig(a.dispatch_mode, wire, a.comm_timeout)
+
+
+def read_load_report(path: str, moe_layers: tuple[int, ...], num_experts: int) -> torch.Tensor:
+    """The "load" of an expert load report as [MoE layers, experts] float64; errors name the flag."""
+    where = f"--init-expert-location={path!r}"
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: cannot read a JSON load report: {exc}") from None
+    if not isinstance(report, dict) or "load" not in report:
+        raise ConfigError(f'{where}: no "load" in it; save one with afd expert-load --output FILE')
+    try:
+        load = torch.tensor(report["load"], dtype=torch.float64)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f'{where}: "load" is not a table of numbers: {exc}') from None
+    layers = report.get("moe_layers", list(moe_layers))
+    if list(layers) != list(moe_layers) or tuple(load.shape) != (len(moe_layers), num_experts):
+        raise ConfigError(
+            f"{where}: the report covers MoE layers {layers} x {tuple(load.shape)[1:]} experts; this model has "
+            f"layers {list(moe_layers)} x {num_experts} experts"
+        )
+    if bool((load < 0).any()):
+        raise ConfigError(f"{where}: loads must not be negative")
+    return load

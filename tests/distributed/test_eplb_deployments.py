@@ -4,9 +4,13 @@ tokens stay those of the single engine (itself checked against transformers)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from afd_engine import Engine, SamplingParams, make_engine
+from afd_engine.eplb.expert_map import ExpertLayout
 from tests.engine_helpers import random_prompts, run_staggered
 from tests.hf_reference import assert_greedy_matches, hf_greedy
 
@@ -30,8 +34,12 @@ DEPLOYMENTS = {
     "colocated dp2 mb2, 2 redundant": dict(
         mode="colocated", dp_size=2, micro_batches=2, ep_num_redundant_experts=2, **REBALANCE
     ),
-    "afd 1A 2x1 two-stage, 2 redundant, static": dict(mode="afd", dp_size=1, ffn_nodes=2, ep_num_redundant_experts=2),
+    "afd 1A 2x1 two-stage, 2 redundant, static from a load report": dict(
+        mode="afd", dp_size=1, ffn_nodes=2, ep_num_redundant_experts=2, init_expert_location=True
+    ),
 }
+# a saved report (the JSON of GET /expert_load) with hot experts 3 and 12 in every MoE layer
+REPORT = {"moe_layers": [1, 2, 3], "load": [[50 if e in (3, 12) else 1 + e for e in range(16)]] * 3}
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +54,12 @@ def reference(tiny_v3):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(DEPLOYMENTS))
-def test_redundant_experts_and_rebalances_keep_tokens_exact(name, tiny_v3, reference):
+def test_redundant_experts_and_rebalances_keep_tokens_exact(name, tiny_v3, reference, tmp_path):
     prompts, expected = reference
-    flags = DEPLOYMENTS[name]
+    flags = dict(DEPLOYMENTS[name])
+    if flags.get("init_expert_location"):
+        flags["init_expert_location"] = str(tmp_path / "load.json")
+        (tmp_path / "load.json").write_text(json.dumps(REPORT))
     with make_engine(model_path=tiny_v3, num_threads=1, comm_timeout=30, dispatch_dtype="fp32", **flags) as engine:
         outs = run_staggered(engine, prompts, GREEDY, every=2)
         report = engine.expert_load()
@@ -63,3 +74,8 @@ def test_redundant_experts_and_rebalances_keep_tokens_exact(name, tiny_v3, refer
         assert placement["version"] >= 1, placement["version"]
     else:
         assert placement["version"] == 0
+        layout = ExpertLayout(16, redundant, flags["ffn_nodes"], 1, num_groups=4)
+        for i, layer in enumerate(REPORT["moe_layers"]):  # the report's placement: 3 and 12 copied
+            slots = layout.place(torch.tensor(REPORT["load"][i], dtype=torch.float64)).slot_expert
+            assert placement["slot_expert"][str(layer)] == slots
+            assert slots.count(3) == slots.count(12) == 2
