@@ -223,7 +223,7 @@ class EngineArgs:
 
     @property
     def threads(self) -> int:
-        return self.num_threads or os.cpu_count() or 1
+        return self.num_threads or usable_cpus()
 
     def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)
@@ -243,6 +243,14 @@ class EngineArgs:
         if unknown:
             raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         return EngineArgs(**kwargs)
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (a container's or taskset's limit, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API on this OS
+        return os.cpu_count() or 1
 
 
 def _flag_type(annotation: str):

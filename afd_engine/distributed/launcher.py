@@ -11,7 +11,6 @@ in flight and exits with a non-zero status (a supervisor restarts it).
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import shutil
 import tempfile
 
@@ -19,7 +18,7 @@ from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
 from afd_engine.distributed.rendezvous import RendezvousSpec, host_rendezvous
 from afd_engine.distributed.spec import DeploymentSpec
-from afd_engine.engine_args import EngineArgs
+from afd_engine.engine_args import EngineArgs, usable_cpus
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
 
@@ -40,13 +39,8 @@ class Deployment:
         self.role, self.node_rank, self.rendezvous = role, node_rank, rendezvous
         path = resolve_model_path(args.model_path)
         cfg = ModelConfig.from_pretrained(path)
-        nprocs = (
-            1
-            if args.mode == "single"
-            else args.dp_size + (args.ffn_nodes * args.ffn_ranks_per_node if args.mode == "afd" else 0)
-        )
         self.args = args.replace(
-            model_path=str(path), num_threads=args.num_threads or max(1, (os.cpu_count() or 1) // nprocs)
+            model_path=str(path), num_threads=args.num_threads or max(1, usable_cpus() // self._local_processes(args))
         )
         self.spec = DeploymentSpec.of(self.args, cfg) if args.mode != "single" else None
         self.workdir = tempfile.mkdtemp(prefix="afd-")
@@ -54,6 +48,13 @@ class Deployment:
         self.procs: list[mp.Process] = []
         self._store = None  # the rendezvous, when this role hosts it
         self.info: dict = {}
+
+    def _local_processes(self, args: EngineArgs) -> int:
+        """Rank processes this role starts on this machine (they share its cores)."""
+        if args.mode == "single":
+            return 1
+        ffn = args.ffn_nodes * args.ffn_ranks_per_node if args.mode == "afd" else 0
+        return {"attention": args.dp_size, "ffn": args.ffn_ranks_per_node}.get(self.role, args.dp_size + ffn)
 
     def wait(self) -> int:
         """Blocks until the local ranks exit: 0 when all ended cleanly, 1 otherwise."""
