@@ -161,7 +161,6 @@ class PipelineRunner(StepRunner):
 
     def close(self) -> None:
         self._announce([], shutdown=True)
-        if self.rebalancer.stager is not None:
-            self.rebalancer.stager.close()
+        self.rebalancer.close()
         if self.server is not None:
             self.server.endpoint.close()

@@ -4,7 +4,9 @@ Every attention rank runs the same decisions from the same data, so no rank lead
 
 1. plan: in the agreement round at which `--eplb-rebalance-num-iterations` steps have passed since
    the last plan, every rank attaches its window of expert loads to its sync message; each sums
-   them and computes the same new placement (version v + 1), pending.
+   them and computes the same new placement on a background thread (at DeepSeek-V3's size, 58
+   layers of 256 experts, that takes ~150 ms of Python: too long for one step). In the first
+   round in which every rank reports it computed, it becomes the pending placement v + 1.
 2. stage: the expert ranks load their slots of the pending placement in the background, starting
    after the next step (FFN ranks learn it from that step's descriptor and answer `eplb_ready`
    when loaded; a colocated rank stages its own share) while steps go on with placement v.
@@ -18,6 +20,7 @@ No request waits for a reload, and none is dropped: the switch happens between t
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -51,13 +54,18 @@ class Rebalancer:
         self._stage = False  # this rank's own share of the pending placement is still to be staged
         self._acked: set[int] = set()
         self.last_plan_step = 0
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="eplb-plan") if every is not None else None
+        self._planning: Future | None = None  # the placements being computed
 
     # -- the agreement round ------------------------------------------------------------------
 
     def sync_out(self, step_id: int) -> tuple[dict, list[torch.Tensor]]:
         """This rank's part of the round's sync message: meta and tensors."""
-        plan = self.every is not None and self.pending is None and step_id - self.last_plan_step >= self.every
-        return {"eplb_plan": plan, "eplb_ready": self._ready()}, [self.recorder.window()] if plan else []
+        idle = self.pending is None and self._planning is None
+        plan = self.every is not None and idle and step_id - self.last_plan_step >= self.every
+        planned = self._planning is not None and self._planning.done()
+        meta = {"eplb_plan": plan, "eplb_planned": planned, "eplb_ready": self._ready()}
+        return meta, [self.recorder.window()] if plan else []
 
     def sync_in(self, step_id: int, metas: list[dict], loads: list[torch.Tensor]) -> None:
         """Every rank's meta (this one's included) and the loads attached to them."""
@@ -65,18 +73,27 @@ class Rebalancer:
         if len(plans) > 1:
             raise CommError(f"step {step_id}: attention ranks disagree on whether to rebalance now")
         if plans == {True}:
-            self._plan(step_id, torch.stack(loads).sum(dim=0))
+            self.last_plan_step = step_id
+            self._planning = self._planner.submit(self._placements, torch.stack(loads).sum(dim=0))
+        elif self._planning is not None and all(m["eplb_planned"] for m in metas):
+            self._install(step_id, self._planning.result())
         elif self.pending is not None and all(m["eplb_ready"] for m in metas):
             self._switch = True
 
-    def _plan(self, step_id: int, load: torch.Tensor) -> None:
+    def _placements(self, load: torch.Tensor) -> ExpertMap | None:
+        """The placement balancing `load` [MoE layers, experts] (on the planning thread); None when
+        it is the current one."""
         layout, layers = self.map.layout, list(self.map.placements)
         placements = {layer: layout.place(load[i]) for i, layer in enumerate(layers)}
-        self.last_plan_step = step_id
-        if placements == self.map.placements:
+        return None if placements == self.map.placements else ExpertMap(layout, placements, self.map.version + 1)
+
+    def _install(self, step_id: int, new: ExpertMap | None) -> None:
+        """Every rank computed the placement: it becomes the pending one (if it changes anything)."""
+        self._planning = None
+        if new is None:
             log.info("step %d: the expert placement stays as it is", step_id)
             return
-        self.pending = ExpertMap(layout, placements, self.map.version + 1)
+        self.pending = new
         self._announce = bool(self.ffn)
         self._stage = self.stager is not None  # after the next step, not competing with it
         self._acked.clear()
@@ -99,6 +116,12 @@ class Rebalancer:
         return len(self._acked) == len(self.ffn)
 
     # -- the step ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._planner is not None:
+            self._planner.shutdown(wait=False, cancel_futures=True)
+        if self.stager is not None:
+            self.stager.close()
 
     def end_step(self) -> None:
         """After a step: a colocated rank starts staging its share of a new placement."""
