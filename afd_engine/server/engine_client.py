@@ -23,7 +23,7 @@ from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.runtime.request import TokenUpdate
 from afd_engine.sampling_params import SamplingParams
 
-DEAD_AFTER_S = 5.0  # no message for this long: the engine is considered gone
+DEAD_AFTER_S = 15.0  # no message for this long: a live engine process is considered hung (death is seen at once)
 
 
 class EngineUnavailable(AFDError):
