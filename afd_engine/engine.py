@@ -68,10 +68,11 @@ class Engine(OfflineEngine):
         self.tokenizer = _load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
         self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_slots, kernels, self.device)
-        self.expert_load = ExpertLoadRecorder(
+        self.load_recorder = ExpertLoadRecorder(
             self.config.moe_layers, self.config.n_routed_experts, args.load_window_steps
         )
-        self.model.load_recorder = self.expert_load
+        self.model.load_recorder = self.load_recorder
+        self._local_map: ExpertMap | None = None
         self.context_len = min(
             args.context_length or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
@@ -175,7 +176,7 @@ class Engine(OfflineEngine):
         done, sampled = list(plan.finished), []
         if self.runner.begin_step(plan):
             inputs, logits = self.runner.run(plan)
-            self.expert_load.end_step()
+            self.load_recorder.end_step()
             sampled = inputs.samplers
             if inputs.scored:
                 _record_prompt_logprobs(inputs.scored, logits)
@@ -241,12 +242,24 @@ class Engine(OfflineEngine):
 
     # -- expert load ---------------------------------------------------------------------------
 
+    @property
+    def expert_map(self) -> ExpertMap:
+        """The placement this rank dispatches through (single mode: every expert here, one rank)."""
+        if self.runner.expert_map is not None:
+            return self.runner.expert_map
+        if self._local_map is None:
+            self._local_map = ExpertMap.initial(
+                ExpertLayout(self.config.n_routed_experts, 0, 1, 1), self.config.moe_layers
+            )
+        return self._local_map
+
     def expert_load_report(self) -> dict:
         """This rank's expert load window and placement (eplb/report.py)."""
-        emap = self.runner.expert_map
-        if emap is None:  # every expert here: one expert rank
-            emap = ExpertMap.initial(ExpertLayout(self.config.n_routed_experts, 0, 1, 1), self.config.moe_layers)
-        return rank_report(self.expert_load, emap)
+        return rank_report(self.load_recorder, self.expert_map)
+
+    def expert_rank_load(self) -> tuple[float, ...]:
+        """Tokens per expert rank over this rank's window, under the current placement."""
+        return tuple(self.expert_map.rank_loads(self.load_recorder.window()).tolist())
 
     def expert_load(self) -> dict:
         """Tokens routed per MoE layer and expert over the window, the placement, and the

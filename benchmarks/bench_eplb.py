@@ -46,6 +46,7 @@ from comm.topology import Topology
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_afd_vs_colocated import start_server  # noqa: E402
 from bench_comm import exchange  # noqa: E402
+from bench_pipeline import load  # noqa: E402
 from bench_serving import parse_args as serving_args  # noqa: E402
 from bench_serving import run_benchmark  # noqa: E402
 
@@ -111,10 +112,10 @@ def skewed_model(out_dir: Path, args) -> str:
 
 
 def load_events(prefix: str) -> dict[str, list[dict]]:
-    """Timeline events per rank file (a0, f0, f1, ...)."""
-    out = {}
-    for f in sorted(Path(prefix).parent.glob(Path(prefix).name + ".*.jsonl")):
-        out[f.name.split(".")[-2]] = [json.loads(line) for line in f.read_text().splitlines()]
+    """Timeline events per rank (a0, f0, f1, ...)."""
+    out: dict[str, list[dict]] = {}
+    for e in load(prefix):
+        out.setdefault(f"{e['role']}{e['rank']}", []).append(e)
     return out
 
 

@@ -112,7 +112,7 @@ class EngineLoop:
     def _expert_rank_load(self) -> tuple[float, ...]:
         """The expert ranks' load from this rank's window, recomputed at most once per heartbeat."""
         if time.monotonic() - self._rank_load_at >= HEARTBEAT_S:
-            self._rank_load = tuple(self.engine.expert_load_report()["expert_rank_load"])
+            self._rank_load = self.engine.expert_rank_load()
             self._rank_load_at = time.monotonic()
         return self._rank_load
 

@@ -19,6 +19,7 @@ No request waits for a reload, and none is dropped: the switch happens between t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -108,11 +109,9 @@ class Rebalancer:
         key = MsgKey(self.pending.version, EPLB_LAYER, 0)
         for ep in self.ffn:
             if ep not in self._acked:
-                try:
+                with contextlib.suppress(CommTimeout):  # not staged yet
                     self.transport.recv(ep, "eplb_ready", key, 0.0)
                     self._acked.add(ep)
-                except CommTimeout:
-                    pass
         return len(self._acked) == len(self.ffn)
 
     # -- the step ----------------------------------------------------------------------------

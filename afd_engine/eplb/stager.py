@@ -9,6 +9,7 @@ the step's critical path). Experts the rank already holds are copied, not re-rea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -34,10 +35,8 @@ def load_shard(args, cfg, device, slots: dict[int, list[int]]) -> torch.nn.Modul
 def _background_priority() -> None:
     """Staging yields the CPU to serving: the lowest scheduling priority for this thread (Linux
     gives threads their own nice value; elsewhere this does nothing)."""
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 class ExpertStager:

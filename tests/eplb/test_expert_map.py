@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from afd_engine import Engine, SamplingParams
 from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
 from afd_engine.eplb.placement import Placement, _pack, place
 from afd_engine.eplb.recorder import ExpertLoadRecorder
@@ -93,3 +94,13 @@ def test_a_shard_loads_each_slot_with_its_expert_and_a_switch_swaps_them_in(tiny
         assert torch.equal(module.w13[slot], full[layer].w13[expert])
         assert torch.equal(module.w2[slot], full[layer].w2[expert])
     stager.close()
+
+
+def test_a_single_engine_reports_its_expert_load(tiny_v3):
+    with Engine(model_path=tiny_v3, num_threads=1) as engine:
+        engine.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=SamplingParams(max_new_tokens=3))
+        report = engine.expert_load()
+    # 4 prompt tokens + 2 generated ones forwarded (the last is never fed back), top-4 per MoE layer
+    assert [sum(layer) for layer in report["load"]] == [4 * 6] * 3
+    assert report["expert_rank_load"] == [4 * 6 * 3] and report["imbalance"] == 1.0
+    assert report["placement"]["version"] == 0 and report["steps"] == 3
