@@ -18,11 +18,11 @@ from afd_engine.model_config import ModelConfig
 from afd_engine.models import Kernels, load_model
 from afd_engine.offline import OfflineEngine
 from afd_engine.runtime.kv_cache import KVPool, pages_for
-from afd_engine.runtime.model_runner import ModelRunner, Scored, StepRunner
+from afd_engine.runtime.model_runner import ModelRunner, StepRunner
 from afd_engine.runtime.radix_cache import RadixCache
-from afd_engine.runtime.request import Request, RequestOutput, TokenLogprob, TokenUpdate
-from afd_engine.runtime.sampler import Sampler, SamplingBatch
+from afd_engine.runtime.request import Request, RequestOutput, TokenUpdate
 from afd_engine.runtime.scheduler import Scheduler
+from afd_engine.runtime.stepper import Stepper
 from afd_engine.runtime.stop_checker import StopChecker, trim_text
 from afd_engine.sampling_params import SamplingParams
 
@@ -87,9 +87,16 @@ class Engine(OfflineEngine):
             args.schedule_policy,
         )
         self.runner: StepRunner = (rank_runner or ModelRunner)(self.model, self.pool)
-        self.sampler = Sampler()
         eos = set(self.config.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
-        self.stop_checker = StopChecker(self.tokenizer, eos)
+        self.stepper = Stepper(
+            self.scheduler,
+            self.runner,
+            StopChecker(self.tokenizer, eos),
+            self.load_recorder,
+            self.context_len,
+            self.config.vocab_size,
+            overlap=args.overlap_on(self.device),
+        )
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(args.seed)
@@ -172,45 +179,10 @@ class Engine(OfflineEngine):
 
     def _step(self) -> tuple[list[Request], list[Request]]:
         """(requests that got a token, requests that finished) of one step."""
-        plan = self.scheduler.schedule()
-        done, sampled = list(plan.finished), []
-        if self.runner.begin_step(plan):
-            inputs, logits = self.runner.run(plan)
-            self.load_recorder.end_step()
-            sampled = inputs.samplers
-            if inputs.scored:
-                _record_prompt_logprobs(inputs.scored, logits)
-            if sampled:
-                done += self._append_tokens(sampled, logits[inputs.sample_rows] if inputs.scored else logits)
-            for req in inputs.scoring_done:  # scored its prompt, generates nothing
-                req.finish_reason = "length"
-            done += inputs.scoring_done
+        sampled, done = self.stepper.step()
         for req in done:
-            self.scheduler.remove(req)
             self._requests.pop(req.rid, None)
-        self.scheduler.step_done(plan)
         return sampled, done
-
-    def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
-        batch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [len(r.output_ids) for r in reqs],
-            logits.shape[-1],
-            logits.device,
-        )
-        tokens = self.sampler(logits, batch)
-        _record_logprobs(reqs, logits, tokens)
-        finished = []
-        for req, token in zip(reqs, tokens.tolist()):
-            req.output_ids.append(token)
-            reason, req.text_trim = self.stop_checker.check(req.output_ids, req.params)
-            if reason is None and req.total_len >= self.context_len:
-                reason = "length"
-            if reason is not None:
-                req.finish_reason = reason
-                finished.append(req)
-        return finished
 
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
@@ -271,38 +243,8 @@ class Engine(OfflineEngine):
     def close(self) -> None:
         for rid in list(self._requests):
             self.abort(rid)
+        self.stepper.close()
         self.runner.close()
-
-
-def _record_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Appends each asking request's token logprob (and its top-k) in one pass over the batch."""
-    asking = [i for i, r in enumerate(reqs) if r.logprobs is not None]
-    if not asking:
-        return
-    rows = torch.tensor(asking, device=logits.device)
-    logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [n, V]
-    chosen = logp.gather(1, tokens[rows, None])[:, 0].tolist()
-    k = max(reqs[i].params.logprobs for i in asking)
-    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    for j, i in enumerate(asking):
-        n = reqs[i].params.logprobs
-        reqs[i].logprobs.append(TokenLogprob(chosen[j], top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
-
-
-def _record_prompt_logprobs(scored: list[Scored], logits: torch.Tensor) -> None:
-    """Appends the scored prompt tokens' logprobs (and top-k) of every request, in one pass."""
-    rows = torch.cat([torch.arange(s.first, s.first + s.count) for s in scored]).to(logits.device)
-    targets = [t for s in scored for t in s.req.prompt_ids[s.req.next_scored : s.req.next_scored + s.count]]
-    logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [n, V]
-    chosen = logp.gather(1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()
-    k = max(s.req.params.prompt_logprobs for s in scored)
-    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    i = 0
-    for s in scored:
-        n = s.req.params.prompt_logprobs
-        s.req.prompt_logprobs += [TokenLogprob(chosen[j], top_ids[j][:n], top_lp[j][:n]) for j in range(i, i + s.count)]
-        i += s.count
 
 
 def _load_tokenizer(model_path):

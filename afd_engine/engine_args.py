@@ -58,6 +58,14 @@ class EngineArgs:
     disable_radix_cache: bool = opt(
         False, "do not reuse cached prompt prefixes (every prompt is prefilled in full; freed pages go back at once)"
     )
+    overlap_schedule: str = opt(
+        "auto",
+        "prepare step n+1, and check and send step n's tokens, while step n's forward runs: on, off, or auto "
+        "(on where the forward runs on a GPU; off on a CPU, where the forward needs every core and a step "
+        "measured slower with overlap: see benchmarks/bench_overhead.py)",
+        choices=("auto", "on", "off"),
+    )
+    disable_overlap_schedule: bool = opt(False, "the same as --overlap-schedule off")
     schedule_policy: str = opt(
         "lpm",
         "admission order of waiting requests: lpm (longest cached prefix first, oldest first once they have "
@@ -143,6 +151,11 @@ class EngineArgs:
         need(self.max_running_requests >= 1, "max_running_requests", "must be at least 1")
         need(self.context_length is None or self.context_length >= 2, "context_length", "must be at least 2")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be at least 1")
+        need(
+            not (self.disable_overlap_schedule and self.overlap_schedule == "on"),
+            "overlap_schedule",
+            "contradicts --disable-overlap-schedule; give one of them",
+        )
         need(self.mode in ("single", "colocated", "afd"), "mode", "use single, colocated or afd")
         need(self.schedule_policy in ("lpm", "fcfs"), "schedule_policy", "use lpm or fcfs")
         need(
@@ -220,6 +233,12 @@ class EngineArgs:
                 f"{torch.cuda.device_count()} GPUs are visible; lower --base-gpu-id or the rank count"
             )
         return torch.device("cuda", index)
+
+    def overlap_on(self, device: torch.device) -> bool:
+        """Whether steps overlap (--overlap-schedule) for a rank on `device`."""
+        if self.disable_overlap_schedule or self.overlap_schedule == "off":
+            return False
+        return self.overlap_schedule == "on" or device.type == "cuda"
 
     @property
     def threads(self) -> int:

@@ -33,7 +33,7 @@ from afd_engine.operations import run_micro_batches, split_micro_batches
 from afd_engine.operations.strategy import AFD_ATTENTION, COLOCATED
 from afd_engine.runtime.forward_batch import ForwardBatch
 from afd_engine.runtime.kv_cache import KVPool
-from afd_engine.runtime.model_runner import StepInputs, StepRunner, commit, logit_rows
+from afd_engine.runtime.model_runner import PreparedStep, StepInputs, StepRunner, logit_rows
 from afd_engine.runtime.scheduler import StepPlan
 from comm.attention_side import attention_endpoint
 from comm.ffn_side import ffn_endpoint
@@ -107,16 +107,18 @@ class PipelineRunner(StepRunner):
 
     # -- one step --------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def run(self, plan: StepPlan):
-        with self.timeline.span("step", 0, -1, sum(n for _, n in plan.extend) + len(plan.decode)):
-            return self._run(plan)
-
-    def _run(self, plan: StepPlan):
+    def prepare(self, plan: StepPlan) -> PreparedStep:
         inputs = StepInputs.of(plan)
         seqs = inputs.extend + inputs.decode
         groups = split_micro_batches([len(c.tokens) for c in seqs], self.n)
-        micro = [self._micro_batch(inputs, g) for g in groups]
+        return PreparedStep(plan, inputs, [self._micro_batch(inputs, g) for g in groups])
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> torch.Tensor:
+        with self.timeline.span("step", 0, -1, step.num_tokens):
+            return self._run(step.batches)
+
+    def _run(self, micro: list[dict]) -> torch.Tensor:
         with self.timeline.span("eplb_switch", 0, -1) if self.rebalancer.switching else nullcontext():
             eplb = self.rebalancer.begin_step(self.spec.args.comm_timeout)
         self.executor.expert_map = self.rebalancer.map
@@ -126,10 +128,9 @@ class PipelineRunner(StepRunner):
             self.server.step = self.step_id
         outs = run_micro_batches(self.ops, micro, self.delays)
         self.rebalancer.end_step()
-        commit(plan)
         self.timeline.end_step(self.step_id)
         self.step_id += 1
-        return inputs, torch.cat(outs) if outs else torch.empty(0, device=self.pool.device)
+        return torch.cat(outs) if outs else torch.empty(0, device=self.pool.device)
 
     def _micro_batch(self, inputs: StepInputs, group: range) -> dict:
         n_ext = len(inputs.extend)

@@ -2,6 +2,8 @@
 
 `StepRunner` is the whole protocol the engine and its control loop use; `ModelRunner` is the
 single-process one. A rank of a deployment brings its own (distributed/attention_runner.py).
+A step is prepared (its tensors built, on the scheduling thread) apart from being executed
+(on the forward thread when scheduling overlaps), so that step n+1 is built while step n runs.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class StepInputs:
     @staticmethod
     def of(plan: StepPlan) -> StepInputs:
         extend = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + n)) for r, n in plan.extend]
-        decode = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + 1)) for r in plan.decode]
+        decode = [SeqChunk(r.row, r.num_cached, [r.newest_token()]) for r in plan.decode]
         rows, samplers, sample_rows, scored, scoring_done, total = [], [], [], [], [], 0
         for r, n in plan.extend:
             start, mine = r.num_cached, []
@@ -83,6 +85,29 @@ def logit_rows(chunks: list[SeqChunk], rows: list[list[int]], device: torch.devi
     return torch.tensor(flat, dtype=torch.int64).to(device)
 
 
+@dataclass
+class PreparedStep:
+    """A step's inputs and its batch tensors, built ahead of the forward: one batch (a
+    ForwardBatch "fb" and its logit "rows") per micro-batch."""
+
+    plan: StepPlan
+    inputs: StepInputs
+    batches: list[dict]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.plan.extend) + len(self.plan.decode)
+
+    def resolve(self, previous: torch.Tensor | None) -> None:
+        """Puts the tokens sampled by the previous step where the step was built with their
+        placeholders (-1 - row, see Request.tokens)."""
+        if previous is None or not len(previous):
+            return
+        for batch in self.batches:
+            ids = batch["fb"].input_ids
+            ids.copy_(torch.where(ids < 0, previous[(-1 - ids).clamp(min=0)], ids))
+
+
 def commit(plan: StepPlan) -> None:
     """The step's tokens are now in the cache."""
     for req, n in plan.extend:
@@ -110,9 +135,13 @@ class StepRunner(ABC):
         """Called every round; True when a forward step runs now (`run` must follow)."""
 
     @abstractmethod
-    def run(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
-        """Forwards the step; returns its inputs (who samples, which prompt tokens are scored) and
-        the logits of their rows [len(rows), V] fp32."""
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """Builds the step's tensors (before the plan is committed, on the scheduling thread)."""
+
+    @abstractmethod
+    def execute(self, step: PreparedStep) -> torch.Tensor:
+        """Forwards a prepared step (after `begin_step` said it runs); returns the logits of its
+        rows [len(rows), V] fp32: each sampler's last token and the scored prompt positions."""
 
     def request_stop(self) -> None:
         """Asks to stop; a lockstep runner stops in the next round its peers agree on."""
@@ -132,12 +161,15 @@ class ModelRunner(StepRunner):
     def begin_step(self, plan: StepPlan) -> bool:
         return not plan.empty
 
-    def run(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
+    def prepare(self, plan: StepPlan) -> PreparedStep:
         inputs = StepInputs.of(plan)
         fb = ForwardBatch.build(
             inputs.extend, inputs.decode, self.pool.page_table, self.pool.page_size, self.pool.device
         )
         rows = logit_rows(inputs.extend + inputs.decode, inputs.rows, self.pool.device)
-        logits = self.model(fb, self.pool.cache, rows)
-        commit(plan)
-        return inputs, logits
+        return PreparedStep(plan, inputs, [{"fb": fb, "rows": rows}])
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> torch.Tensor:
+        batch = step.batches[0]
+        return self.model(batch["fb"], self.pool.cache, batch["rows"])

@@ -84,7 +84,7 @@ class RadixCache:
         if not self.enabled:
             return
         ps, node, row = self.page_size, req.prefix, req.row
-        full = req.num_cached // ps
+        full = min(req.num_cached, req.known_len) // ps  # (a token under way has no value yet)
         if full <= node.depth:
             return
         base = node.depth

@@ -9,10 +9,15 @@ from afd_engine.sampling_params import SamplingParams
 
 @dataclass(eq=False)
 class Request:
-    """Invariant: tokens [0, num_cached) of prompt + output are in the KV cache; the rest are pending.
+    """Invariant: tokens [0, num_cached) of prompt + output are in the KV cache (or are written by
+    a step already under way); the rest are pending.
 
     A request samples its next token on the step that makes `num_cached == total_len`. Preemption
     drops the cache (num_cached = 0) and keeps the output, so recompute resumes where it stopped.
+
+    With overlapped scheduling a step is planned before the previous one has sampled: a token
+    sampled by a step still under way counts in `total_len` but is not in `output_ids` yet; its
+    value is a placeholder (see `tokens`) that the step resolves from its predecessor's samples.
     """
 
     rid: str
@@ -35,6 +40,7 @@ class Request:
     # the prompt is computed (None for token 0, which nothing predicts)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    inflight: list[int] = field(default_factory=list)  # per token under way: its row in its step's samples
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -59,7 +65,19 @@ class Request:
 
     @property
     def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.inflight)
+
+    @property
+    def known_len(self) -> int:
+        """Tokens whose values are known (the prompt and the output appended so far)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def last_token_under_way(self, context_len: int) -> bool:
+        """True when the token under way ends the request for sure (max_new_tokens or the context
+        length): planning a step for it would compute a token nobody reads."""
+        return bool(self.inflight) and (
+            len(self.output_ids) + len(self.inflight) >= self.params.max_new_tokens or self.total_len >= context_len
+        )
 
     @property
     def pending(self) -> int:
@@ -73,11 +91,23 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def newest_token(self) -> int:
+        """The last token (a placeholder while under way): a decode step's input."""
+        if self.inflight:
+            return -1 - self.inflight[-1]
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
     def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output; a token still under way reads as the placeholder
+        -(1 + its row in the previous step's samples)."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
+        out = self.prompt_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
+        known = self.known_len
+        if end > known:
+            out += [-1 - row for row in self.inflight[max(start - known, 0) : end - known]]
+        return out
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ class Scheduler:
         self.round = 0
         self.prompt_tokens = 0  # of admitted requests, since start
         self.cache_hit_tokens = 0  # of those, served from the prefix cache
+        self.scoring: set[Request] = set()  # live requests that asked for prompt logprobs
 
     def add(self, req: Request) -> None:
         """Queues a request; raises InvalidRequestError if it can never run."""
@@ -79,6 +80,8 @@ class Scheduler:
             )
         req.queued_round = self.round
         self.waiting.append(req)
+        if req.prompt_logprobs is not None:
+            self.scoring.add(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -89,6 +92,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.scoring.discard(req)
         self._drop_cache(req)
 
     def schedule(self) -> StepPlan:
@@ -100,12 +104,14 @@ class Scheduler:
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
+        capacity = self.pool.tokens_capacity
         for req in [r for r in self.running if r.is_decode]:
             if budget == 0:
                 break
-            if req.row is None:  # preempted earlier in this loop
+            if req.row is None or req.last_token_under_way(self.context_len):  # preempted in this loop, or done
                 continue
-            if self._reserve(req, req.num_cached + 1, plan):
+            # (most decodes still have room in their last page: no allocation to try)
+            if capacity(req.row) > req.num_cached or self._reserve(req, req.num_cached + 1, plan):
                 plan.decode.append(req)
                 budget -= 1
         return budget

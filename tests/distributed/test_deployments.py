@@ -1,5 +1,6 @@
 """AFD and colocated deployments (real OS processes, ZeroMQ between them) compute what the single
-process engine and transformers compute: token for token, with prefill and decode mixed."""
+process engine and transformers compute: token for token, with prefill and decode mixed, with
+and without overlapped scheduling."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ PROMPT_LENS = (1, 3, 9, 17, 30, 45, 64, 100)
 
 DEPLOYMENTS = {
     "colocated dp2 mb1": dict(mode="colocated", dp_size=2, micro_batches=1),
-    "colocated dp2 mb2": dict(mode="colocated", dp_size=2, micro_batches=2),
+    "colocated dp2 mb2 overlap": dict(mode="colocated", dp_size=2, micro_batches=2, overlap_schedule="on"),
     "afd 1A 1x1 mb1 two-stage": dict(mode="afd", dp_size=1, micro_batches=1),
     "afd 2A 1x2 mb2 direct": dict(mode="afd", dp_size=2, ffn_ranks_per_node=2, micro_batches=2, dispatch="direct"),
-    "afd 2A 2x1 mb3 two-stage": dict(mode="afd", dp_size=2, ffn_nodes=2, micro_batches=3),
+    "afd 2A 2x1 mb3 two-stage overlap": dict(
+        mode="afd", dp_size=2, ffn_nodes=2, micro_batches=3, overlap_schedule="on"
+    ),
     "afd 2A 2x2 mb4 two-stage": dict(mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, micro_batches=4),
     "afd 2A 2x2 mb3 direct": dict(mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, dispatch="direct"),
 }
@@ -58,9 +61,10 @@ def test_deployment_matches_single_engine_and_transformers(name, tiny_v3, refere
 # pool too small for the batch (preemption and recompute), and micro-batch counts 5 to 8.
 STRESS_LENS = (1, 9, 57, 130, 200)
 STRESS = {
-    "v2-lite afd 2A 2x1 mb5 chunked small-pool": (
+    "v2-lite afd 2A 2x1 mb5 chunked small-pool overlap": (
         "v2-lite",
         dict(
+            overlap_schedule="on",
             mode="afd",
             dp_size=2,
             ffn_nodes=2,
