@@ -116,8 +116,11 @@ class SamplingBatch:
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         """Gather the rows' settings into tensors, once per step (seeds reduced to 64 bits)."""
-        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         sampled = [not p.greedy for p in params]
+        if not any(sampled):  # argmax only: no per-row settings to gather
+            none = torch.empty(0, device=device)
+            return SamplingBatch(none, none, none.long(), none.long(), none.long(), True, False)
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         filtered = any(s and (k < vocab_size or p.top_p < 1.0) for s, k, p in zip(sampled, top_ks, params))
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
