@@ -105,7 +105,12 @@ class PreparedStep:
             return
         for batch in self.batches:
             ids = batch["fb"].input_ids
-            ids.copy_(torch.where(ids < 0, previous[(-1 - ids).clamp(min=0)], ids))
+            if ids.device.type == "cpu":  # (numpy: small torch ops would wake the thread pool)
+                host, sampled = ids.numpy(), previous.numpy()
+                under_way = host < 0
+                host[under_way] = sampled[-1 - host[under_way]]
+            else:
+                ids.copy_(torch.where(ids < 0, previous[(-1 - ids).clamp(min=0)], ids))
 
 
 def commit(plan: StepPlan) -> None:
