@@ -149,12 +149,13 @@ class Engine(OfflineEngine):
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one forward step; returns the requests that finished in it."""
+        """Runs one scheduling round; returns the requests that finished in the step it finished
+        (with overlapped scheduling, the step before the one it started)."""
         return [self._output(req) for req in self._step()[1]]
 
     def step_updates(self) -> list[TokenUpdate]:
-        """Runs one forward step; returns, per request touched, its new token and finish state
-        (what a streaming front end forwards)."""
+        """Like `step`, but returns, per request touched, its new token and finish state (what a
+        streaming front end forwards)."""
         sampled, finished = self._step()
         done = {id(r) for r in finished}
         updates = [self._update(r, [r.output_ids[-1]], id(r) in done) for r in sampled]

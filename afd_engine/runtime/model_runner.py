@@ -137,7 +137,7 @@ class StepRunner(ABC):
 
     @abstractmethod
     def begin_step(self, plan: StepPlan) -> bool:
-        """Called every round; True when a forward step runs now (`run` must follow)."""
+        """Called every round (on the forward thread); True when the step runs now (`execute` follows)."""
 
     @abstractmethod
     def prepare(self, plan: StepPlan) -> PreparedStep:
