@@ -1,6 +1,9 @@
 """Starts every rank of a deployment on this machine and watches them.
 
-    front end (binds control sockets) <-ZMQ-> attention ranks 0..D-1 <-comm (ZMQ/TCP)-> FFN ranks
+    front end (binds control sockets) <-ZMQ-> attention ranks 0..D-1 <-comm-> FFN ranks
+
+The data plane (comm) between ranks on this machine is shared memory (comm/transport/shm_transport.py),
+or ZeroMQ over TCP loopback where /dev/shm is missing or too small; between machines ZeroMQ/TCP.
 
 Every rank is its own OS process. The launcher waits until all report ready (or one reports an
 error, which stops the rest); afterwards `alive()` is false as soon as any rank has died. A
@@ -16,7 +19,7 @@ import tempfile
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
-from afd_engine.distributed.rendezvous import RendezvousSpec, host_rendezvous
+from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, host_rendezvous, new_namespace
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import EngineArgs, usable_cpus
 from afd_engine.errors import ConfigError
@@ -47,6 +50,7 @@ class Deployment:
         self.addrs = ControlAddrs(*(f"ipc://{self.workdir}/{n}" for n in ("requests", "broadcast", "outputs")))
         self.procs: list[mp.Process] = []
         self._store = None  # the rendezvous, when this role hosts it
+        self._namespace: str | None = None  # of the shared-memory files, when this launcher chose them
         self.info: dict = {}
 
     def _local_processes(self, args: EngineArgs) -> int:
@@ -87,14 +91,12 @@ class Deployment:
 
     def _ranks(self):
         """(process entry point, its keyword arguments but `ready`) per rank; FFN ranks first."""
-        from comm.transport.zmq_transport import free_tcp_addresses
-
         if self.args.mode == "single":
             return [(run_engine_process, {"args": self.args, "addrs": self.addrs})]
         from afd_engine.distributed.workers import run_attention_worker, run_ffn_worker
 
         topo = self.spec.topology
-        comm = self.rendezvous or dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
+        comm = self.rendezvous or self._local_peers(topo.num_endpoints)
         ffn_ranks = (
             []
             if topo.colocated or self.role == "attention"
@@ -110,6 +112,17 @@ class Deployment:
             (run_attention_worker, {"args": self.args, "addrs": self.addrs, "rank": i, "comm_addresses": comm})
             for i in attn
         ]
+
+    def _local_peers(self, n: int) -> PeerTable:
+        """Every endpoint on this machine: shared memory when /dev/shm has room for its rings."""
+        from comm.transport.shm_transport import fits, host_id
+        from comm.transport.zmq_transport import free_tcp_addresses
+
+        host = host_id()
+        if host and fits(n * (n - 1)):
+            self._namespace = new_namespace()
+            return PeerTable(hosts=dict.fromkeys(range(n), host), namespace=self._namespace)
+        return PeerTable(addresses=dict(enumerate(free_tcp_addresses(n))))
 
     def _spawn(self, ctx, target, kwargs: dict):
         parent, child = ctx.Pipe(duplex=False)
@@ -133,6 +146,10 @@ class Deployment:
             if p.is_alive():
                 p.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)  # stop() may run twice (failed start, then exit)
+        if self._namespace is not None:  # what ranks that were killed could not remove
+            from comm.transport.shm_transport import remove_namespace
+
+            remove_namespace(self._namespace)
 
 
 def _wait_ready(conn, proc) -> dict:

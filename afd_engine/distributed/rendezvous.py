@@ -1,5 +1,7 @@
-"""Rank discovery across machines: every rank publishes its data-plane address at `--dist-init-addr`
-and reads every other rank's, using torch.distributed's TCPStore.
+"""Rank discovery across machines: every rank publishes its data-plane address (and which host it is
+on) at `--dist-init-addr` and reads every other rank's, using torch.distributed's TCPStore. Ranks
+that turn out to share a host talk through shared memory, the others over ZeroMQ/TCP
+(`comm.transport.factory.peer_transport`).
 
 The attention role's launcher hosts the store (the master) for the deployment's lifetime. Ranks
 may start in any order, before or after it: a TCPStore client keeps retrying the connection until
@@ -11,12 +13,15 @@ its process group. What stays ours: the key layout and the error messages.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from afd_engine.errors import ConfigError
 
 _KEY = "afd/endpoint/{}"
+_HOST_KEY = "afd/host/{}"
+_RUN_KEY = "afd/run"  # one id per hosted rendezvous: names this deployment's shared-memory files
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,28 @@ class RendezvousSpec:
     address: str  # "host:port" of the rendezvous
     host_ip: str  # the address peers reach this machine at
     timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class PeerTable:
+    """Where every endpoint of a deployment is (picklable, passed to rank processes).
+
+    addresses: endpoint -> ZeroMQ address (needed for endpoints on other hosts only); hosts:
+    endpoint -> host id (`shm_transport.host_id()`, "" where shared memory is not offered);
+    namespace: the prefix of this deployment's shared-memory files."""
+
+    addresses: dict[int, str] = field(default_factory=dict)
+    hosts: dict[int, str] = field(default_factory=dict)
+    namespace: str = ""
+
+    def transport(self, endpoint: int, link_delay_s: float = 0.0):
+        from comm.transport.factory import peer_transport
+
+        return peer_transport(endpoint, self.addresses, self.hosts, self.namespace, link_delay_s)
+
+
+def new_namespace() -> str:
+    return uuid.uuid4().hex[:16]
 
 
 def local_ip_towards(address: str) -> str:
@@ -48,15 +75,18 @@ def host_rendezvous(spec: RendezvousSpec):
 
     host, port = spec.address.rsplit(":", 1)
     try:
-        return TCPStore(
+        store = TCPStore(
             host, int(port), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=spec.timeout)
         )
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"cannot host the rendezvous at {spec.address}: {exc}") from None
+    store.set(_RUN_KEY, new_namespace())
+    return store
 
 
-def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int) -> dict[int, str]:
-    """Announces `endpoint` at a fresh port of this machine; returns all `num_endpoints` addresses."""
+def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int, shm_host: str = "") -> PeerTable:
+    """Announces `endpoint` at a fresh port of this machine and on `shm_host` (its host id for shared
+    memory, "" for none); returns where all `num_endpoints` endpoints are."""
     from torch.distributed import TCPStore
 
     host, port = spec.address.rsplit(":", 1)
@@ -69,7 +99,8 @@ def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int) -> dict[in
             f"within {spec.timeout:.0f} s: start every role with the same --dist-init-addr, and the "
             "attention role (which hosts it) on that address"
         ) from None
-    store.set(_KEY.format(endpoint), f"tcp://{spec.host_ip}:{free_port(spec.host_ip)}")
+    store.set(_HOST_KEY.format(endpoint), shm_host)
+    store.set(_KEY.format(endpoint), f"tcp://{spec.host_ip}:{free_port(spec.host_ip)}")  # last: see _peers
     keys = [_KEY.format(i) for i in range(num_endpoints)]
     try:
         store.wait(keys, timeout)
@@ -80,4 +111,14 @@ def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int) -> dict[in
             f"registered at {spec.address} within {spec.timeout:.0f} s (missing endpoints: "
             f"{missing}); start every role with the same topology flags"
         ) from None
-    return {i: store.get(k).decode() for i, k in enumerate(keys)}
+    return _peers(store, num_endpoints)
+
+
+def _peers(store, num_endpoints: int) -> PeerTable:
+    """The table once every endpoint's address is in (each rank sets its host id before it)."""
+    ids = range(num_endpoints)
+    return PeerTable(
+        {i: store.get(_KEY.format(i)).decode() for i in ids},
+        {i: store.get(_HOST_KEY.format(i)).decode() for i in ids},
+        store.get(_RUN_KEY).decode(),
+    )

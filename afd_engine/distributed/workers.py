@@ -12,19 +12,24 @@ import torch
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.distributed.attention_runner import PipelineRunner
 from afd_engine.distributed.ffn_worker import DescriptorMismatchError, FfnWorker, PeerLostError
-from afd_engine.distributed.rendezvous import RendezvousSpec, register
+from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, register
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine
 from afd_engine.engine_args import EngineArgs
 from afd_engine.eplb.stager import load_shard
 from afd_engine.model_config import ModelConfig
-from comm.transport.zmq_transport import ZmqTransport
+from comm.transport.base import Transport
+from comm.transport.shm_transport import fits, host_id
 
 
-def _transport(endpoint: int, comm: dict[int, str] | RendezvousSpec, spec: DeploymentSpec) -> ZmqTransport:
-    """The data-plane transport: addresses given (one machine) or found at the rendezvous."""
-    addresses = comm if isinstance(comm, dict) else register(comm, endpoint, spec.topology.num_endpoints)
-    return ZmqTransport(endpoint, addresses, link_delay_s=spec.args.inject_link_delay_ms / 1000)
+def _transport(endpoint: int, comm: PeerTable | RendezvousSpec, spec: DeploymentSpec) -> Transport:
+    """The data-plane transport: peers given (every rank on this machine) or found at the
+    rendezvous; shared memory to the ranks on this host, ZeroMQ/TCP to the others. A rank offers
+    shared memory only where /dev/shm has room for its rings (one each way per possible peer)."""
+    if isinstance(comm, RendezvousSpec):
+        n = spec.topology.num_endpoints
+        comm = register(comm, endpoint, n, host_id() if fits(2 * n) else "")
+    return comm.transport(endpoint, spec.args.inject_link_delay_ms / 1000)
 
 
 def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:

@@ -15,7 +15,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from comm.messages import CommError, CommTimeout, Message, MsgKey, check_key
 
@@ -42,51 +43,109 @@ class Transport(ABC):
 class Inbox:
     """Received messages demultiplexed into FIFO channels per (src, kind), with blocking waits.
 
-    Transports with a background receiver put messages here; receivers take them out.
+    Transports with a background receiver put messages here; receivers take them out. A transport
+    without one passes `pump` to `take`: a waiting thread then fetches messages itself instead of
+    sleeping (one thread at a time; the others sleep until it has put something or given up the
+    role), which saves the hand-over from a receiver thread on every message. `put` says when the
+    pumping thread waits for the message put (sent by the process to itself): the transport must
+    then wake it, as it may be blocked in its wait for data.
+
+    A message wakes only the threads waiting on its channel (an FFN rank has three threads waiting
+    on different channels: waking all of them for every message costs more than the message).
     """
 
     def __init__(self, endpoint: int) -> None:
         self.endpoint = endpoint
         self._channels: dict[tuple[int, str], deque[tuple[int, Message]]] = {}
         self._arrivals = itertools.count()  # lets recv_any pick the earliest of several ready sources
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._waiters: list[_Waiter] = []
         self._error: Exception | None = None
+        self._pumping: set[tuple[int, str]] | None = None  # the channels of the taker inside `pump`
 
-    def put(self, msg: Message) -> None:
-        with self._cond:
-            self._channels.setdefault((msg.src, msg.kind), deque()).append((next(self._arrivals), msg))
-            self._cond.notify_all()
+    def put(self, msg: Message) -> bool:
+        """Files msg; True when the thread inside `pump` waits for it (to be woken by the transport)."""
+        channel = (msg.src, msg.kind)
+        with self._lock:
+            self._channels.setdefault(channel, deque()).append((next(self._arrivals), msg))
+            for waiter in self._waiters:
+                if channel in waiter.channels:
+                    waiter.cond.notify()
+            return self._pumping is not None and channel in self._pumping
 
     def pending(self, src: int, kind: str) -> int:
         """Messages from src of this kind received and not yet taken."""
-        with self._cond:
+        with self._lock:
             return len(self._channels.get((src, kind), ()))
 
     def fail(self, error: Exception) -> None:
         """Wakes every waiter with `error` (the transport closed or its receiver died)."""
-        with self._cond:
+        with self._lock:
             self._error = error
-            self._cond.notify_all()
+            for waiter in self._waiters:
+                waiter.cond.notify()
 
-    def take(self, srcs: Iterable[int], kind: str, key: MsgKey, timeout: float) -> Message:
+    def take(
+        self, srcs: Iterable[int], kind: str, key: MsgKey, timeout: float, pump: Callable[[float], None] | None = None
+    ) -> Message:
+        """The earliest ready `kind` message of srcs, waiting at most `timeout` s. `pump(seconds)`, when
+        given, waits up to that long for incoming data and puts what came; it runs without the lock."""
         srcs = list(srcs)
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                heads = [c for c in (self._channels.get((src, kind)) for src in srcs) if c]
-                if heads:
-                    first = min(heads, key=lambda c: c[0][0])
-                    check_key(first[0][1], key, kind)  # a mismatch stays queued: the error is fatal anyway
-                    return first.popleft()[1]
-                if self._error is not None:
-                    raise CommError(f"endpoint {self.endpoint}: {self._error}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CommTimeout(
-                        f"endpoint {self.endpoint} waited {timeout:.1f} s for {kind} {key} from "
-                        f"endpoint(s) {srcs} and nothing came: is the peer alive and at the same step?"
-                    )
-                self._cond.wait(left)
+        waiter = None
+        pumped = False  # a zero timeout still fetches what has arrived, once
+        with self._lock:
+            try:
+                while True:
+                    heads = [c for c in (self._channels.get((src, kind)) for src in srcs) if c]
+                    if heads:
+                        first = min(heads, key=lambda c: c[0][0])
+                        check_key(first[0][1], key, kind)  # a mismatch stays queued: the error is fatal anyway
+                        return first.popleft()[1]
+                    if self._error is not None:
+                        raise CommError(f"endpoint {self.endpoint}: {self._error}")
+                    left = deadline - time.monotonic()
+                    if left <= 0 and (pumped or pump is None or self._pumping is not None):
+                        raise CommTimeout(
+                            f"endpoint {self.endpoint} waited {timeout:.1f} s for {kind} {key} from "
+                            f"endpoint(s) {srcs} and nothing came: is the peer alive and at the same step?"
+                        )
+                    channels = {(src, kind) for src in srcs}
+                    if pump is not None and self._pumping is None:
+                        self._pump(pump, max(left, 0.0), channels)
+                        pumped = True
+                    else:
+                        if waiter is None:
+                            waiter = _Waiter(threading.Condition(self._lock), channels, pump is not None)
+                            self._waiters.append(waiter)
+                        waiter.cond.wait(left)
+            finally:
+                if waiter is not None:
+                    self._waiters.remove(waiter)
+                if pump is not None and self._pumping is None:  # nobody pumps now: a waiting thread takes over
+                    for w in self._waiters:
+                        if w.pumps:
+                            w.cond.notify()
+                            break
+
+    def _pump(self, pump: Callable[[float], None], seconds: float, channels: set[tuple[int, str]]) -> None:
+        """Runs pump(seconds) unlocked as the one pumping thread (take then hands the role on)."""
+        self._pumping = channels
+        self._lock.release()
+        try:
+            pump(seconds)
+        finally:
+            self._lock.acquire()
+            self._pumping = None
+
+
+@dataclass
+class _Waiter:
+    """A thread blocked in take: woken by messages on its channels, errors, or to pump."""
+
+    cond: threading.Condition
+    channels: set[tuple[int, str]]
+    pumps: bool  # it would pump if nobody did
 
 
 class DelayedInbox(Inbox):
@@ -101,10 +160,11 @@ class DelayedInbox(Inbox):
         self._due_cond = threading.Condition()
         threading.Thread(target=self._deliver, daemon=True, name=f"link-delay-{endpoint}").start()
 
-    def put(self, msg: Message) -> None:
+    def put(self, msg: Message) -> bool:
         with self._due_cond:
             self._due.append((time.monotonic() + self.delay_s, msg))
             self._due_cond.notify()
+        return False  # never pumped (the transport runs a receiver thread)
 
     def _deliver(self) -> None:
         while True:

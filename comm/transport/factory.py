@@ -5,7 +5,11 @@ need) pyzmq, and nothing here may import GPU-only code.
 
     make_transport("inproc", 0, fabric=fabric)
     make_transport("zmq", 0, addresses={0: "tcp://10.0.0.1:5555", 1: "tcp://10.0.0.2:5555"})
+    make_transport("shm", 0, peers=[0, 1], namespace="run42")
+    make_transport("hybrid", 0, addresses=..., local=[1], namespace="run42")
     make_transport("torch_dist", dist.get_rank(), device="cuda:0")
+
+`peer_transport` picks among shm, zmq and hybrid from where every endpoint runs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,18 @@ def _zmq(endpoint: int, **kwargs) -> Transport:
     return ZmqTransport(endpoint, **kwargs)
 
 
+def _shm(endpoint: int, **kwargs) -> Transport:
+    from comm.transport.shm_transport import ShmTransport
+
+    return ShmTransport(endpoint, **kwargs)
+
+
+def _hybrid(endpoint: int, **kwargs) -> Transport:
+    from comm.transport.hybrid import HybridTransport
+
+    return HybridTransport(endpoint, **kwargs)
+
+
 def _torch_dist(endpoint: int, **kwargs) -> Transport:
     import torch.distributed as dist
 
@@ -39,7 +55,7 @@ def _torch_dist(endpoint: int, **kwargs) -> Transport:
     return TorchDistTransport(**kwargs)
 
 
-TRANSPORTS = {"inproc": _inproc, "zmq": _zmq, "torch_dist": _torch_dist}
+TRANSPORTS = {"inproc": _inproc, "zmq": _zmq, "shm": _shm, "hybrid": _hybrid, "torch_dist": _torch_dist}
 
 
 def make_transport(kind: str, endpoint: int, **kwargs) -> Transport:
@@ -47,3 +63,20 @@ def make_transport(kind: str, endpoint: int, **kwargs) -> Transport:
     if kind not in TRANSPORTS:
         raise CommError(f"unknown transport {kind!r}; known: {', '.join(sorted(TRANSPORTS))}")
     return TRANSPORTS[kind](endpoint, **kwargs)
+
+
+def peer_transport(
+    endpoint: int, addresses: dict[int, str], hosts: dict[int, str], namespace: str, link_delay_s: float = 0.0
+) -> Transport:
+    """The transport of `endpoint` among peers: shared memory to those with its host id
+    (`shm_transport.host_id()`; "" for none), ZeroMQ at `addresses` to the others. Every endpoint
+    decides from the same tables, so both ends of each pair agree on the path."""
+    mine = hosts.get(endpoint, "")
+    if not mine:
+        return make_transport("zmq", endpoint, addresses=addresses, link_delay_s=link_delay_s)
+    local = {e for e, h in hosts.items() if h == mine}
+    if not (set(addresses) | set(hosts)) - local:
+        return make_transport("shm", endpoint, peers=local, namespace=namespace, link_delay_s=link_delay_s)
+    return make_transport(
+        "hybrid", endpoint, addresses=addresses, local=local, namespace=namespace, link_delay_s=link_delay_s
+    )

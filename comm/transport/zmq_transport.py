@@ -36,14 +36,15 @@ from collections.abc import Iterable
 import zmq
 
 from comm.messages import CommError, Message, MsgKey
-from comm.transport.base import Transport, make_inbox
+from comm.transport.base import Inbox, Transport, make_inbox
 
 _POLL_MS = 50  # how often the receiver thread checks whether it should stop
 
 
 class ZmqTransport(Transport):
     """endpoint: this endpoint's id. addresses: endpoint id -> ZMQ address ("tcp://host:port");
-    this endpoint binds `bind_address` (default: its own entry) and connects to peers lazily."""
+    this endpoint binds `bind_address` (default: its own entry) and connects to peers lazily.
+    `inbox`: where received messages go, when shared with another transport (hybrid.py)."""
 
     def __init__(
         self,
@@ -54,13 +55,14 @@ class ZmqTransport(Transport):
         hwm: int = 100_000,
         linger_ms: int = 1000,
         link_delay_s: float = 0.0,
+        inbox: Inbox | None = None,
     ) -> None:
         if endpoint not in addresses and bind_address is None:
             raise CommError(f"endpoint {endpoint} has no address in {addresses}")
         self.endpoint, self.addresses = endpoint, dict(addresses)
         self._hwm, self._linger_ms = hwm, linger_ms
         self._ctx = zmq.Context()
-        self._inbox = make_inbox(endpoint, link_delay_s)  # a delay only in pipeline experiments
+        self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)  # delay: experiments
         self._senders: dict[int, zmq.Socket] = {}
         self._send_lock = threading.Lock()
         self._stop = threading.Event()

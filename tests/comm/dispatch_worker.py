@@ -15,11 +15,13 @@ from tests.comm.harness import ffn_work, sender_work
 
 
 def run_endpoint(
-    topo: Topology, config: CommConfig, endpoint: int, transport_kwargs: dict, inputs, keys, results
+    topo: Topology, config: CommConfig, endpoint: int, transport: tuple[str, dict], inputs, keys, results
 ) -> None:
-    """inputs: per sender (hidden, topk_ids, weights). Senders report their combine outputs."""
+    """transport: (kind, keyword arguments but the endpoint) for make_transport. inputs: per sender
+    (hidden, topk_ids, weights). Senders report their combine outputs."""
     torch.set_num_threads(1)
-    transport = make_transport("zmq", endpoint, **transport_kwargs)
+    kind, kwargs = transport
+    transport = make_transport(kind, endpoint, **kwargs)
     try:
         out = None
         is_sender = endpoint < topo.num_senders

@@ -1,9 +1,11 @@
-"""Dispatch/combine between real OS processes over the ZeroMQ transport (TCP on loopback)."""
+"""Dispatch/combine between real OS processes over the ZeroMQ transport (TCP on loopback) and the
+shared-memory transport."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import uuid
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from comm.endpoint import CommConfig
 from comm.messages import MsgKey
 from comm.reference import reference_combine
 from comm.topology import Topology
+from comm.transport.shm_transport import remove_namespace
 from comm.transport.zmq_transport import free_tcp_addresses
 from comm.wire import WireFormat
 from tests.comm.dispatch_worker import run_endpoint
@@ -21,11 +24,14 @@ _SPAWN = mp.get_context("spawn")
 KEYS = [MsgKey(0, layer, mb) for layer in range(2) for mb in range(2)]
 
 
-def run_processes(topo: Topology, config: CommConfig, inputs) -> dict:
-    addresses = dict(enumerate(free_tcp_addresses(topo.num_endpoints)))
+def run_processes(topo: Topology, config: CommConfig, inputs, kind: str = "zmq") -> dict:
+    if kind == "zmq":
+        transport = (kind, {"addresses": dict(enumerate(free_tcp_addresses(topo.num_endpoints)))})
+    else:
+        transport = (kind, {"peers": range(topo.num_endpoints), "namespace": uuid.uuid4().hex[:12]})
     results = _SPAWN.Queue()
     procs = [
-        _SPAWN.Process(target=run_endpoint, args=(topo, config, ep, {"addresses": addresses}, inputs, KEYS, results))
+        _SPAWN.Process(target=run_endpoint, args=(topo, config, ep, transport, inputs, KEYS, results))
         for ep in range(topo.num_endpoints)
     ]
     # start order must not matter: FFN ranks first here, senders last
@@ -44,10 +50,13 @@ def run_processes(topo: Topology, config: CommConfig, inputs) -> dict:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        left = remove_namespace(transport[1]["namespace"]) if kind == "shm" else []
+    assert left == [], f"files left behind: {left}"
     return reports
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["zmq", "shm"])
 @pytest.mark.parametrize(
     "mode, topo",
     [
@@ -55,10 +64,11 @@ def run_processes(topo: Topology, config: CommConfig, inputs) -> dict:
         ("direct", Topology(4, 2, 2, 8, colocated=True)),
     ],
 )
-def test_processes_match_reference_exactly(mode, topo):
+def test_processes_match_reference_exactly(mode, topo, kind):
     tokens = [5, 0, 7, 3][: topo.num_senders]
     xs, ids, ws = routing(topo, tokens, 3, seed=2)
-    reports = run_processes(topo, CommConfig(mode, WireFormat("fp32", "fp32"), timeout=30), list(zip(xs, ids, ws)))
+    config = CommConfig(mode, WireFormat("fp32", "fp32"), timeout=30)
+    reports = run_processes(topo, config, list(zip(xs, ids, ws)), kind)
     ref = reference_combine(xs, ids, ws, exact_expert)
     for sender in range(topo.num_senders):
         outs, _ = reports[sender]

@@ -1,6 +1,11 @@
-"""The inbox every transport delivers into: FIFO per channel, earliest arrival first, key checks."""
+"""The inbox every transport delivers into: FIFO per channel, earliest arrival first, key checks,
+and the pumping protocol of transports without a receiver thread."""
 
 from __future__ import annotations
+
+import queue
+import threading
+import time
 
 import pytest
 import torch
@@ -32,3 +37,57 @@ def test_channels_are_fifo_per_source_and_kind():
     for mb in range(3):
         inbox.put(Message("forward", MsgKey(0, 0, mb), 5))
     assert [inbox.take([5], "forward", MsgKey(0, 0, mb), 1).key.micro_batch for mb in range(3)] == [0, 1, 2]
+
+
+# -- takers that pump (transports without a receiver thread) -------------------------------
+
+
+def test_one_taker_pumps_and_hands_the_role_on_when_it_leaves():
+    """The pump puts what "arrives" (here: what the test queues); while one thread pumps, another
+    waits without pumping, and takes the role over once the first has its message."""
+    inbox, arrivals, pumpers = Inbox(0), queue.Queue(), []
+
+    def pump(seconds: float) -> None:
+        pumpers.append(threading.current_thread().name)
+        try:
+            inbox.put(arrivals.get(timeout=seconds))
+        except queue.Empty:
+            pass
+
+    got = {}
+
+    def take(kind: str) -> None:
+        got[kind] = inbox.take([1], kind, K, 30, pump).kind
+
+    first = threading.Thread(target=take, args=("a",), name="first")
+    first.start()
+    time.sleep(0.1)  # "first" is pumping now
+    second = threading.Thread(target=take, args=("b",), name="second")
+    second.start()
+    time.sleep(0.1)
+    assert pumpers == ["first"]  # the second one waits
+    arrivals.put(Message("a", K, 1))
+    first.join(5)
+    time.sleep(0.1)
+    start = time.monotonic()
+    arrivals.put(Message("b", K, 1))
+    second.join(5)
+    assert got == {"a": "a", "b": "b"} and pumpers[-1] == "second"
+    assert time.monotonic() - start < 1.0  # pumped at once, not after waiting for its timeout
+
+
+def test_put_says_whether_the_pumping_taker_waits_for_it():
+    inbox, entered, release = Inbox(0), threading.Event(), threading.Event()
+
+    def pump(seconds: float) -> None:
+        entered.set()
+        release.wait(5)
+
+    taker = threading.Thread(target=lambda: inbox.take([0], "own", K, 5, pump))
+    taker.start()
+    assert entered.wait(5)
+    assert inbox.put(Message("other", K, 0)) is False  # nobody pumps for it: no wake-up needed
+    assert inbox.put(Message("own", K, 0)) is True  # the transport must wake the pumping thread
+    release.set()
+    taker.join(5)
+    assert not taker.is_alive()

@@ -1,5 +1,6 @@
 """Transports: message framing, ZeroMQ and torch.distributed (gloo) between real OS processes,
-and the factory.
+and the factory. The shared-memory transport has its own module (test_shm_transport.py), which
+reuses this module's cross-process scenario.
 
 The cross-process scenarios run once per module (spawning processes that import torch takes
 seconds) and several tests check their results; each child reports through a queue and the
@@ -150,8 +151,9 @@ def test_zmq_silent_peer_times_out_promptly_naming_endpoint_and_key():
         t.close()
 
 
-def test_zmq_close_fails_a_blocked_recv_promptly():
-    t = ZmqTransport(0, dict(enumerate(free_tcp_addresses(2))))
+def assert_close_fails_a_blocked_recv_and_refuses_sends(t) -> None:
+    """t (endpoint 0 of a pair) closed while a thread waits for endpoint 1: the wait fails with a
+    CommError within 0.5 s, later sends are refused, and a second close is harmless."""
     raised: list = []
     waiter = threading.Thread(target=w.record_failure, args=(raised, lambda: t.recv(1, "x", MsgKey(0, 0, 0), 30.0)))
     waiter.start()
@@ -163,6 +165,10 @@ def test_zmq_close_fails_a_blocked_recv_promptly():
     with pytest.raises(CommError, match="after close"):
         t.send(1, Message("x", MsgKey(0, 0, 0), 0))
     t.close()  # idempotent
+
+
+def test_zmq_close_fails_a_blocked_recv_promptly():
+    assert_close_fails_a_blocked_recv_and_refuses_sends(ZmqTransport(0, dict(enumerate(free_tcp_addresses(2)))))
 
 
 def test_zmq_full_queue_raises_instead_of_dropping_or_blocking():
@@ -192,13 +198,22 @@ def test_zmq_bind_conflict_is_a_comm_error():
 @pytest.fixture(scope="module")
 def zmq_run() -> dict:
     """Endpoints 1 and 2 start first; endpoint 0 only once 1 has already sent to it."""
-    addrs = dict(enumerate(free_tcp_addresses(3)))
+    return run_scenario("zmq", {"addresses": dict(enumerate(free_tcp_addresses(3)))})
+
+
+def run_scenario(kind: str, kwargs: dict) -> dict:
+    """The cross-process scenario of transport_worker (endpoints 1 and 2 first, 0 once 1 has
+    sent); endpoint 0's results, with endpoint 1's under "ep1"."""
     results, sent = _SPAWN.Queue(), _SPAWN.Event()
-    procs = [_start("ep1", w.zmq_early_sender, results, addrs, sent), _start("ep2", w.zmq_fast_racer, results, addrs)]
+    procs = [
+        _start("ep1", w.early_sender, results, kind, kwargs, sent),
+        _start("ep2", w.fast_racer, results, kind, kwargs),
+    ]
     try:
         _wait_for(sent, results, procs)
-        procs.append(_start("ep0", w.zmq_late_receiver, results, addrs))
-        return _collect(results, procs)["ep0"]
+        procs.append(_start("ep0", w.late_receiver, results, kind, kwargs))
+        out = _collect(results, procs)
+        return {**out["ep0"], "ep1": out["ep1"]}
     finally:
         _reap(procs)
 
@@ -206,6 +221,7 @@ def zmq_run() -> dict:
 def test_zmq_processes_exact_round_trip_to_a_receiver_started_later(zmq_run):
     _assert_same(zmq_run["data"], w.sample_tensors(1))
     assert zmq_run["data_src"] == 1 and zmq_run["data_meta"] == {"note": "early"}
+    assert zmq_run["big"] == w.digest(w.big_tensor(1)) and zmq_run["ep1"]["big_back"] == w.digest(w.big_tensor(2))
 
 
 def test_zmq_processes_key_mismatch(zmq_run):
@@ -285,14 +301,14 @@ def test_gloo_send_to_a_closed_peer_is_refused(gloo_run):
 
 
 def test_factory_builds_each_kind_and_rejects_unknown():
-    assert set(TRANSPORTS) == {"inproc", "zmq", "torch_dist"}
+    assert set(TRANSPORTS) == {"inproc", "zmq", "shm", "hybrid", "torch_dist"}
     fabric = InProcessFabric()
     a, b = make_transport("inproc", 0, fabric=fabric), make_transport("inproc", 1, fabric=fabric)
     a.send(1, Message("x", MsgKey(0, 0, 0), 0, [torch.ones(2)]))
     assert torch.equal(b.recv(0, "x", MsgKey(0, 0, 0), 1).tensors[0], torch.ones(2))
     z = make_transport("zmq", 0, addresses=dict(enumerate(free_tcp_addresses(1))))
     z.close()
-    with pytest.raises(CommError, match="inproc, torch_dist, zmq"):
+    with pytest.raises(CommError, match="hybrid, inproc, shm, torch_dist, zmq"):
         make_transport("carrier-pigeon", 0)
     with pytest.raises(CommError, match="init_process_group"):
         make_transport("torch_dist", 0)

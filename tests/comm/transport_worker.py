@@ -7,6 +7,7 @@ raw bytes) so that the parent compares bytes exactly, float8 included.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import traceback
@@ -64,30 +65,42 @@ def timed_error(fn) -> tuple[str, str, float]:
     raise AssertionError("expected a CommError")
 
 
-# -- ZeroMQ ------------------------------------------------------------------------------------
+# -- ZeroMQ and shared memory: one scenario, built by make_transport(kind, endpoint, **kwargs) ------
 
 
-def zmq_early_sender(addresses: dict[int, str], sent) -> dict:
-    """Endpoint 1: sends before endpoint 0 exists, then answers "go" late (the slow racer)."""
-    from comm.transport.zmq_transport import ZmqTransport
+def big_tensor(seed: int) -> torch.Tensor:
+    """3 MiB: larger than the rings the shared-memory tests give their endpoints."""
+    return torch.randn(3 << 18, generator=torch.Generator().manual_seed(seed))
 
-    t = ZmqTransport(1, addresses)
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def early_sender(kind: str, kwargs: dict, sent) -> dict:
+    """Endpoint 1: sends before endpoint 0 exists (a large message too), then answers "go" late
+    (the slow racer); reports the digest of the large message endpoint 0 sends back."""
+    from comm.transport.factory import make_transport
+
+    t = make_transport(kind, 1, **kwargs)
     t.send(0, Message("data", K0, 1, sample_tensors(1), {"note": "early"}))
     t.send(0, Message("check", MsgKey(0, 0, 1), 1))
+    t.send(0, Message("big", K0, 1, [big_tensor(1)]))
     sent.set()
+    back = t.recv(0, "big", K0, WAIT).tensors[0]
     t.recv(0, "go", K0, WAIT)
     time.sleep(RACE_DELAY)
     t.send(0, Message("race", K0, 1))
     t.recv(0, "done", K0, WAIT)
     t.close()
-    return {}
+    return {"big_back": digest(back)}
 
 
-def zmq_fast_racer(addresses: dict[int, str]) -> dict:
+def fast_racer(kind: str, kwargs: dict) -> dict:
     """Endpoint 2: answers "go" at once."""
-    from comm.transport.zmq_transport import ZmqTransport
+    from comm.transport.factory import make_transport
 
-    t = ZmqTransport(2, addresses)
+    t = make_transport(kind, 2, **kwargs)
     t.recv(0, "go", K0, WAIT)
     t.send(0, Message("race", K0, 2))
     t.recv(0, "done", K0, WAIT)
@@ -95,12 +108,15 @@ def zmq_fast_racer(addresses: dict[int, str]) -> dict:
     return {}
 
 
-def zmq_late_receiver(addresses: dict[int, str]) -> dict:
+def late_receiver(kind: str, kwargs: dict) -> dict:
     """Endpoint 0, started after endpoint 1 has sent: collects everything the parent checks."""
-    from comm.transport.zmq_transport import ZmqTransport
+    from comm.transport.factory import make_transport
 
-    t = ZmqTransport(0, addresses)
+    t = make_transport(kind, 0, **kwargs)
+    big = t.recv(1, "big", K0, WAIT).tensors[0]
+    t.send(1, Message("big", K0, 0, [big_tensor(2)]))
     out = receive_checks(t, data_from=1)
+    out["big"] = digest(big)
     t.close()
     return out
 

@@ -1,0 +1,295 @@
+"""What the shared-memory transport is made of: a ring (a byte stream in a file under /dev/shm), the
+framing of a `Message` as bytes in it, and the FIFO that wakes a receiver.
+
+One ring carries one direction between two endpoints: one writer process, one reader process.
+
+    file:  [ header: 256 B                                  ][ data: capacity bytes, used cyclically ]
+            slot 0 head    bytes ever written (writer)
+            slot 8 tail    bytes ever read (reader)         (own 64-byte line: no false sharing)
+            slot 16 attached   the reader has opened the ring
+            slot 17 closed     the reader has closed: writes are dropped
+            slot 18 wake_opened  the writer has opened the reader's wake-up FIFO
+
+head and tail only grow (uint64), so `head - tail` is what is waiting and `capacity - that` is free.
+The writer copies bytes in and then publishes head; the reader copies bytes out and then publishes
+tail. Each slot is one aligned 8-byte store, and x86-64 keeps stores in order and loads in order
+(TSO), so a reader that sees a head also sees the bytes before it, and a writer that sees a tail
+never overwrites bytes still being read; `platform_supported` says where that holds.
+
+A frame is u64 body length, then the body: u32 header length, the JSON header of
+`Message.header()`, and each tensor's raw bytes, each starting 64-byte aligned within the body
+(the body is received into one buffer, whose slices become the tensors: no copy after the one
+out of the ring). A frame longer than the ring just takes several turns.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import platform
+import select
+import struct
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from comm.messages import CommError, Message, MsgKey
+
+HEADER_BYTES = 256
+HEAD, TAIL, ATTACHED, CLOSED, WAKE_OPENED = 0, 8, 16, 17, 18  # uint64 slots of the header
+ALIGN = 64
+_PREFIX = struct.Struct("<Q")
+_ZEROS = memoryview(bytes(ALIGN))
+_JOIN_BYTES = 64 << 10  # frames up to this size are joined into one part before the ring
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8}
+_NUMPY_DTYPES |= {torch.uint8, torch.bool}
+
+
+def platform_supported() -> bool:
+    """Whether plain stores are seen in program order by other cores (the ring's assumption)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class Ring:
+    """A ring file, opened by whichever of its writer and reader comes first and created then.
+
+    Creation is atomic: the file is sized under a temporary name and then hard-linked into place,
+    so the other side never sees a half-made ring. The size comes from the file, so both sides
+    agree on it even if only one was given `capacity`. The side that opens the ring second removes
+    its name at once: both have it mapped, and a process killed later leaves nothing behind."""
+
+    def __init__(self, path: str, capacity: int) -> None:
+        self.path = path
+        fd, created = _open_or_create(path, HEADER_BYTES + capacity)
+        try:
+            size = os.fstat(fd).st_size
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if not created:
+            _unlink(path)
+        self.capacity = size - HEADER_BYTES
+        self._ctrl = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
+        self._data = memoryview(self._mm)[HEADER_BYTES:]
+        self._head = self._ctrl[HEAD]  # the writer's own copy: it alone moves head
+        self._tail = self._ctrl[TAIL]  # the reader's own copy
+
+    # -- flags -----------------------------------------------------------------------------
+
+    def flag(self, slot: int) -> bool:
+        return bool(self._ctrl[slot])
+
+    def set_flag(self, slot: int) -> None:
+        self._ctrl[slot] = 1
+
+    # -- writer ----------------------------------------------------------------------------
+
+    def write(self, parts: deque[memoryview]) -> int:
+        """Copies as much of parts (in order) as fits and publishes it; what was written is
+        removed from parts (a part written in part is replaced by its rest). Returns the bytes."""
+        free = self.capacity - (self._head - self._ctrl[TAIL])
+        written = 0
+        while parts and free > 0:
+            part = parts[0]
+            n = min(free, len(part))
+            self._copy_in(part[:n])
+            written, free = written + n, free - n
+            if n == len(part):
+                parts.popleft()
+            else:
+                parts[0] = part[n:]
+        if written:
+            self._ctrl[HEAD] = self._head  # after the bytes: the reader never sees a head ahead of them
+        return written
+
+    def _copy_in(self, src: memoryview) -> None:
+        pos = self._head % self.capacity
+        first = min(len(src), self.capacity - pos)
+        self._data[pos : pos + first] = src[:first]
+        if first < len(src):
+            self._data[: len(src) - first] = src[first:]
+        self._head += len(src)
+
+    # -- reader ----------------------------------------------------------------------------
+
+    def readable(self) -> int:
+        return self._ctrl[HEAD] - self._tail
+
+    def read_into(self, dst: memoryview) -> None:
+        """Fills dst (at most `readable()` bytes) from the ring and frees that space."""
+        pos, n = self._tail % self.capacity, len(dst)
+        first = min(n, self.capacity - pos)
+        dst[:first] = self._data[pos : pos + first]
+        if first < n:
+            dst[first:] = self._data[: n - first]
+        self._tail += n
+        self._ctrl[TAIL] = self._tail  # after the copy: the writer may now overwrite those bytes
+
+    def close(self) -> None:
+        """Unmaps the ring (the file stays; see `unlink`)."""
+        self._ctrl.release()
+        self._data.release()
+        self._mm.close()
+
+    def unlink(self) -> None:
+        _unlink(self.path)
+
+
+class FrameReader:
+    """Reassembles the frames of one ring into messages, across as many reads as they take."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self._prefix = bytearray(_PREFIX.size)
+        self._view: memoryview | None = None  # the body of the frame being read
+        self._filled = 0
+
+    def read(self) -> list[Message]:
+        """Every message completed by what the ring holds now."""
+        done = []
+        while True:
+            avail = self.ring.readable()
+            if self._view is None:
+                if avail < _PREFIX.size:  # a length prefix is taken whole
+                    return done
+                self.ring.read_into(memoryview(self._prefix))
+                self._start(_PREFIX.unpack(self._prefix)[0])
+                avail -= _PREFIX.size
+            n = min(avail, len(self._view) - self._filled)
+            if n:
+                self.ring.read_into(self._view[self._filled : self._filled + n])
+                self._filled += n
+            if self._filled < len(self._view):
+                return done
+            done.append(decode_body(self._view))
+            self._view = None
+
+    def _start(self, length: int) -> None:
+        self._view = memoryview(np.empty(length, dtype=np.uint8))  # 16-byte aligned: enough for any dtype
+        self._filled = 0
+
+
+class WakeFifo:
+    """An endpoint's wake-up FIFO: a byte per message in, its reader waits for any byte.
+
+    Opened read-write by both sides: opening never waits for the other end, and the reader never
+    sees end-of-file while no writer is connected."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            os.mkfifo(path, 0o600)
+        except FileExistsError:
+            pass
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+
+    def signal(self) -> None:
+        try:
+            os.write(self.fd, b"\0")
+        except BlockingIOError:  # 64 KiB of unread wake-ups: the reader is woken already
+            pass
+
+    def wait(self, seconds: float) -> None:
+        self._poll.poll(seconds * 1000)
+        self.clear()
+
+    def clear(self) -> None:
+        try:
+            while len(os.read(self.fd, 65536)) == 65536:
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def encode_frame(msg: Message) -> deque[memoryview]:
+    """The frame of msg as parts to copy (the tensors' own memory: nothing is copied yet)."""
+    header = msg.header()
+    parts = deque([memoryview(struct.pack("<I", len(header))), memoryview(header)])
+    offset = 4 + len(header)
+    for t in msg.tensors:
+        if t.numel():
+            raw = _raw(t)
+            pad = -offset % ALIGN
+            parts.extend((_ZEROS[:pad], raw))
+            offset += pad + len(raw)
+    parts.appendleft(memoryview(_PREFIX.pack(offset)))
+    if offset <= _JOIN_BYTES:  # one copy into a bytes object beats a copy into the ring per part
+        return deque([memoryview(b"".join(parts))])
+    return parts
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """A non-empty tensor's bytes, without a copy where it is a contiguous CPU tensor (the common
+    case; this is ~3x cheaper than Message.encode's general path, which matters per message)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.contiguous().cpu()
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype not in _NUMPY_DTYPES:  # bf16, fp8: numpy has no such type, so as bytes
+        t = t.reshape(-1).view(torch.uint8)
+    return memoryview(t.numpy()).cast("B")
+
+
+def decode_body(body: memoryview) -> Message:
+    """A frame's body -> its message; the tensors share body's memory."""
+    view = body
+    length = int.from_bytes(view[:4], "little")
+    head = json.loads(bytes(view[4 : 4 + length]))
+    offset, tensors = 4 + length, []
+    for dtype, shape in head["tensors"]:
+        dt = getattr(torch, dtype)
+        n = dt.itemsize * _numel(shape)
+        if n == 0:  # empty tensors take no bytes (and no padding)
+            tensors.append(torch.empty(shape, dtype=dt))
+            continue
+        offset += -offset % ALIGN
+        tensors.append(torch.frombuffer(body, dtype=dt, count=n // dt.itemsize, offset=offset).view(shape))
+        offset += n
+    return Message(head["kind"], MsgKey(*head["key"]), head["src"], tensors, head["meta"])
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _open_or_create(path: str, size: int) -> tuple[int, bool]:
+    """A read-write descriptor of the ring file at path, made with `size` bytes if missing; and
+    whether this call made it."""
+    try:
+        return os.open(path, os.O_RDWR), False
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)  # reserves the memory now: a full /dev/shm fails here, not as SIGBUS later
+        os.link(tmp, path)
+    except FileExistsError:  # the peer made it first: use theirs
+        os.close(fd)
+        return os.open(path, os.O_RDWR), False
+    except OSError as e:
+        os.close(fd)
+        raise CommError(f"cannot create a {size}-byte ring at {path}: {e} (is /dev/shm large enough?)") from e
+    finally:
+        _unlink(tmp)
+    return fd, True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

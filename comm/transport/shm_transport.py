@@ -1,0 +1,323 @@
+"""Same-host transport: endpoints on one machine exchange messages through shared memory.
+
+    endpoint s                               /dev/shm                                endpoint d
+    send(d, msg) --frame, 1 copy--> ring afd-<ns>-<s>to<d> --1 copy--> tensors --> recv(s, ...)
+                 --one byte-------> FIFO afd-<ns>-<d>.wake --wakes the thread waiting in recv
+
+One ring per ordered pair of endpoints (shm_ring.py) and one wake-up FIFO per endpoint. A send
+copies the frame into the ring and writes a byte to the receiver's FIFO. No background thread
+is on the common path: the thread that waits in `recv` reads the rings itself (the pump of
+`Inbox.take`), so a message costs one thread wake-up, where ZeroMQ over TCP costs its I/O
+threads, our receiver thread, then the waiter. A waiting thread blocks in poll(): nothing spins.
+
+Same semantics as the other transports (base.py):
+  * send never blocks on the peer: what does not fit in the ring waits in this process and a
+    flusher thread feeds it in as the reader makes room (so a message bigger than the ring takes
+    several turns); past `max_pending_bytes` waiting for one peer, send raises CommError;
+  * peers start in any order: whichever side comes first creates the ring and the FIFO, and a
+    message sent before its receiver exists is read when it starts;
+  * FIFO per (source, kind), key checks, recv_any, timeouts: the shared `Inbox`;
+  * a message to this endpoint itself goes straight into its inbox (tensors cloned);
+  * close() fails pending receives, lingers up to `linger_s` to flush, removes the rings it reads
+    and its FIFO (and the rings it wrote that no reader ever opened); messages to an endpoint that
+    has closed are dropped, as a closed ZeroMQ peer's would be.
+With a link delay (`make_inbox`) or an inbox shared with another transport (hybrid.py), a receiver
+thread pumps instead, and receives wait on the inbox like the other transports'.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from comm.messages import CommError, Message, MsgKey
+from comm.transport.base import Inbox, Transport, make_inbox
+from comm.transport.shm_ring import (
+    ATTACHED,
+    CLOSED,
+    HEADER_BYTES,
+    WAKE_OPENED,
+    FrameReader,
+    Ring,
+    WakeFifo,
+    encode_frame,
+    platform_supported,
+)
+
+SHM_DIR = "/dev/shm"
+DEFAULT_CAPACITY = 4 << 20  # bytes per ring: decode messages are far smaller; prefill ones stream through
+_FLUSH_PAUSE = (20e-6, 1e-3)  # a flusher waiting for room polls, backing off from the first to the second
+
+
+def ring_path(directory: str, namespace: str, src: int, dst: int) -> str:
+    return f"{directory}/afd-{namespace}-{src}to{dst}"
+
+
+def wake_path(directory: str, namespace: str, endpoint: int) -> str:
+    return f"{directory}/afd-{namespace}-{endpoint}.wake"
+
+
+class ShmTransport(Transport):
+    """endpoint: this endpoint's id; peers: the endpoints on this host it talks to; namespace: a
+    name shared by the endpoints of one deployment and no other (its files' prefix)."""
+
+    def __init__(
+        self,
+        endpoint: int,
+        peers: Iterable[int],
+        *,
+        namespace: str,
+        directory: str = SHM_DIR,
+        capacity: int = DEFAULT_CAPACITY,
+        link_delay_s: float = 0.0,
+        inbox: Inbox | None = None,
+        max_pending_bytes: int = 1 << 30,
+        linger_s: float = 1.0,
+    ) -> None:
+        if not platform_supported():
+            raise CommError("the shared-memory transport needs x86-64 (ordered stores); use the zmq transport")
+        if not re.fullmatch(r"[A-Za-z0-9_]{1,64}", namespace):
+            raise CommError(f"shared-memory namespace {namespace!r}: use 1-64 letters, digits or _")
+        self.endpoint, self.peers = endpoint, sorted(set(peers) - {endpoint})
+        self._linger_s = linger_s
+        self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)
+        self._pumped = inbox is None and link_delay_s <= 0  # else a receiver thread fills the inbox
+        self._lock = threading.Lock()  # guards _closed
+        self._pump_lock = threading.Lock()  # the reading side of the rings: one thread at a time
+        self._closed = False
+        self._wake: WakeFifo | None = None
+        self._wake_named = True  # this endpoint's FIFO still has its name in the directory
+        self._readers: list[FrameReader] = []
+        self._outboxes: dict[int, _Outbox] = {}
+        try:  # every ring and FIFO now, so that nothing is created on the hot path
+            self._wake = WakeFifo(wake_path(directory, namespace, endpoint))
+            for src in self.peers:
+                self._readers.append(FrameReader(Ring(ring_path(directory, namespace, src, endpoint), capacity)))
+                self._readers[-1].ring.set_flag(ATTACHED)
+            for dst in self.peers:
+                ring = Ring(ring_path(directory, namespace, endpoint, dst), capacity)
+                wake = WakeFifo(wake_path(directory, namespace, dst))
+                self._outboxes[dst] = _Outbox(ring, wake, dst, max_pending_bytes)
+                ring.set_flag(WAKE_OPENED)  # see _unlink_wake_when_opened
+            self._unlink_wake_when_opened()
+        except BaseException:
+            self._release()
+            raise
+        self._receiver = None
+        if not self._pumped:
+            self._receiver = threading.Thread(target=self._receive_loop, name=f"shm-recv-{endpoint}", daemon=True)
+            self._receiver.start()
+
+    # -- Transport -------------------------------------------------------------------------
+
+    def send(self, dst: int, msg: Message) -> None:
+        if self._closed:
+            raise CommError(f"endpoint {self.endpoint}: send to {dst} after close()")
+        if dst == self.endpoint:
+            own = Message(msg.kind, msg.key, msg.src, [t.clone() for t in msg.tensors], dict(msg.meta))
+            if self._inbox.put(own):  # the thread waiting for it pumps, maybe blocked in poll()
+                self._wake.signal()
+            return
+        out = self._outboxes.get(dst)
+        if out is None:
+            raise CommError(f"endpoint {self.endpoint}: endpoint {dst} is not a shared-memory peer ({self.peers})")
+        out.send(encode_frame(msg))
+
+    def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
+        return self.recv_any([src], kind, key, timeout)
+
+    def recv_any(self, srcs: Iterable[int], kind: str, key: MsgKey, timeout: float) -> Message:
+        srcs = list(srcs)
+        # A thread waiting only for messages this endpoint sends itself never pumps: the put wakes it
+        # directly, and the pumping is left to a thread waiting for a peer (one wake-up, not two).
+        remote = self._pumped and any(src != self.endpoint for src in srcs)
+        return self._inbox.take(srcs, kind, key, timeout, self._pump if remote else None)
+
+    def close(self) -> None:
+        """Fails pending receives, flushes what waits to be sent (at most `linger_s`), removes this
+        endpoint's files. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._inbox.fail(CommError("transport closed"))
+        self._wake.signal()  # a thread blocked waiting for a wake-up returns at once
+        if self._receiver is not None:
+            self._receiver.join()
+        deadline = time.monotonic() + self._linger_s
+        for out in self._outboxes.values():
+            out.close(max(deadline - time.monotonic(), 0.0))
+        with self._pump_lock:  # no thread reads the rings any more
+            self._release()
+
+    def _release(self) -> None:
+        for reader in self._readers:
+            reader.ring.set_flag(CLOSED)  # senders drop what they would still send
+            reader.ring.close()
+            reader.ring.unlink()
+        if self._wake is not None:
+            self._wake.close()
+            _unlink(self._wake.path)
+        for out in self._outboxes.values():
+            out.close(0.0)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def _pump(self, seconds: float) -> None:
+        """Moves every message completed in the rings into the inbox, waiting up to `seconds` for a
+        wake-up byte if there was none."""
+        with self._pump_lock:
+            if self._closed:
+                return
+            try:
+                self._unlink_wake_when_opened()
+                if self._read_rings() or seconds <= 0:
+                    return
+                # Bytes are cleared only after poll() returns, and the caller then looks at the
+                # inbox again: a message put there (sent to itself) before its byte was cleared is
+                # seen. Clearing first would lose that wake-up.
+                self._wake.wait(seconds)
+                if not self._closed:
+                    self._read_rings()
+            except Exception as e:  # a broken frame: every waiter fails, not only this one
+                self._inbox.fail(CommError(f"reading the shared-memory rings failed: {e!r}"))
+                raise
+
+    def _unlink_wake_when_opened(self) -> None:
+        """Removes this endpoint's FIFO from the directory once every peer has opened it (the rings
+        are named only until both ends have opened them): from then on, a killed process leaves
+        no file behind."""
+        if self._wake_named and all(r.ring.flag(WAKE_OPENED) for r in self._readers):
+            _unlink(self._wake.path)
+            self._wake_named = False
+
+    def _read_rings(self) -> int:
+        count = 0
+        for reader in self._readers:
+            for msg in reader.read():
+                self._inbox.put(msg)
+                count += 1
+        return count
+
+    def _receive_loop(self) -> None:
+        try:
+            while not self._closed:
+                self._pump(1.0)
+        except Exception:  # noqa: BLE001 - _pump has failed the inbox already
+            pass
+
+
+class _Outbox:
+    """What one endpoint sends to one peer: the ring, the peer's FIFO, and what waits for room."""
+
+    def __init__(self, ring: Ring, wake: WakeFifo, dst: int, max_pending_bytes: int) -> None:
+        self.ring, self.wake, self.dst, self.max_pending_bytes = ring, wake, dst, max_pending_bytes
+        self.lock = threading.Lock()  # one writer at a time; FIFO order of whole messages
+        self.pending: deque[memoryview] = deque()
+        self.pending_bytes = 0
+        self.flusher: threading.Thread | None = None
+        self.stopped = False
+
+    def send(self, parts: deque[memoryview]) -> None:
+        with self.lock:
+            if self.stopped:
+                raise CommError(f"send to endpoint {self.dst} after close()")
+            if self.ring.flag(CLOSED):  # the peer has closed: dropped, as a closed socket's would be
+                return
+            if not self.pending:  # else behind what waits already
+                self.ring.write(parts)
+            if parts:
+                self._queue(parts)
+        self.wake.signal()
+
+    def _queue(self, parts: deque[memoryview]) -> None:
+        size = sum(len(p) for p in parts)
+        if self.pending_bytes + size > self.max_pending_bytes:
+            raise CommError(
+                f"{self.pending_bytes} bytes already wait for endpoint {self.dst} ({self.ring.path}): "
+                "the peer is down or not keeping up"
+            )
+        self.pending.extend(parts)
+        self.pending_bytes += size
+        if self.flusher is None:
+            self.flusher = threading.Thread(target=self._flush, name=f"shm-flush-{self.dst}", daemon=True)
+            self.flusher.start()
+
+    def _flush(self) -> None:
+        """Feeds the waiting bytes into the ring as the reader frees room (polling, backing off)."""
+        pause = _FLUSH_PAUSE[0]
+        while True:
+            with self.lock:
+                if self.stopped or not self.pending or self.ring.flag(CLOSED):
+                    self.pending.clear()
+                    self.pending_bytes, self.flusher = 0, None
+                    return
+                written = self.ring.write(self.pending)
+                self.pending_bytes -= written
+            if written:
+                self.wake.signal()
+                pause = _FLUSH_PAUSE[0]
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, _FLUSH_PAUSE[1])
+
+    def close(self, linger_s: float) -> None:
+        """Waits up to linger_s for the waiting bytes to go, then drops the rest and unmaps; removes
+        the ring (and the peer's FIFO) if its reader never opened it. Idempotent."""
+        flusher = self.flusher
+        if flusher is not None:
+            flusher.join(linger_s)
+        with self.lock:
+            if self.stopped:
+                return
+            self.stopped = True
+        if flusher is not None:
+            flusher.join()
+        never_read = not self.ring.flag(ATTACHED)
+        self.ring.close()
+        self.wake.close()
+        if never_read:  # the peer never started: its files are this endpoint's to remove
+            self.ring.unlink()
+            _unlink(self.wake.path)
+
+
+def host_id(directory: str = SHM_DIR) -> str:
+    """Equal for two processes exactly when they can share memory under `directory`: the same
+    running kernel (boot id) and the same mount there. "" where this transport cannot run."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat(directory)
+    except OSError:
+        return ""
+    return f"{boot}:{st.st_dev}:{st.st_ino}" if platform_supported() else ""
+
+
+def fits(num_rings: int, capacity: int = DEFAULT_CAPACITY, directory: str = SHM_DIR) -> bool:
+    """Whether `directory` has room for num_rings rings, with half of it left for others."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return False
+    return num_rings * (HEADER_BYTES + capacity) <= free // 2
+
+
+def remove_namespace(namespace: str, directory: str = SHM_DIR) -> list[str]:
+    """Removes what endpoints of `namespace` left in directory (after a rank was killed); returns the names."""
+    prefix = f"afd-{namespace}-"
+    names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+    for name in names:
+        _unlink(os.path.join(directory, name))
+    return names
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,23 @@
+"""The rendezvous tells every rank each endpoint's address, host and the deployment's namespace."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from afd_engine.distributed.rendezvous import RendezvousSpec, free_port, host_rendezvous, register
+
+
+@pytest.mark.timeout(60)
+def test_ranks_learn_every_address_and_host_and_one_namespace():
+    spec = RendezvousSpec(f"127.0.0.1:{free_port('127.0.0.1')}", "127.0.0.1", timeout=20)
+    store = host_rendezvous(spec)  # noqa: F841 - the store lives as long as this reference
+    hosts = {0: "machine-a", 1: "machine-a", 2: ""}  # endpoint 2 offers no shared memory
+    with ThreadPoolExecutor(3) as pool:
+        tables = list(pool.map(lambda ep: register(spec, ep, 3, hosts[ep]), range(3)))
+    assert all(t == tables[0] for t in tables)
+    assert tables[0].hosts == hosts and len(tables[0].namespace) == 16
+    assert sorted(tables[0].addresses) == [0, 1, 2]
+    assert all(a.startswith("tcp://127.0.0.1:") for a in tables[0].addresses.values())
+    assert len(set(tables[0].addresses.values())) == 3
