@@ -112,6 +112,12 @@ class Engine(OfflineEngine):
     def stopped(self) -> bool:
         return self.runner.stopped
 
+    @property
+    def peers_busy(self) -> bool:
+        """A lockstep rank whose last round ran a step: its peers have work, so the next round
+        follows at once (idle or not, this rank takes part)."""
+        return self.runner.lockstep and self.runner.ran
+
     def request_stop(self) -> None:
         """Stops stepping: at once, or for a rank of a deployment in a round all ranks agree on."""
         self.runner.request_stop()

@@ -113,6 +113,12 @@ class EngineArgs:
         "auto", "combine wire format: auto (the activations' dtype), fp32 or bf16", choices=("auto", "fp32", "bf16")
     )
     comm_timeout: float = opt(30.0, "seconds a rank waits for a peer before failing the step")
+    transport: str = opt(
+        "auto",
+        "data plane between ranks on one machine: auto (shared memory where /dev/shm has room for the rings, "
+        "else ZeroMQ over TCP), shm (shared memory or an error), zmq; ranks on other machines always use ZeroMQ",
+        choices=("auto", "shm", "zmq"),
+    )
     ep_num_redundant_experts: int = opt(
         0,
         "colocated/afd: physical expert slots beyond one per expert, per MoE layer, holding copies of hot "

@@ -11,6 +11,9 @@ own expert compute:
 
 The relay forwards each sender's tokens as soon as that sender's message arrives (recv_any),
 without waiting for the others. fp8 payloads are forwarded as they came, never re-quantized.
+The only FFN rank of its node relays to nobody but itself, so it takes its senders' dispatch
+messages and answers with combine messages itself: the same bytes on every link, without the
+relay threads' hand-overs.
 
 direct: every sender sends its copies straight here; results go straight back, unweighted.
 """
@@ -116,13 +119,16 @@ class TwoStageFfnEndpoint(FfnEndpoint):
 
     def __init__(self, topo: Topology, rank: int, transport: Transport, config: CommConfig = CommConfig()) -> None:
         super().__init__(topo, rank, transport, config)
+        self._alone = len(topo.node_ranks(self.node)) == 1
+        if self._alone:  # the relay's messages are this rank's own
+            self.dispatch_layout, self.return_layout = DISPATCH, COMBINE
         self._relay_out = ThreadPoolExecutor(1, thread_name_prefix=f"relay-dispatch-{rank}")
         self._relay_back = ThreadPoolExecutor(1, thread_name_prefix=f"relay-combine-{rank}")
         self._forwarded: dict[MsgKey, Future] = {}
         self._returning: list[Future] = []
 
     def post_dispatch(self, key: MsgKey) -> None:
-        if key not in self._forwarded:
+        if not self._alone and key not in self._forwarded:
             self._forwarded[key] = self._relay_out.submit(self._relay_dispatch, key)
 
     def recv_dispatch(self, key: MsgKey) -> ExpertBatch:
@@ -135,6 +141,9 @@ class TwoStageFfnEndpoint(FfnEndpoint):
             raise
 
     def _recv_copies(self, key: MsgKey) -> list[Message]:
+        if self._alone:
+            senders = self.topo.senders_of_relay(self.rank)
+            return [self.recv(self.topo.sender_endpoint(s), DISPATCH.kind, key) for s in senders]
         msgs = []
         for relay in self.topo.node_ranks(self.node):
             for _ in self.topo.senders_of_relay(relay):
@@ -143,6 +152,8 @@ class TwoStageFfnEndpoint(FfnEndpoint):
 
     def send_combine(self, batch: ExpertBatch, outputs: torch.Tensor) -> None:
         super().send_combine(batch, outputs)
+        if self._alone:
+            return
         self._check_background()
         self._returning.append(self._relay_back.submit(self._relay_combine, batch.key))
 

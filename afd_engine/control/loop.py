@@ -23,7 +23,7 @@ from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import InvalidRequestError
 
 HEARTBEAT_S = 0.5
-LOCKSTEP_IDLE_MS = 5  # an idle lockstep rank checks for requests this often between agreement rounds
+LOCKSTEP_IDLE_MS = 5  # a lockstep rank with no work anywhere checks for requests this often between rounds
 log = logging.getLogger("afd.engine")
 
 
@@ -88,7 +88,7 @@ class EngineLoop:
         engine = self.engine
         idle_ms = LOCKSTEP_IDLE_MS if engine.lockstep else int(HEARTBEAT_S * 1000)
         while not engine.stopped:
-            self._receive(timeout_ms=0 if engine.has_unfinished() else idle_ms)
+            self._receive(timeout_ms=0 if engine.has_unfinished() or engine.peers_busy else idle_ms)
             updates = engine.step_updates() if engine.lockstep or engine.has_unfinished() else []
             if updates or time.monotonic() - self._last_sent >= HEARTBEAT_S:
                 self._send(msgs.StepOutput(updates, self.stats(), self.rank))

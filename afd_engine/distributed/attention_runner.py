@@ -77,7 +77,7 @@ class PipelineRunner(StepRunner):
             self.timeline.timed("attention", lambda st: st.get("x").shape[0], spec.args.inject_attention_delay_ms),
         )
         self.ops = strategy.arrange(ops.wrap("combine", self.timeline.timed("wait")))
-        self.delays = strategy.delays(self.n)
+        self.strategy = strategy
 
     # -- lockstep --------------------------------------------------------------------------
 
@@ -99,7 +99,8 @@ class PipelineRunner(StepRunner):
         with self.timeline.span("eplb_plan", 0, -1) if eplb_meta["eplb_plan"] else nullcontext():
             self.rebalancer.sync_in(self.step_id, [meta, *metas], loads + [t for m in msgs for t in m.tensors])
         self.stopped = self.want_stop or any(m["stop"] for m in metas)
-        return not self.stopped and mine + sum(m["tokens"] for m in metas) > 0
+        self.ran = not self.stopped and mine + sum(m["tokens"] for m in metas) > 0
+        return self.ran
 
     @property
     def expert_map(self):
@@ -110,13 +111,21 @@ class PipelineRunner(StepRunner):
     def prepare(self, plan: StepPlan) -> PreparedStep:
         inputs = StepInputs.of(plan)
         seqs = inputs.extend + inputs.decode
-        groups = split_micro_batches([len(c.tokens) for c in seqs], self.n)
+        groups = split_micro_batches([len(c.tokens) for c in seqs], self._micro_batches(len(seqs)))
         return PreparedStep(plan, inputs, [self._micro_batch(inputs, g) for g in groups])
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
         with self.timeline.span("step", 0, -1, step.num_tokens):
             return self._run(step.batches)
+
+    def _micro_batches(self, num_seqs: int) -> int:
+        """This step's micro-batch count: --micro-batches, or fewer where a lone attention rank
+        has fewer sequences (an empty micro-batch still costs a message per layer and peer; with
+        several attention ranks the count stays fixed, as they plan their steps apart)."""
+        if len(self.peers) > 0:
+            return self.n
+        return max(1, min(self.n, num_seqs))
 
     def _run(self, micro: list[dict]) -> torch.Tensor:
         with self.timeline.span("eplb_switch", 0, -1) if self.rebalancer.switching else nullcontext():
@@ -126,7 +135,7 @@ class PipelineRunner(StepRunner):
         self.executor.step = self.step_id
         if self.server is not None:
             self.server.step = self.step_id
-        outs = run_micro_batches(self.ops, micro, self.delays)
+        outs = run_micro_batches(self.ops, micro, self.strategy.delays(len(micro)))
         self.rebalancer.end_step()
         self.timeline.end_step(self.step_id)
         self.step_id += 1

@@ -46,34 +46,40 @@ class DescriptorMismatchError(CommError):
     """The attention ranks' step descriptors do not describe the step this FFN rank serves."""
 
 
-def check_descriptors(metas: dict[int, dict], num_micro_batches: int, step: int) -> bool:
-    """metas: attention endpoint -> its descriptor of `step`. True when the step is the shutdown.
+def check_descriptors(metas: dict[int, dict], num_micro_batches: int, step: int) -> int | None:
+    """metas: attention endpoint -> its descriptor of `step`. None when the step is the shutdown,
+    else the step's micro-batch count.
 
     Every descriptor must agree on shutdown, and each working one must give a non-negative token
-    count for each of this deployment's micro-batches: a rank started with another
-    --micro-batches, or a desynchronised one, is an error here instead of a hang in the layers.
+    count per micro-batch, for one to `num_micro_batches` micro-batches (a lone attention rank
+    runs fewer when it has fewer sequences), the same number in every descriptor: a rank started
+    with more --micro-batches, or a desynchronised one, is an error here instead of a hang in the
+    layers.
     """
     shutdown = {ep: bool(m.get("shutdown")) for ep, m in metas.items()}
     if len(set(shutdown.values())) > 1:
         raise DescriptorMismatchError(f"step {step}: attention endpoints disagree on shutdown: {shutdown}")
     if any(shutdown.values()):
-        return True
+        return None
     bad = {ep: m.get("tokens") for ep, m in metas.items() if not _valid_counts(m.get("tokens"), num_micro_batches)}
     if bad:
         raise DescriptorMismatchError(
-            f"step {step}: expected {num_micro_batches} token counts (one per micro-batch) from every attention "
-            f"endpoint, got {bad}: start every role with the same --micro-batches"
+            f"step {step}: expected 1 to {num_micro_batches} token counts (one per micro-batch) from every "
+            f"attention endpoint, got {bad}: start every role with the same --micro-batches"
         )
+    counts = {ep: len(m["tokens"]) for ep, m in metas.items()}
+    if len(set(counts.values())) > 1:
+        raise DescriptorMismatchError(f"step {step}: attention endpoints disagree on the micro-batch count: {counts}")
     for field in ("eplb_plan", "eplb_switch"):
         if len({json.dumps(m.get(field), sort_keys=True) for m in metas.values()}) > 1:
             raise DescriptorMismatchError(f"step {step}: attention endpoints disagree on {field}")
-    return False
+    return next(iter(counts.values()))
 
 
 def _valid_counts(tokens, n: int) -> bool:
     return (
         isinstance(tokens, list)
-        and len(tokens) == n
+        and 1 <= len(tokens) <= n
         and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
     )
 
@@ -110,13 +116,16 @@ class FfnWorker:
                 (lambda st: int((st.get("received").local_ids >= 0).sum()), spec.args.inject_ffn_delay_us_per_token),
             ),
         )
-        self.ops, self.delays = AFD_FFN.arrange(ops, self.n), AFD_FFN.delays(self.n)
+        self.ops = ops
+        self._arranged: dict[int, list[object]] = {}  # micro-batch count -> the arranged operations
 
     def run(self) -> None:
-        while self._next_step():
+        while (count := self._next_step()) is not None:
             self.server.step = self.step_id
+            if count not in self._arranged:
+                self._arranged[count] = AFD_FFN.arrange(self.ops, count)
             with torch.inference_mode():
-                run_micro_batches(self.ops, [{} for _ in range(self.n)], self.delays)
+                run_micro_batches(self._arranged[count], [{} for _ in range(count)], AFD_FFN.delays(count))
             if self._to_stage is not None:
                 self.stager.stage(self._to_stage, self._ready)
                 self._to_stage = None
@@ -126,14 +135,15 @@ class FfnWorker:
         if self.stager is not None:
             self.stager.close()
 
-    def _next_step(self) -> bool:
-        """Waits for every attention rank's descriptor of the next step; False on shutdown."""
+    def _next_step(self) -> int | None:
+        """Waits for every attention rank's descriptor of the next step; its micro-batch count, or
+        None on shutdown."""
         key = MsgKey(self.step_id, STEP_LAYER, 0)
         metas = {ep: self._descriptor(ep, key).meta for ep in self.senders}
-        if check_descriptors(metas, self.n, self.step_id):
-            return False
-        self._rebalance(metas[self.senders[0]])
-        return True
+        count = check_descriptors(metas, self.n, self.step_id)
+        if count is not None:
+            self._rebalance(metas[self.senders[0]])
+        return count
 
     def _rebalance(self, meta: dict) -> None:
         """A descriptor's rebalance parts: stage a new placement (answering every attention rank

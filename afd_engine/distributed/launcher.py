@@ -19,7 +19,7 @@ import tempfile
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
-from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, host_rendezvous, new_namespace
+from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, host_rendezvous, new_namespace, shm_host
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import EngineArgs, usable_cpus
 from afd_engine.errors import ConfigError
@@ -114,12 +114,11 @@ class Deployment:
         ]
 
     def _local_peers(self, n: int) -> PeerTable:
-        """Every endpoint on this machine: shared memory when /dev/shm has room for its rings."""
-        from comm.transport.shm_transport import fits, host_id
+        """Every endpoint on this machine: shared memory unless --transport says otherwise."""
         from comm.transport.zmq_transport import free_tcp_addresses
 
-        host = host_id()
-        if host and fits(n * (n - 1)):
+        host = shm_host(self.args.transport, n * (n - 1))
+        if host:
             self._namespace = new_namespace()
             return PeerTable(hosts=dict.fromkeys(range(n), host), namespace=self._namespace)
         return PeerTable(addresses=dict(enumerate(free_tcp_addresses(n))))

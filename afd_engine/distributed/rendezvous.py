@@ -55,6 +55,25 @@ def new_namespace() -> str:
     return uuid.uuid4().hex[:16]
 
 
+def shm_host(transport: str, num_rings: int) -> str:
+    """The host id this rank offers for shared memory under `--transport` ("" for none): with
+    auto, only where /dev/shm has room for `num_rings` rings; with shm, that or a ConfigError."""
+    from comm.transport.shm_transport import SHM_DIR, fits, host_id
+
+    if transport == "zmq":
+        return ""
+    host = host_id()
+    if host and fits(num_rings):
+        return host
+    if transport == "shm":
+        why = "it needs x86-64 and " if not host else ""
+        raise ConfigError(
+            f"--transport shm: shared memory is not available here ({why}{SHM_DIR} needs room for "
+            f"{num_rings} rings); use --transport auto or zmq"
+        )
+    return ""
+
+
 def local_ip_towards(address: str) -> str:
     """This machine's address on the route to `address` (no packet is sent)."""
     host, port = address.rsplit(":", 1)

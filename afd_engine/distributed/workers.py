@@ -12,14 +12,13 @@ import torch
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.distributed.attention_runner import PipelineRunner
 from afd_engine.distributed.ffn_worker import DescriptorMismatchError, FfnWorker, PeerLostError
-from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, register
+from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, register, shm_host
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine
 from afd_engine.engine_args import EngineArgs
 from afd_engine.eplb.stager import load_shard
 from afd_engine.model_config import ModelConfig
 from comm.transport.base import Transport
-from comm.transport.shm_transport import fits, host_id
 
 
 def _transport(endpoint: int, comm: PeerTable | RendezvousSpec, spec: DeploymentSpec) -> Transport:
@@ -28,7 +27,7 @@ def _transport(endpoint: int, comm: PeerTable | RendezvousSpec, spec: Deployment
     shared memory only where /dev/shm has room for its rings (one each way per possible peer)."""
     if isinstance(comm, RendezvousSpec):
         n = spec.topology.num_endpoints
-        comm = register(comm, endpoint, n, host_id() if fits(2 * n) else "")
+        comm = register(comm, endpoint, n, shm_host(spec.args.transport, 2 * n))
     return comm.transport(endpoint, spec.args.inject_link_delay_ms / 1000)
 
 

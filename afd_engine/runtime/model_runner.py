@@ -134,6 +134,7 @@ class StepRunner(ABC):
 
     def __init__(self) -> None:
         self.stopped = False  # once true the engine loop ends; set by request_stop or an agreed round
+        self.ran = False  # whether the last `begin_step` ran a step (some rank had work)
 
     @abstractmethod
     def begin_step(self, plan: StepPlan) -> bool:

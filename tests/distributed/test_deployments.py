@@ -16,7 +16,7 @@ GREEDY = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
 PROMPT_LENS = (1, 3, 9, 17, 30, 45, 64, 100)
 
 DEPLOYMENTS = {
-    "colocated dp2 mb1": dict(mode="colocated", dp_size=2, micro_batches=1),
+    "colocated dp2 mb1 zmq": dict(mode="colocated", dp_size=2, micro_batches=1, transport="zmq"),
     "colocated dp2 mb2 overlap": dict(mode="colocated", dp_size=2, micro_batches=2, overlap_schedule="on"),
     "afd 1A 1x1 mb1 two-stage": dict(mode="afd", dp_size=1, micro_batches=1),
     "afd 2A 1x2 mb2 direct": dict(mode="afd", dp_size=2, ffn_ranks_per_node=2, micro_batches=2, dispatch="direct"),
@@ -24,7 +24,9 @@ DEPLOYMENTS = {
         mode="afd", dp_size=2, ffn_nodes=2, micro_batches=3, overlap_schedule="on"
     ),
     "afd 2A 2x2 mb4 two-stage": dict(mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, micro_batches=4),
-    "afd 2A 2x2 mb3 direct": dict(mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, dispatch="direct"),
+    "afd 2A 2x2 mb3 direct zmq": dict(
+        mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, dispatch="direct", transport="zmq"
+    ),
 }
 
 

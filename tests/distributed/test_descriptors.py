@@ -7,17 +7,24 @@ import pytest
 from afd_engine.distributed.ffn_worker import DescriptorMismatchError, check_descriptors
 
 
-def test_agreeing_descriptors_pass_and_shutdown_is_reported():
-    assert check_descriptors({0: {"tokens": [3, 0, 5], "shutdown": False}, 1: {"tokens": [0, 0, 0]}}, 3, 7) is False
-    assert check_descriptors({0: {"tokens": [], "shutdown": True}, 1: {"tokens": [], "shutdown": True}}, 3, 7)
+def test_agreeing_descriptors_give_the_micro_batch_count_and_shutdown_gives_none():
+    assert check_descriptors({0: {"tokens": [3, 0, 5], "shutdown": False}, 1: {"tokens": [0, 0, 0]}}, 3, 7) == 3
+    assert check_descriptors({0: {"tokens": [1], "shutdown": False}}, 3, 7) == 1  # a lone rank's one sequence
+    assert check_descriptors({0: {"tokens": [], "shutdown": True}, 1: {"tokens": [], "shutdown": True}}, 3, 7) is None
 
 
 @pytest.mark.parametrize(
     "metas, match",
     [
         (
+            {0: {"tokens": [1, 2, 3, 4], "shutdown": False}, 1: {"tokens": [1, 2, 3], "shutdown": False}},
+            r"step 4: expected 1 to 3 token counts .* got \{0: \[1, 2, 3, 4\]\}: start every role with the same "
+            r"--micro-batches",
+        ),
+        ({0: {"tokens": [], "shutdown": False}}, r"expected 1 to 3 token counts .* got \{0: \[\]\}"),
+        (
             {0: {"tokens": [1, 2], "shutdown": False}, 1: {"tokens": [1, 2, 3], "shutdown": False}},
-            r"step 4: expected 3 token counts .* got \{0: \[1, 2\]\}: start every role with the same --micro-batches",
+            r"step 4: attention endpoints disagree on the micro-batch count: \{0: 2, 1: 3\}",
         ),
         ({0: {"tokens": [1, -2, 3], "shutdown": False}}, r"got \{0: \[1, -2, 3\]\}"),
         ({0: {"tokens": [1, 2, "3"], "shutdown": False}}, r"got \{0: \[1, 2, '3'\]\}"),

@@ -6,7 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from afd_engine.distributed.rendezvous import RendezvousSpec, free_port, host_rendezvous, register
+from afd_engine.distributed.rendezvous import RendezvousSpec, free_port, host_rendezvous, register, shm_host
+from afd_engine.errors import ConfigError
+from comm.transport.shm_transport import host_id
 
 
 @pytest.mark.timeout(60)
@@ -21,3 +23,13 @@ def test_ranks_learn_every_address_and_host_and_one_namespace():
     assert sorted(tables[0].addresses) == [0, 1, 2]
     assert all(a.startswith("tcp://127.0.0.1:") for a in tables[0].addresses.values())
     assert len(set(tables[0].addresses.values())) == 3
+
+
+def test_the_transport_flag_decides_what_a_rank_offers():
+    assert shm_host("auto", 2) == host_id() != ""  # this machine has /dev/shm room for two rings
+    assert shm_host("shm", 2) == host_id()
+    assert shm_host("zmq", 2) == ""
+    too_many = 1 << 40  # rings of 4 MiB: more than any /dev/shm holds
+    assert shm_host("auto", too_many) == ""  # falls back to ZeroMQ
+    with pytest.raises(ConfigError, match=r"--transport shm: shared memory is not available here .*use --transport"):
+        shm_host("shm", too_many)
