@@ -53,7 +53,14 @@ class EngineArgs:
     max_num_batched_tokens: int = opt(2048, "token budget of one step; longer prompts are prefilled in chunks")
     max_running_requests: int = opt(256, "most requests in the running batch at once")
     context_length: int | None = opt(None, "longest prompt + output (default: the model's max_position_embeddings)")
-    num_threads: int | None = opt(None, "torch threads of this process (default: all cores)")
+    num_threads: int | None = opt(
+        None, "torch threads per process (default: the usable cores, shared evenly by the ranks on this machine)"
+    )
+    pin_cores: bool = opt(
+        False,
+        "pin each rank process on this machine to its own cores: the usable cores split evenly, in order "
+        "(no pinning when there are more ranks than cores); the front end is not pinned",
+    )
     seed: int = opt(0, "seed for requests that do not set their own")
     disable_radix_cache: bool = opt(
         False, "do not reuse cached prompt prefixes (every prompt is prefilled in full; freed pages go back at once)"
@@ -270,12 +277,27 @@ class EngineArgs:
         return EngineArgs(**kwargs)
 
 
-def usable_cpus() -> int:
-    """The cores this process may run on (a container's or taskset's limit, not the machine's)."""
+def core_shares(cores: list[int], processes: int) -> list[list[int]] | None:
+    """`processes` disjoint, equal, ordered shares of `cores` (the rest left over); None when there
+    are more processes than cores."""
+    if processes < 1 or processes > len(cores):
+        return None
+    k = len(cores) // processes
+    return [cores[i * k : (i + 1) * k] for i in range(processes)]
+
+
+def usable_core_ids() -> list[int]:
+    """The cores this process may run on (a container's or taskset's limit, not the machine's);
+    empty where the OS has no affinity API (then nothing can be pinned)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API on this OS
-        return os.cpu_count() or 1
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return []
+
+
+def usable_cpus() -> int:
+    """How many cores this process may run on."""
+    return len(usable_core_ids()) or os.cpu_count() or 1
 
 
 def _flag_type(annotation: str):

@@ -6,7 +6,7 @@ At concurrency 1 a deployment has nothing to batch: what it adds to single mode'
 overhead (the agreement round, a descriptor, per layer a dispatch and a combine message per
 micro-batch, Python per message). This measures that overhead as a ratio to single mode, in one
 run, with every server started by `afd serve` and driven by the serving load generator
-(bench_serving, streaming completions, one request at a time).
+(bench_serving, streaming completions, one request at a time). "pinned" runs add --pin-cores.
 
 Single mode runs twice, with 1 and with 2 torch threads (a deployment's ranks get 1 each); the
 faster is the baseline. Each deployment is measured `--repeats` times (each a fresh load of
@@ -35,7 +35,9 @@ DEPLOYMENTS = {  # name -> afd serve flags (--num-threads 1 is start_server's; t
     "afd 1A+1F mb3 shm": "--mode afd --dp-size 1 --micro-batches 3 --transport shm",
     "afd 1A+1F mb1 shm": "--mode afd --dp-size 1 --micro-batches 1 --transport shm",
     "afd 1A+1F mb3 zmq": "--mode afd --dp-size 1 --micro-batches 3 --transport zmq",
+    "afd 1A+1F mb3 shm pinned": "--mode afd --dp-size 1 --micro-batches 3 --transport shm --pin-cores",
     "colocated dp2 shm": "--mode colocated --dp-size 2 --transport shm",
+    "colocated dp2 shm pinned": "--mode colocated --dp-size 2 --transport shm --pin-cores",
     "colocated dp2 zmq": "--mode colocated --dp-size 2 --transport zmq",
 }
 QUICK = ("single 1 thread", "single 2 threads", "afd 1A+1F mb3 shm", "colocated dp2 shm")

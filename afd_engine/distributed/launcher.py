@@ -13,7 +13,9 @@ in flight and exits with a non-zero status (a supervisor restarts it).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 
@@ -21,9 +23,11 @@ from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
 from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, host_rendezvous, new_namespace, shm_host
 from afd_engine.distributed.spec import DeploymentSpec
-from afd_engine.engine_args import EngineArgs, usable_cpus
+from afd_engine.engine_args import EngineArgs, core_shares, usable_core_ids, usable_cpus
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
+
+log = logging.getLogger("afd.launcher")
 
 READY_TIMEOUT_S = 900
 
@@ -76,7 +80,11 @@ class Deployment:
         ctx = mp.get_context("spawn")
         if self.role == "attention":  # the rendezvous lives with the front end, as long as it does
             self._store = host_rendezvous(self.rendezvous)
-        pipes = [self._spawn(ctx, target, kwargs) for target, kwargs in self._ranks()]
+        ranks = self._ranks()
+        shares = (core_shares(usable_core_ids(), len(ranks)) if self.args.pin_cores else None) or [None] * len(ranks)
+        if self.args.pin_cores and shares[0] is None:
+            log.warning("--pin-cores: %d rank processes for fewer cores; not pinned", len(ranks))
+        pipes = [self._spawn(ctx, target, kwargs, cores) for (target, kwargs), cores in zip(ranks, shares)]
         try:
             infos = [_wait_ready(conn, proc) for conn, proc in zip(pipes, self.procs)]
         except BaseException:
@@ -123,11 +131,13 @@ class Deployment:
             return PeerTable(hosts=dict.fromkeys(range(n), host), namespace=self._namespace)
         return PeerTable(addresses=dict(enumerate(free_tcp_addresses(n))))
 
-    def _spawn(self, ctx, target, kwargs: dict):
+    def _spawn(self, ctx, target, kwargs: dict, cores: list[int] | None = None):
         parent, child = ctx.Pipe(duplex=False)
         name = f"afd-{target.__name__.removeprefix('run_')}-{len(self.procs)}"
         proc = ctx.Process(target=target, kwargs={**kwargs, "ready": child}, daemon=True, name=name)
         proc.start()
+        if cores:  # before the new interpreter starts threads: they inherit its main thread's cores
+            os.sched_setaffinity(proc.pid, cores)
         self.procs.append(proc)
         return parent
 

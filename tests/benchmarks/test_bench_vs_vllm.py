@@ -1,5 +1,5 @@
-"""bench_vs_vllm: the script's own logic (arguments, checkpoint config, server commands, greedy
-comparison, the table). Nothing here starts a server or needs vLLM installed."""
+"""bench_vs_vllm and its modules: the script's own logic (arguments, checkpoint config, server
+commands, greedy comparison, the table). Nothing here starts a server or needs vLLM installed."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ from afd_engine.tiny_tokenizer import TokenizerInfo
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_vs_vllm.py"
 
+sys.path.insert(0, str(SCRIPT.parent))  # the script's modules, imported as the script imports them
+import dsv3_checkpoint as ckpt  # noqa: E402
+import greedy_agreement as greedy  # noqa: E402
+import load_levels as levels  # noqa: E402
+import peer_servers as peers  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def bvv():
@@ -31,7 +37,7 @@ def test_defaults_reproduce_the_headline_run(bvv):
     args = bvv.parse_args(["--cores", "0-1"])
     assert args.engines == ["afd", "vllm"] and args.concurrency == [1, 8, 32]
     assert args.core_list == [0, 1] and args.vllm_python == "/work/vllm-venv/bin/python"
-    assert [bvv.num_prompts(c, args) for c in args.concurrency] == [16, 32, 128]
+    assert [levels.num_prompts(c, args) for c in args.concurrency] == [16, 32, 128]
 
 
 def test_quick_and_normalised_arguments(bvv):
@@ -45,52 +51,52 @@ def test_quick_and_normalised_arguments(bvv):
             bvv.parse_args(bad)
 
 
-def test_cpu_lists_round_trip(bvv):
-    assert bvv.parse_cores("0-2,5, 7-8") == [0, 1, 2, 5, 7, 8]
-    assert bvv.format_cores([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
-    assert bvv.format_cores([3]) == "3"
+def test_cpu_lists_round_trip():
+    assert peers.parse_cores("0-2,5, 7-8") == [0, 1, 2, 5, 7, 8]
+    assert peers.format_cores([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
+    assert peers.format_cores([3]) == "3"
 
 
-def test_benchmark_checkpoint_has_deepseek_v3_attention(bvv):
+def test_benchmark_checkpoint_has_deepseek_v3_attention():
     info = TokenizerInfo(vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    config = build_tiny_config("deepseek_v3", info, overrides=bvv.BENCH_MODEL_OVERRIDES)
+    config = build_tiny_config("deepseek_v3", info, overrides=ckpt.BENCH_MODEL_OVERRIDES)
     assert config["kv_lora_rank"] == 512 and config["qk_rope_head_dim"] == 64
     assert config["qk_nope_head_dim"] == 128 and config["v_head_dim"] == 128 and config["q_lora_rank"]
-    assert bvv.has_dsv3_attention(config)
+    assert ckpt.has_dsv3_attention(config)
     shapes = {name: shape for name, shape, _ in tiny_weight_specs(config)}
     heads = config["num_attention_heads"]
     assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, config["hidden_size"])
     assert shapes["model.layers.0.self_attn.kv_b_proj.weight"] == (heads * (128 + 128), 512)
     tiny = build_tiny_config("deepseek_v3", info)
-    assert not bvv.has_dsv3_attention(tiny)  # the default tiny preset is what vLLM refuses
+    assert not ckpt.has_dsv3_attention(tiny)  # the default tiny preset is what vLLM refuses
 
 
-def test_an_existing_checkpoint_is_reused_not_rewritten(bvv, tmp_path, capsys):
+def test_an_existing_checkpoint_is_reused_not_rewritten(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"kv_lora_rank": 32, "qk_rope_head_dim": 8}))
-    assert bvv.prepare_model(str(tmp_path), tmp_path / "unused") == tmp_path
+    assert ckpt.prepare_model(str(tmp_path), tmp_path / "unused") == tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
     assert "DeepSeek-V3's attention dimensions" in capsys.readouterr().err
 
 
-def test_both_servers_get_the_same_cores_and_model(bvv):
+def test_both_servers_get_the_same_cores_and_model():
     model, cores = Path("/m"), [0, 1]
-    afd = bvv.afd_spec("/py", model, 1234, cores)
+    afd = peers.afd_spec("/py", model, 1234, cores)
     assert afd.cmd[:4] == ["/py", "-m", "afd_engine.cli", "serve"]
     assert afd.cmd[afd.cmd.index("--num-threads") + 1] == "2" and afd.cmd[afd.cmd.index("--model-path") + 1] == "/m"
-    vllm = bvv.vllm_spec("/v/py", model, 1235, cores, kv_cache_gib=3, preload="/lib/a.so")
+    vllm = peers.vllm_spec("/v/py", model, 1235, cores, kv_cache_gib=3, preload="/lib/a.so")
     assert vllm.cmd[:3] == ["/v/py", "-m", "vllm.entrypoints.openai.api_server"]
     assert vllm.cmd[vllm.cmd.index("--model") + 1] == "/m" and vllm.cmd[vllm.cmd.index("--dtype") + 1] == "float32"
     assert vllm.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and vllm.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert vllm.env["LD_PRELOAD"] == "/lib/a.so"
-    assert "LD_PRELOAD" not in bvv.vllm_spec("/v/py", model, 1, cores, 2).env
+    assert "LD_PRELOAD" not in peers.vllm_spec("/v/py", model, 1, cores, 2).env
     for spec in (afd, vllm):
-        assert spec.cmd[spec.cmd.index("--served-model-name") + 1] == bvv.SERVED_NAME
+        assert spec.cmd[spec.cmd.index("--served-model-name") + 1] == peers.SERVED_NAME
 
 
-def test_load_is_greedy_fixed_length_and_seeded(bvv):
-    import bench_serving  # on sys.path once the script is loaded
+def test_load_is_greedy_fixed_length_and_seeded():
+    import bench_serving  # on sys.path, as for the script
 
-    args = bench_serving.parse_args(bvv.load_argv("http://h:1", 8, 32, 16, 64, seed=9))
+    args = bench_serving.parse_args(levels.load_argv("http://h:1", 8, 32, 16, 64, seed=9))
     assert (args.backend, args.dataset_name, args.temperature, args.random_range_ratio) == (
         "completions",
         "random-ids",
@@ -98,23 +104,23 @@ def test_load_is_greedy_fixed_length_and_seeded(bvv):
         1.0,
     )
     assert (args.max_concurrency, args.num_prompts, args.random_input_len, args.random_output_len) == (8, 32, 16, 64)
-    assert args.seed == 9 and args.model == bvv.SERVED_NAME
+    assert args.seed == 9 and args.model == peers.SERVED_NAME
 
 
 def test_greedy_requests_and_comparison(bvv):
-    prompts = bvv.agreement_prompts(3, 5)
-    assert prompts == bvv.agreement_prompts(3, 5) and all(len(p) == 5 and min(p) >= 5 for p in prompts)
-    path, body = bvv.greedy_request("afd", [7, 8], 4)
+    prompts = greedy.agreement_prompts(3, 5)
+    assert prompts == greedy.agreement_prompts(3, 5) and all(len(p) == 5 and min(p) >= 5 for p in prompts)
+    path, body = greedy.greedy_request("afd", [7, 8], 4)
     assert path == "/generate" and body["sampling_params"]["temperature"] == 0.0
-    path, body = bvv.greedy_request("vllm", [7, 8], 4)
+    path, body = greedy.greedy_request("vllm", [7, 8], 4)
     assert path == "/v1/completions" and body["return_token_ids"] and body["prompt"] == [7, 8]
-    assert bvv.greedy_ids("afd", {"output_ids": [1, 2]}) == [1, 2]
-    assert bvv.greedy_ids("vllm", {"choices": [{"token_ids": [3]}]}) == [3]
+    assert greedy.greedy_ids("afd", {"output_ids": [1, 2]}) == [1, 2]
+    assert greedy.greedy_ids("vllm", {"choices": [{"token_ids": [3]}]}) == [3]
 
-    assert bvv.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert bvv.first_divergence([1, 2, 3], [1, 9, 3]) == 1
-    assert bvv.first_divergence([1, 2], [1, 2, 3]) == 2
-    agreement = bvv.compare_greedy([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]])
+    assert greedy.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert greedy.first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert greedy.first_divergence([1, 2], [1, 2, 3]) == 2
+    agreement = greedy.compare_greedy([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]])
     assert agreement == {
         "prompts": 2,
         "identical": 1,
@@ -163,40 +169,40 @@ def test_missing_vllm_python_is_a_usage_error(bvv, tmp_path, capsys):
     assert not (tmp_path / "o.json").exists()
 
 
-def test_other_work_is_busy_time_not_spent_by_the_measurement(bvv):
-    before = bvv.CpuSample(wall=10.0, busy=100.0, ours=40.0)
+def test_other_work_is_busy_time_not_spent_by_the_measurement():
+    before = peers.CpuSample(wall=10.0, busy=100.0, ours=40.0)
     # 2 s on 2 cores: 3.5 s busy, 3 s of it ours -> 0.5 s of 4 s was other work
-    after = bvv.CpuSample(wall=12.0, busy=103.5, ours=43.0)
-    assert bvv.other_work_share(before, after, n_cores=2) == pytest.approx(0.125)
-    assert bvv.other_work_share(before, bvv.CpuSample(12.0, 101.0, 43.0), 2) == 0.0  # never negative
-    assert bvv.other_work_share(None, after, 2) is None
-    sample = bvv.cpu_sample([0], session=None)
+    after = peers.CpuSample(wall=12.0, busy=103.5, ours=43.0)
+    assert peers.other_work_share(before, after, n_cores=2) == pytest.approx(0.125)
+    assert peers.other_work_share(before, peers.CpuSample(12.0, 101.0, 43.0), 2) == 0.0  # never negative
+    assert peers.other_work_share(None, after, 2) is None
+    sample = peers.cpu_sample([0], session=None)
     assert sample is None or sample.busy >= 0 and sample.ours > 0
 
 
-def test_vllm_preload_resolution(bvv, tmp_path, monkeypatch):
+def test_vllm_preload_resolution(tmp_path, monkeypatch):
     python = tmp_path / "venv" / "bin" / "python"
     (tmp_path / "venv" / "lib").mkdir(parents=True)
     tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
-    monkeypatch.setattr(bvv, "TCMALLOC_PATHS", (str(tmp_path / "missing.so"), str(tcmalloc)))
-    assert bvv.resolve_preload("auto", str(python)) == ""
+    monkeypatch.setattr(peers, "TCMALLOC_PATHS", (str(tmp_path / "missing.so"), str(tcmalloc)))
+    assert peers.resolve_preload("auto", str(python)) == ""
     tcmalloc.write_bytes(b"")
     (tmp_path / "venv" / "lib" / "libiomp5.so").write_bytes(b"")
-    assert bvv.resolve_preload("auto", str(python)) == f"{tcmalloc}:{tmp_path}/venv/lib/libiomp5.so"
-    assert bvv.resolve_preload("none", str(python)) == ""
-    assert bvv.resolve_preload("/x.so", str(python)) == "/x.so"
+    assert peers.resolve_preload("auto", str(python)) == f"{tcmalloc}:{tmp_path}/venv/lib/libiomp5.so"
+    assert peers.resolve_preload("none", str(python)) == ""
+    assert peers.resolve_preload("/x.so", str(python)) == "/x.so"
 
 
 def test_repeats_use_fresh_prompts_and_the_fastest_is_reported(bvv):
     args = bvv.parse_args(["--seed", "5"])
-    seeds = {bvv.load_seed(args, c, r) for c in args.concurrency for r in range(args.repeats)}
+    seeds = {levels.load_seed(args, c, r) for c in args.concurrency for r in range(args.repeats)}
     assert len(seeds) == len(args.concurrency) * args.repeats == 9
     samples = [
         {"concurrency": 8, "output_tok_s": 90.0, "tpot_p50_ms": 30.0, "failed": 0},
         {"concurrency": 8, "output_tok_s": 120.0, "tpot_p50_ms": 20.0, "failed": 1},
         {"concurrency": 8, "output_tok_s": 100.0, "tpot_p50_ms": 25.0, "failed": 0},
     ]
-    best = bvv.best_point(samples)
+    best = levels.best_point(samples)
     assert best["output_tok_s"] == 120.0 and best["tpot_p50_ms"] == 20.0  # TPOT of the same repeat
     assert best["samples_tok_s"] == [90.0, 120.0, 100.0] and best["failed"] == 1
     assert bvv.parse_args(["--quick"]).repeats == 1

@@ -1,0 +1,33 @@
+"""--pin-cores: each rank process of a deployment on one machine runs on its own share of the cores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from afd_engine import SamplingParams, make_engine
+from afd_engine.engine_args import core_shares, usable_core_ids
+
+
+def test_core_shares_split_the_cores_evenly_in_order():
+    assert core_shares([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert core_shares([0, 1, 2], 2) == [[0], [1]]  # core 2 is left to the front end
+    assert core_shares([4, 6], 1) == [[4, 6]]
+    assert core_shares([0, 1], 3) is None  # more ranks than cores: not pinned
+    assert core_shares([], 1) is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pin", [True, False])
+def test_rank_processes_run_on_their_share_of_the_cores(pin, tiny_v3):
+    cores = usable_core_ids()
+    shares = core_shares(cores, 2) if pin else None
+    expected = [set(s) for s in shares] if shares else [set(cores)] * 2
+    with make_engine(model_path=tiny_v3, mode="afd", dp_size=1, micro_batches=1, pin_cores=pin) as engine:
+        procs = engine.deployment.procs  # the FFN rank, then the attention rank
+        assert [os.sched_getaffinity(p.pid) for p in procs] == expected
+        out = engine.generate(
+            prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=3, ignore_eos=True)
+        )
+        assert len(out[0].token_ids) == 3
