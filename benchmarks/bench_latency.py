@@ -75,11 +75,11 @@ def summarize(results: dict[str, dict]) -> dict:
 
 
 def report(results: dict[str, dict], baseline: str) -> str:
-    lines = [f"{'deployment':<20} {'TPOT p50 ms':>11} {'x single':>9}  repeats (ms)"]
+    lines = [f"{'deployment':<26} {'TPOT p50 ms':>11} {'x single':>9}  repeats (ms)"]
     for name, r in results.items():
         reps = " ".join(f"{t:.2f}" for t in r["repeats_ms"])
         mark = "  (baseline)" if name == baseline else ""
-        lines.append(f"{name:<20} {r['tpot_p50_ms']:>11.2f} {r['vs_single']:>9.2f}  {reps}{mark}")
+        lines.append(f"{name:<26} {r['tpot_p50_ms']:>11.2f} {r['vs_single']:>9.2f}  {reps}{mark}")
     return "\n".join(lines)
 
 
