@@ -221,6 +221,8 @@ class TwoStageFfnEndpoint(FfnEndpoint):
         bounded by the receive timeout), so results already computed still reach their senders."""
         self._relay_out.shutdown(wait=drain, cancel_futures=not drain)
         self._relay_back.shutdown(wait=drain, cancel_futures=not drain)
+        if drain:  # a relay job that failed while draining: its senders never got their results
+            self._check_background()
 
 
 def ffn_endpoint(topo: Topology, rank: int, transport: Transport, config: CommConfig = CommConfig()) -> FfnEndpoint:

@@ -41,9 +41,24 @@ def run_endpoint(
         stats = (ffn if not is_sender else sender).stats.as_dict()
         results.put(("ok", endpoint, out, stats))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
-        results.put(("error", endpoint, traceback.format_exc(), None))
+        results.put(("error", endpoint, traceback.format_exc() + _state(transport), None))
     finally:
         transport.close()
+
+
+def _state(transport) -> str:
+    """What a shared-memory endpoint holds when it fails: unread bytes per incoming ring, the
+    messages waiting in its inbox per channel, whether a thread is pumping and who waits."""
+    readers = getattr(transport, "_readers", None)
+    if readers is None:
+        return ""
+    inbox = transport._inbox
+    rings = {r.ring.path.rsplit("-", 1)[-1]: (r.ring.readable(), r._view is not None) for r in readers}
+    queued = {f"{src}/{kind}": [str(m.key) for _, m in q] for (src, kind), q in inbox._channels.items() if q}
+    waiting = [(sorted(w.channels), w.pumps) for w in inbox._waiters]
+    return (
+        f"rings (unread bytes, mid-frame): {rings}\nqueued: {queued}\npumping: {inbox._pumping}\nwaiters: {waiting}\n"
+    )
 
 
 __all__ = ["run_endpoint", "sender_work"]
