@@ -12,10 +12,12 @@ thread, then the waiter), where ZeroMQ over TCP costs its I/O threads, our recei
 the waiter.
 
 `pump_in_waiter=True` lets the thread waiting in `recv` read the rings itself instead (the pump
-of `Inbox.take`: one wake-up per message). It is off by default and not used by deployments: in a
-stress run of tests/comm/test_dispatch_processes.py (three runs at once on two cores) it lost
-messages between the threads of a two-stage relay, about one run in seven, and the cause is not
-found yet; the receiver thread passed the same stress.
+of `Inbox.take`: one wake-up per message). It is off by default and not used by deployments: with
+three runs of tests/comm/test_dispatch_processes.py at once on two cores and a 20 s receive
+timeout, a message between the threads of a two-stage relay came in after the timeout in about
+one run in seven (the receiver thread: once in fifteen, at the first key, maybe a slow start);
+with 90 s both passed twelve of twelve. Whether that is a stall under overload or a lost wake-up
+is not settled.
 
 Same semantics as the other transports (base.py):
   * send never blocks on the peer: what does not fit in the ring waits in this process and a
