@@ -26,6 +26,20 @@ def afd_run(*args: str, env=None, timeout: float = 300) -> subprocess.CompletedP
     )
 
 
+def load_bench(script: str):
+    """benchmarks/SCRIPT imported as a module of its own name (registered in sys.modules: dataclasses
+    look their module up there), for tests of its pure functions."""
+    import importlib.util
+
+    name = script.removesuffix(".py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def bench_run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`python benchmarks/SCRIPT ARGS` from the repository root to completion; fails the test with
     the end of its output when it exits non-zero."""

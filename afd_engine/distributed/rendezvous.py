@@ -103,9 +103,9 @@ def host_rendezvous(spec: RendezvousSpec):
     return store
 
 
-def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int, shm_host: str = "") -> PeerTable:
-    """Announces `endpoint` at a fresh port of this machine and on `shm_host` (its host id for shared
-    memory, "" for none); returns where all `num_endpoints` endpoints are."""
+def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int, host_id: str = "") -> PeerTable:
+    """Announces `endpoint` at a fresh port of this machine and on `host_id` (its host for shared
+    memory, see `shm_host`; "" for none); returns where all `num_endpoints` endpoints are."""
     from torch.distributed import TCPStore
 
     host, port = spec.address.rsplit(":", 1)
@@ -118,7 +118,7 @@ def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int, shm_host: 
             f"within {spec.timeout:.0f} s: start every role with the same --dist-init-addr, and the "
             "attention role (which hosts it) on that address"
         ) from None
-    store.set(_HOST_KEY.format(endpoint), shm_host)
+    store.set(_HOST_KEY.format(endpoint), host_id)
     store.set(_KEY.format(endpoint), f"tcp://{spec.host_ip}:{free_port(spec.host_ip)}")  # last: see _peers
     keys = [_KEY.format(i) for i in range(num_endpoints)]
     try:

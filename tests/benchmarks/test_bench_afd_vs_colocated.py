@@ -4,14 +4,13 @@ quick run of both real deployments, end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.process_helpers import bench_run
+from tests.process_helpers import bench_run, load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_afd_vs_colocated.py"
@@ -20,12 +19,8 @@ COLO, AFD = "colocated dp2", "afd 1A + 1F"
 
 @pytest.fixture(scope="module")
 def avc():
-    spec = importlib.util.spec_from_file_location("bench_afd_vs_colocated", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield load_bench(SCRIPT.name)
+    sys.modules.pop("bench_afd_vs_colocated", None)
 
 
 def fake(avc, tpot_ms, failed_from: int | None = None):

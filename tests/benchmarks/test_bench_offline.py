@@ -3,7 +3,6 @@ engine's greedy tokens identical to transformers' on every request (no speed thr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -11,15 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.process_helpers import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_offline.py"
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_offline", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(SCRIPT.name)
 
 
 def test_decode_time_pairs_prefill_and_total_of_one_repeat():

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.process_helpers import bench_run
+from tests.process_helpers import bench_run, load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_prefix_cache.py"
@@ -44,10 +43,7 @@ def test_quick_run_writes_every_figure(tmp_path, tiny_v3):
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_prefix_cache", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(SCRIPT.name)
 
 
 def _run(tok_s: float, ttft_ms: float, hit: float) -> dict:

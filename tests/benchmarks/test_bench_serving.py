@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.process_helpers import load_bench
 from tests.server.conftest import Server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,13 +109,7 @@ def test_rate_concurrency_goodput(server, tmp_path):
 
 
 def _module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(SCRIPT.name)
 
 
 def test_lengths_and_arrivals():

@@ -4,15 +4,13 @@ OpenAI's error JSON, and ends with no KV page in use and every process alive."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.process_helpers import bench_run
+from tests.process_helpers import bench_run, load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 # every kind of malformed request the soak must send (stated here, not read from the bench)
@@ -61,11 +59,7 @@ def test_quick_soak_is_clean(tmp_path, tiny_v3, mode):
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "benchmarks" / "bench_soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_soak"] = module  # its dataclass looks its module up while being defined
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_soak.py")
 
 
 def test_sse_reader_keeps_unicode_line_separators_inside_an_event():

@@ -3,7 +3,6 @@ commands, greedy comparison, the table). Nothing here starts a server or needs v
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from afd_engine.tiny_model import build_tiny_config, tiny_weight_specs
 from afd_engine.tiny_tokenizer import TokenizerInfo
+from tests.process_helpers import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_vs_vllm.py"
@@ -25,12 +25,8 @@ import peer_servers as peers  # noqa: E402
 
 @pytest.fixture(scope="module")
 def bvv():
-    spec = importlib.util.spec_from_file_location("bench_vs_vllm", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield load_bench(SCRIPT.name)
+    sys.modules.pop("bench_vs_vllm", None)
 
 
 def test_defaults_reproduce_the_headline_run(bvv):
