@@ -91,7 +91,11 @@ class EngineArgs:
         choices=("auto", "cpu", "cuda"),
     )
     base_gpu_id: int = opt(0, "cuda: the first GPU; rank i of a deployment takes GPU base + i")
-    attention_backend: str = opt("torch", "attention kernels of attention ranks, by name (kernels/registry.py)")
+    attention_backend: str = opt(
+        "cpu",
+        "attention kernels of attention ranks, by name (kernels/registry.py); cpu: the torch reference with "
+        "a C decode kernel for fp32 CPU tensors",
+    )
     moe_backend: str = opt(
         "torch", "routed-expert kernels of the ranks that hold experts, by name (kernels/registry.py)"
     )

@@ -1,4 +1,4 @@
-"""The paged decode inputs the triton attention kernel tests share."""
+"""The paged decode inputs the attention kernel tests share."""
 
 from __future__ import annotations
 
@@ -29,3 +29,18 @@ def paged_kv(kv_lens: list[int], page_size: int, g: torch.Generator, extra_colum
     bias = torch.zeros(slots.shape).masked_fill_(~kv_valid, float("-inf"))[:, None]
     kv = PagedKV(slots.to(DEVICE), bias.to(DEVICE), pages.to(DEVICE), lens.to(DEVICE), page_size)
     return kv, 1 + used + poison
+
+
+def make_mla_case(kv_lens, page_size, heads, C, R, Dn, Dv, dtype, seed=0):
+    """Random decode inputs with O(1) scores: (q_nope, q_pe, cache, kv, w_kv_b, scale)."""
+    g = torch.Generator().manual_seed(seed)
+    kv, num_pages = paged_kv(kv_lens, page_size, g)
+    cache = torch.randn(num_pages * page_size, C + R, generator=g)
+    owned = torch.zeros(len(cache), dtype=torch.bool)
+    owned[kv.slots.cpu().flatten()] = True  # every sequence token, and slot 0 (the padding slot)
+    cache[~owned] = float("nan")
+    B = len(kv_lens)
+    q_nope, q_pe = torch.randn(B, heads, Dn, generator=g), torch.randn(B, heads, R, generator=g)
+    w_kv_b = torch.randn(heads * (Dn + Dv), C, generator=g) * C**-0.5
+    tensors = [t.to(DEVICE, dtype) for t in (q_nope, q_pe, cache, w_kv_b)]
+    return (*tensors[:3], kv, tensors[3], (Dn + R) ** -0.5)

@@ -12,7 +12,7 @@ import torch
 
 from kernels.mla import PagedKV, TorchMLA
 from kernels.triton.mla import MAX_SPLITS, TritonMLA, num_splits_for
-from tests.kernels.paged import DEVICE, paged_kv
+from tests.kernels.paged import DEVICE, make_mla_case
 
 TINY = {"heads": 4, "C": 32, "R": 8, "Dn": 16, "Dv": 16}
 V3 = {"C": 512, "R": 64, "Dn": 128, "Dv": 128}  # DeepSeek-V3's head dims
@@ -20,24 +20,9 @@ RAGGED = [1, 5, 17, 100]
 TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-5}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
 
 
-def make_case(kv_lens, page_size, heads, C, R, Dn, Dv, dtype, seed=0):
-    """Random decode inputs with O(1) scores: (q_nope, q_pe, cache, kv, w_kv_b, scale)."""
-    g = torch.Generator().manual_seed(seed)
-    kv, num_pages = paged_kv(kv_lens, page_size, g)
-    cache = torch.randn(num_pages * page_size, C + R, generator=g)
-    owned = torch.zeros(len(cache), dtype=torch.bool)
-    owned[kv.slots.cpu().flatten()] = True  # every sequence token, and slot 0 (the padding slot)
-    cache[~owned] = float("nan")
-    B = len(kv_lens)
-    q_nope, q_pe = torch.randn(B, heads, Dn, generator=g), torch.randn(B, heads, R, generator=g)
-    w_kv_b = torch.randn(heads * (Dn + Dv), C, generator=g) * C**-0.5
-    tensors = [t.to(DEVICE, dtype) for t in (q_nope, q_pe, cache, w_kv_b)]
-    return (*tensors[:3], kv, tensors[3], (Dn + R) ** -0.5)
-
-
 def decode_both(kv_lens, page_size, dims, dtype, num_splits=None, seed=0):
     """(triton output, torch reference output) of one decode step."""
-    q_nope, q_pe, cache, kv, w_kv_b, scale = make_case(kv_lens, page_size, **dims, dtype=dtype, seed=seed)
+    q_nope, q_pe, cache, kv, w_kv_b, scale = make_mla_case(kv_lens, page_size, **dims, dtype=dtype, seed=seed)
     H, Dn, Dv = dims["heads"], dims["Dn"], dims["Dv"]
     w_uk, w_uv = TorchMLA().absorb(w_kv_b, H, Dn, Dv)
     ref = TorchMLA().decode(q_nope, q_pe, cache, kv, w_uk, w_uv, scale)
@@ -95,7 +80,7 @@ def test_decode_more_splits_than_blocks():
 
 
 def test_decode_empty_batch():
-    q_nope, q_pe, cache, _, w_kv_b, scale = make_case([1], 16, **TINY, dtype=torch.float32)
+    q_nope, q_pe, cache, _, w_kv_b, scale = make_mla_case([1], 16, **TINY, dtype=torch.float32)
     empty = torch.zeros(0, 1, dtype=torch.int64, device=DEVICE)
     kv = PagedKV(None, None, empty, torch.zeros(0, dtype=torch.int64, device=DEVICE), 16)
     w_uk, w_uv = TritonMLA().absorb(w_kv_b, 4, 16, 16)
@@ -109,7 +94,7 @@ def test_num_splits_heuristic():
 
 def test_extend_matches_reference():
     """Extend is delegated to the torch reference: same output through the same interface."""
-    q_nope, q_pe, cache, kv, w_kv_b, scale = make_case([5, 17], 16, **TINY, dtype=torch.float32)
+    q_nope, q_pe, cache, kv, w_kv_b, scale = make_mla_case([5, 17], 16, **TINY, dtype=torch.float32)
     q_nope = torch.randn(2, 3, 4, 16, device=DEVICE)
     q_pe = torch.randn(2, 3, 4, 8, device=DEVICE)
     q_positions = torch.tensor([[2, 3, 4], [14, 15, 16]], device=DEVICE)

@@ -1,0 +1,110 @@
+"""The C kernels of kernels/csrc: compiled on first use with the machine's C compiler, loaded with
+ctypes, cached on disk.
+
+A library is built once per source, compiler and CPU (`-O3 -march=native -fopenmp`) into
+$AFD_KERNEL_CACHE (default ~/.cache/afd-engine/kernels; a directory under the system's temporary
+one where that is not writable) and reused by every later process. It links
+OpenMP's libgomp.so.1: torch has loaded its own copy of that library by then, so the kernels run on
+the same thread pool as torch's operators. Where no compiler is found, the build fails or
+AFD_NATIVE_KERNELS=0 is set, `library` returns None (with one warning) and the backends fall back
+to their torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp first: see above)
+
+log = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+COMPILE_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("AFD_KERNEL_CACHE"):
+        return Path(os.environ["AFD_KERNEL_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "afd-engine" / "kernels"
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """kernels/csrc/<name>.c as a loaded library, built if needed; None where it cannot be."""
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(name)
+        return _loaded[name]
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    if os.environ.get("AFD_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler or not shutil.which(compiler):
+        log.warning("no C compiler (cc, gcc or $CC): the %s kernel runs as torch code instead", name)
+        return None
+    source = SOURCES / f"{name}.c"
+    try:
+        path = _built(source, compiler)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("the %s kernel could not be built or loaded (%s): it runs as torch code instead", name, exc)
+        return None
+
+
+def _built(source: Path, compiler: str) -> Path:
+    """The library of `source` in the cache directory, compiled there first if it is not yet."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), version.encode(), _cpu_id()):
+        key.update(part)
+    name = f"{source.stem}-{key.hexdigest()[:16]}.so"
+    for out_dir in (cache_dir(), Path(tempfile.gettempdir()) / f"afd-engine-kernels-{os.getuid()}"):
+        if (out_dir / name).exists():
+            return out_dir / name
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if os.access(out_dir, os.W_OK):
+                break
+        except OSError:
+            continue  # an unwritable cache directory: build in the temporary one
+    path = out_dir / name
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{source.stem}-", suffix=".so")
+    os.close(fd)
+    try:
+        res = subprocess.run(
+            [compiler, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
+        )
+        if res.returncode != 0:
+            raise OSError(f"{compiler} exited with {res.returncode}: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)  # atomic: processes building at once each install a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built %s", path)
+    return path
+
+
+def _cpu_id() -> bytes:
+    """What -march=native depends on: the machine and its CPU's feature flags."""
+    flags = b""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            flags = next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        pass
+    return platform.machine().encode() + flags

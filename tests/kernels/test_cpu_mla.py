@@ -1,0 +1,144 @@
+"""CpuMLA (kernels/cpu_mla.py, the C decode core of kernels/csrc/mla_decode.c) against the torch
+reference, and how the C library is built, cached and done without.
+
+The inputs scramble the page order and fill every cache row no sequence owns (and the page table's
+padding entries' pages) with NaN: a kernel that ignores the page table or reads past kv_lens
+returns NaN or another sequence's tokens. The kernel gets no slot table or bias.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.cpu_mla import CpuMLA, heads_per_task
+from kernels.mla import TorchMLA
+from tests.kernels.paged import make_mla_case
+
+V3 = {"C": 512, "R": 64, "Dn": 128, "Dv": 128}  # DeepSeek-V3's head dims
+SMALL = {"C": 24, "R": 8, "Dn": 16, "Dv": 12}  # sizes no vector width divides
+
+
+def decode_both(kv_lens, page_size, heads, dims, dtype=torch.float32, seed=0, slot_tables=False):
+    """(CpuMLA output, TorchMLA output) of one decode step on CPU tensors; CpuMLA gets the page table
+    only, or with `slot_tables` the reference's slot table and bias too (what its fallback reads)."""
+    q_nope, q_pe, cache, kv, w_kv_b, scale = (
+        t.cpu() if isinstance(t, torch.Tensor) else t
+        for t in make_mla_case(kv_lens, page_size, heads, **dims, dtype=dtype, seed=seed)
+    )
+    kv = kv._replace(**{k: getattr(kv, k).cpu() for k in ("slots", "bias", "pages", "kv_lens")})
+    cpu = CpuMLA()
+    w_uk, w_uv = cpu.absorb(w_kv_b, heads, dims["Dn"], dims["Dv"])
+    ref = TorchMLA().decode(q_nope, q_pe, cache, kv, w_uk, w_uv, scale)
+    out = cpu.decode(q_nope, q_pe, cache, kv if slot_tables else kv._replace(slots=None, bias=None), w_uk, w_uv, scale)
+    return out, ref
+
+
+def test_the_kernel_is_built_where_a_c_compiler_is():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine: CpuMLA runs the torch reference (tested below)")
+    assert CpuMLA().native
+
+
+@pytest.mark.parametrize(
+    "kv_lens,page_size,heads",
+    [
+        ([1, 5, 17, 100], 1, 4),  # one token per page
+        ([1, 5, 17, 100], 16, 6),  # heads not a multiple of four
+        ([31, 32, 33, 64, 65], 16, 4),  # around the kernel's 32-token blocks
+        ([40, 200], 64, 3),  # pages longer than a block
+        ([130], 16, 16),  # one sequence: its heads are split over the threads
+    ],
+)
+def test_decode_matches_the_reference_with_deepseek_v3_dims(kv_lens, page_size, heads):
+    out, ref = decode_both(kv_lens, page_size, heads, V3)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_matches_the_reference_at_odd_sizes():
+    out, ref = decode_both([3, 9, 1, 27, 50, 7, 2, 11, 64], 4, 5, SMALL, seed=1)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_heads_per_task_fills_the_threads():
+    assert heads_per_task(batch=32, heads=4, threads=2) == 4  # one task per sequence
+    assert heads_per_task(batch=1, heads=4, threads=2) == 1  # four tasks for two threads
+    assert heads_per_task(batch=1, heads=128, threads=8) == 8  # 16 tasks
+    assert heads_per_task(batch=64, heads=256, threads=2) == 128  # at most the kernel's limit
+    assert heads_per_task(batch=3, heads=1, threads=16) == 1
+
+
+def test_other_dtypes_run_the_reference():
+    out, ref = decode_both([5, 17], 16, 4, V3, dtype=torch.bfloat16, slot_tables=True)
+    assert torch.equal(out, ref)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """No library loaded in this process, and an empty cache directory."""
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("AFD_KERNEL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_without_a_compiler_decode_runs_the_reference(fresh_build, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        cpu = CpuMLA()
+    assert not cpu.native
+    assert "no C compiler" in caplog.text and "mla_decode" in caplog.text
+    out, ref = decode_both([5, 17], 16, 4, V3, slot_tables=True)  # the reference's own result
+    assert torch.equal(out, ref)
+
+
+def test_native_kernels_can_be_switched_off(fresh_build, monkeypatch):
+    monkeypatch.setenv("AFD_NATIVE_KERNELS", "0")
+    assert not CpuMLA().native
+
+
+def test_a_failed_build_runs_the_reference(fresh_build, monkeypatch, tmp_path, caplog):
+    bad = tmp_path / "src"
+    bad.mkdir()
+    (bad / "mla_decode.c").write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCES", bad)
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native.library("mla_decode") is None
+    assert "could not be built" in caplog.text and "exited with" in caplog.text
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_the_library_is_built_once_and_reused(fresh_build, monkeypatch):
+    assert native.library("mla_decode") is not None
+    (built,) = fresh_build.glob("mla_decode-*.so")
+    assert not list(fresh_build.glob(".mla_decode-*"))  # no temporary file left behind
+    stamp = built.stat().st_mtime_ns
+    monkeypatch.setattr(native, "_loaded", {})  # as a new process would
+    monkeypatch.setattr(native.subprocess, "run", _no_compiler_run(native.subprocess.run))
+    assert native.library("mla_decode") is not None
+    assert built.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_an_unwritable_cache_directory_builds_in_the_temporary_one(fresh_build, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("AFD_KERNEL_CACHE", str(blocker / "kernels"))  # cannot be made
+    monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert native.library("mla_decode") is not None
+    assert list((tmp_path / "tmp").glob("afd-engine-kernels-*/mla_decode-*.so"))
+
+
+def _no_compiler_run(run):
+    """subprocess.run that allows `cc --version` only: a second compile would fail the test."""
+
+    def guarded(cmd, *args, **kwargs):
+        assert "--version" in cmd, f"compiled again: {cmd}"
+        return run(cmd, *args, **kwargs)
+
+    return guarded
