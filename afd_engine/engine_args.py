@@ -94,7 +94,7 @@ class EngineArgs:
     attention_backend: str = opt(
         "cpu",
         "attention kernels of attention ranks, by name (kernels/registry.py); cpu: the torch reference with "
-        "a C decode kernel for fp32 CPU tensors",
+        "a C decode attention kernel (MLA and GQA) for fp32 CPU tensors",
     )
     moe_backend: str = opt(
         "torch", "routed-expert kernels of the ranks that hold experts, by name (kernels/registry.py)"

@@ -5,8 +5,9 @@ to "module:factory" and imports the module only when that backend is chosen, so 
 imports (triton, CUDA extensions) never run on a machine that does not ask for it.
 
     name      attention (MLA)              MoE
-    cpu       kernels.cpu_mla.CpuMLA       -                             C decode core for fp32 CPU
-                                                                         tensors, else the reference
+    cpu       kernels.cpu_attention.CpuMLA -                             C decode core (MLA, GQA) for
+                                                                         fp32 CPU tensors, else the
+                                                                         reference
     torch     kernels.mla.TorchMLA         kernels.moe.TorchMoE          reference, any device
     triton    kernels.triton.mla.TritonMLA kernels.triton.moe.TritonMoE  CUDA GPUs; on the CPU only
                                                                          under TRITON_INTERPRET=1 (tests)
@@ -21,7 +22,7 @@ import os
 
 # attention backends hold one implementation per attention kind: "mla" (DeepSeek), "gqa" (Qwen3-MoE)
 ATTENTION_BACKENDS = {
-    "cpu": {"mla": "kernels.cpu_mla:CpuMLA", "gqa": "kernels.gqa:TorchGQA"},
+    "cpu": {"mla": "kernels.cpu_attention:CpuMLA", "gqa": "kernels.cpu_attention:CpuGQA"},
     "torch": {"mla": "kernels.mla:TorchMLA", "gqa": "kernels.gqa:TorchGQA"},
     "triton": {"mla": "kernels.triton.mla:TritonMLA", "gqa": "kernels.triton.gqa:TritonGQA"},
 }

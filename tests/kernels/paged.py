@@ -44,3 +44,15 @@ def make_mla_case(kv_lens, page_size, heads, C, R, Dn, Dv, dtype, seed=0):
     w_kv_b = torch.randn(heads * (Dn + Dv), C, generator=g) * C**-0.5
     tensors = [t.to(DEVICE, dtype) for t in (q_nope, q_pe, cache, w_kv_b)]
     return (*tensors[:3], kv, tensors[3], (Dn + R) ** -0.5)
+
+
+def make_gqa_case(kv_lens, page_size, heads, kv_heads, D, dtype, seed=0):
+    """Random decode inputs with O(1) scores: (q [B, H, D], cache [S, 2 * KVH * D], kv, scale)."""
+    g = torch.Generator().manual_seed(seed)
+    kv, num_pages = paged_kv(kv_lens, page_size, g, extra_columns=1)
+    cache = torch.randn(num_pages * page_size, 2 * kv_heads * D, generator=g)
+    owned = torch.zeros(len(cache), dtype=torch.bool)
+    owned[kv.slots.cpu().flatten()] = True  # every sequence token, and slot 0 (the padding slot)
+    cache[~owned] = float("nan")
+    q = torch.randn(len(kv_lens), heads, D, generator=g)
+    return q.to(DEVICE, dtype), cache.to(DEVICE, dtype), kv, D**-0.5

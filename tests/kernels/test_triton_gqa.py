@@ -11,27 +11,15 @@ from kernels.gqa import TorchGQA
 from kernels.mla import PagedKV
 from kernels.triton.gqa import TritonGQA
 from kernels.triton.mla import MAX_SPLITS
-from tests.kernels.paged import DEVICE, paged_kv
+from tests.kernels.paged import DEVICE, make_gqa_case
 
 RAGGED = [1, 5, 17, 100]
 TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-5}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
 
 
-def make_case(kv_lens, page_size, heads, kv_heads, D, dtype, seed=0):
-    """Random decode inputs with O(1) scores: (q [B, H, D], cache [S, 2 * KVH * D], kv, scale)."""
-    g = torch.Generator().manual_seed(seed)
-    kv, num_pages = paged_kv(kv_lens, page_size, g, extra_columns=1)
-    cache = torch.randn(num_pages * page_size, 2 * kv_heads * D, generator=g)
-    owned = torch.zeros(len(cache), dtype=torch.bool)
-    owned[kv.slots.cpu().flatten()] = True  # every sequence token, and slot 0 (the padding slot)
-    cache[~owned] = float("nan")
-    q = torch.randn(len(kv_lens), heads, D, generator=g)
-    return q.to(DEVICE, dtype), cache.to(DEVICE, dtype), kv, D**-0.5
-
-
 def decode_both(kv_lens, page_size, heads, kv_heads, D, dtype, num_splits=None, seed=0):
     """(triton output, torch reference output) of one decode step."""
-    q, cache, kv, scale = make_case(kv_lens, page_size, heads, kv_heads, D, dtype, seed)
+    q, cache, kv, scale = make_gqa_case(kv_lens, page_size, heads, kv_heads, D, dtype, seed)
     ref = TorchGQA().decode(q, cache, kv, kv_heads, scale)
     out = TritonGQA(num_splits).decode(q, cache, kv._replace(slots=None, bias=None), kv_heads, scale)
     assert out.shape == (len(kv_lens), heads, D) and out.dtype == dtype
@@ -93,14 +81,14 @@ def test_decode_more_splits_than_blocks():
 
 def test_decode_strided_query():
     """q sliced out of a fused qkv projection: batch and head strides are not the packed ones."""
-    q, cache, kv, scale = make_case(RAGGED, 16, 8, 2, 16, torch.float32)
+    q, cache, kv, scale = make_gqa_case(RAGGED, 16, 8, 2, 16, torch.float32)
     fused = torch.cat((q, torch.randn_like(q)), dim=1)  # [B, 2H, D]: q is its first H heads
     out = TritonGQA(2).decode(fused[:, :8], cache, kv._replace(slots=None, bias=None), 2, scale)
     torch.testing.assert_close(out, TorchGQA().decode(q, cache, kv, 2, scale), **TOL[torch.float32])
 
 
 def test_decode_empty_batch():
-    q, cache, _, scale = make_case([1], 16, 4, 2, 16, torch.float32)
+    q, cache, _, scale = make_gqa_case([1], 16, 4, 2, 16, torch.float32)
     empty = torch.zeros(0, 1, dtype=torch.int64, device=DEVICE)
     kv = PagedKV(None, None, empty, torch.zeros(0, dtype=torch.int64, device=DEVICE), 16)
     out = TritonGQA().decode(q[:0], cache, kv, 2, scale)
@@ -109,7 +97,7 @@ def test_decode_empty_batch():
 
 def test_extend_matches_reference():
     """Extend is delegated to the torch reference: same output through the same interface."""
-    _, cache, kv, scale = make_case([5, 17], 16, 8, 2, 16, torch.float32)
+    _, cache, kv, scale = make_gqa_case([5, 17], 16, 8, 2, 16, torch.float32)
     q = torch.randn(2, 3, 8, 16, device=DEVICE)
     q_positions = torch.tensor([[2, 3, 4], [14, 15, 16]], device=DEVICE)
     args = (q, cache, kv.slots, kv.kv_lens, q_positions, 2, scale)

@@ -1,5 +1,5 @@
-"""CpuMLA (kernels/cpu_mla.py, the C decode core of kernels/csrc/mla_decode.c) against the torch
-reference, and how the C library is built, cached and done without.
+"""CpuMLA and CpuGQA (kernels/cpu_attention.py, the C decode core of kernels/csrc/paged_decode.c)
+against the torch references, and how the C library is built, cached and done without.
 
 The inputs scramble the page order and fill every cache row no sequence owns (and the page table's
 padding entries' pages) with NaN: a kernel that ignores the page table or reads past kv_lens
@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from kernels import native
-from kernels.cpu_mla import CpuMLA, heads_per_task
+from kernels.cpu_attention import CpuGQA, CpuMLA, heads_per_task
+from kernels.gqa import TorchGQA
 from kernels.mla import TorchMLA
-from tests.kernels.paged import make_mla_case
+from tests.kernels.paged import make_gqa_case, make_mla_case
 
 V3 = {"C": 512, "R": 64, "Dn": 128, "Dv": 128}  # DeepSeek-V3's head dims
 SMALL = {"C": 24, "R": 8, "Dn": 16, "Dv": 12}  # sizes no vector width divides
@@ -41,7 +42,7 @@ def decode_both(kv_lens, page_size, heads, dims, dtype=torch.float32, seed=0, sl
 def test_the_kernel_is_built_where_a_c_compiler_is():
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler on this machine: CpuMLA runs the torch reference (tested below)")
-    assert CpuMLA().native
+    assert CpuMLA().native and CpuGQA().native
 
 
 @pytest.mark.parametrize(
@@ -66,11 +67,35 @@ def test_decode_matches_the_reference_at_odd_sizes():
 
 
 def test_heads_per_task_fills_the_threads():
-    assert heads_per_task(batch=32, heads=4, threads=2) == 4  # one task per sequence
-    assert heads_per_task(batch=1, heads=4, threads=2) == 1  # four tasks for two threads
-    assert heads_per_task(batch=1, heads=128, threads=8) == 8  # 16 tasks
-    assert heads_per_task(batch=64, heads=256, threads=2) == 128  # at most the kernel's limit
-    assert heads_per_task(batch=3, heads=1, threads=16) == 1
+    assert heads_per_task(tasks=32, heads=4, threads=2) == 4  # one task per sequence
+    assert heads_per_task(tasks=1, heads=4, threads=2) == 1  # four tasks for two threads
+    assert heads_per_task(tasks=1, heads=128, threads=8) == 8  # 16 tasks
+    assert heads_per_task(tasks=64, heads=256, threads=2) == 128  # at most the kernel's limit
+    assert heads_per_task(tasks=3, heads=1, threads=16) == 1
+
+
+def gqa_both(kv_lens, page_size, heads, kv_heads, D, seed=0):
+    """(CpuGQA output, TorchGQA output) of one decode step on CPU tensors (CpuGQA: no slot table)."""
+    q, cache, kv, scale = make_gqa_case(kv_lens, page_size, heads, kv_heads, D, torch.float32, seed)
+    q, cache = q.cpu(), cache.cpu()
+    kv = kv._replace(**{k: getattr(kv, k).cpu() for k in ("slots", "bias", "pages", "kv_lens")})
+    ref = TorchGQA().decode(q, cache, kv, kv_heads, scale)
+    return CpuGQA().decode(q, cache, kv._replace(slots=None, bias=None), kv_heads, scale), ref
+
+
+@pytest.mark.parametrize(
+    "kv_lens,page_size,heads,kv_heads,D",
+    [
+        ([1, 5, 17, 100], 16, 8, 2, 16),  # four query heads per key/value head
+        ([31, 32, 33, 64, 65], 4, 6, 3, 12),  # two per head, a head size no vector width divides
+        ([130], 16, 32, 4, 128),  # Qwen3-MoE's head size, one sequence
+        ([9, 40], 64, 4, 4, 32),  # as many key/value heads as query heads
+    ],
+)
+def test_gqa_decode_matches_the_reference(kv_lens, page_size, heads, kv_heads, D):
+    out, ref = gqa_both(kv_lens, page_size, heads, kv_heads, D)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_other_dtypes_run_the_reference():
@@ -91,7 +116,7 @@ def test_without_a_compiler_decode_runs_the_reference(fresh_build, monkeypatch, 
     with caplog.at_level(logging.WARNING, logger="kernels.native"):
         cpu = CpuMLA()
     assert not cpu.native
-    assert "no C compiler" in caplog.text and "mla_decode" in caplog.text
+    assert "no C compiler" in caplog.text and "paged_decode" in caplog.text
     out, ref = decode_both([5, 17], 16, 4, V3, slot_tables=True)  # the reference's own result
     assert torch.equal(out, ref)
 
@@ -104,22 +129,22 @@ def test_native_kernels_can_be_switched_off(fresh_build, monkeypatch):
 def test_a_failed_build_runs_the_reference(fresh_build, monkeypatch, tmp_path, caplog):
     bad = tmp_path / "src"
     bad.mkdir()
-    (bad / "mla_decode.c").write_text("this is not C\n")
+    (bad / "paged_decode.c").write_text("this is not C\n")
     monkeypatch.setattr(native, "SOURCES", bad)
     with caplog.at_level(logging.WARNING, logger="kernels.native"):
-        assert native.library("mla_decode") is None
+        assert native.library("paged_decode") is None
     assert "could not be built" in caplog.text and "exited with" in caplog.text
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_the_library_is_built_once_and_reused(fresh_build, monkeypatch):
-    assert native.library("mla_decode") is not None
-    (built,) = fresh_build.glob("mla_decode-*.so")
-    assert not list(fresh_build.glob(".mla_decode-*"))  # no temporary file left behind
+    assert native.library("paged_decode") is not None
+    (built,) = fresh_build.glob("paged_decode-*.so")
+    assert not list(fresh_build.glob(".paged_decode-*"))  # no temporary file left behind
     stamp = built.stat().st_mtime_ns
     monkeypatch.setattr(native, "_loaded", {})  # as a new process would
     monkeypatch.setattr(native.subprocess, "run", _no_compiler_run(native.subprocess.run))
-    assert native.library("mla_decode") is not None
+    assert native.library("paged_decode") is not None
     assert built.stat().st_mtime_ns == stamp
 
 
@@ -130,8 +155,8 @@ def test_an_unwritable_cache_directory_builds_in_the_temporary_one(fresh_build, 
     monkeypatch.setenv("AFD_KERNEL_CACHE", str(blocker / "kernels"))  # cannot be made
     monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    assert native.library("mla_decode") is not None
-    assert list((tmp_path / "tmp").glob("afd-engine-kernels-*/mla_decode-*.so"))
+    assert native.library("paged_decode") is not None
+    assert list((tmp_path / "tmp").glob("afd-engine-kernels-*/paged_decode-*.so"))
 
 
 def _no_compiler_run(run):
