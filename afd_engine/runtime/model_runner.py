@@ -8,6 +8,7 @@ A step is prepared (its tensors built, on the scheduling thread) apart from bein
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -78,10 +79,8 @@ class StepInputs:
 
 def logit_rows(chunks: list[SeqChunk], rows: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
     """`rows` (offsets within each chunk) as indices in the flat token order of `chunks`."""
-    flat, start = [], 0
-    for chunk, offsets in zip(chunks, rows):
-        flat += [start + o for o in offsets]
-        start += len(chunk.tokens)
+    starts = itertools.accumulate((len(c.tokens) for c in chunks), initial=0)
+    flat = [start + o for start, offsets in zip(starts, rows) for o in offsets]
     return torch.tensor(flat, dtype=torch.int64).to(device)
 
 

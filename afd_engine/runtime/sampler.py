@@ -108,6 +108,12 @@ class SamplingBatch:
     any_top_k_top_p: bool = True
 
     @staticmethod
+    def greedy(device: torch.device | str = "cpu") -> SamplingBatch:
+        """A batch whose rows all take the argmax: no per-row settings to gather."""
+        none = torch.empty(0, device=device)
+        return SamplingBatch(none, none, none.long(), none.long(), none.long(), True, False)
+
+    @staticmethod
     def build(
         params: list[SamplingParams],
         seeds: list[int],
@@ -117,9 +123,8 @@ class SamplingBatch:
     ) -> SamplingBatch:
         """Gather the rows' settings into tensors, once per step (seeds reduced to 64 bits)."""
         sampled = [not p.greedy for p in params]
-        if not any(sampled):  # argmax only: no per-row settings to gather
-            none = torch.empty(0, device=device)
-            return SamplingBatch(none, none, none.long(), none.long(), none.long(), True, False)
+        if not any(sampled):
+            return SamplingBatch.greedy(device)
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         filtered = any(s and (k < vocab_size or p.top_p < 1.0) for s, k, p in zip(sampled, top_ks, params))
 

@@ -108,15 +108,13 @@ class Stepper:
             return None, plan.finished
         prepared = self.runner.prepare(plan)
         samplers = prepared.inputs.samplers
-        sampling = None
-        if samplers:
-            sampling = SamplingBatch.build(
-                [r.params for r in samplers],
-                [r.seed for r in samplers],
-                [len(r.output_ids) + len(r.inflight) for r in samplers],
-                self.vocab_size,
-                self.scheduler.pool.device,
-            )
+        sampling, device = None, self.scheduler.pool.device
+        params = [r.params for r in samplers]
+        if params and all(p.greedy for p in params):  # argmax only: no per-row settings
+            sampling = SamplingBatch.greedy(device)
+        elif params:
+            offsets = [len(r.output_ids) + len(r.inflight) for r in samplers]
+            sampling = SamplingBatch.build(params, [r.seed for r in samplers], offsets, self.vocab_size, device)
         commit(plan)
         for row, req in enumerate(samplers):
             req.inflight.append(row)
