@@ -34,7 +34,7 @@ def heads_per_task(tasks: int, heads: int, threads: int) -> int:
 
 
 class PagedDecodeKernel:
-    """The C kernel's entry point, or None where it could not be built (see kernels/native.py)."""
+    """Calls the C kernel; `fn` is None where it could not be built (see kernels/native.py)."""
 
     def __init__(self) -> None:
         lib = native.library("paged_decode")
@@ -42,7 +42,7 @@ class PagedDecodeKernel:
         if lib is not None:
             self.fn = lib.afd_paged_decode_f32
             self.fn.restype = ctypes.c_int
-            self.fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 10 + [ctypes.c_int]
+            self.fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11 + [ctypes.c_int]
 
     def runs(self, q: torch.Tensor, cache: torch.Tensor) -> bool:
         """Whether these inputs go to the kernel (else to the reference)."""
@@ -61,15 +61,24 @@ class PagedDecodeKernel:
         out = q.new_empty(B, H, dv)
         pages, kv_lens = kv.pages.contiguous(), kv.kv_lens.contiguous()
         threads = torch.get_num_threads()
-        sizes = (B, H, kv_heads, Dk, dv, cache.shape[-1], val_base, pages.shape[1], kv.page_size)
+        sizes = (B, H, kv_heads, Dk, dv, cache.shape[-1], val_base, cache.shape[0], pages.shape[1], kv.page_size)
         hpt = heads_per_task(B * kv_heads, H // kv_heads, threads)
         ptrs = (t.data_ptr() for t in (q, cache, pages, kv_lens, out))
-        if self.fn(*ptrs, *sizes, hpt, threads) != 0:
-            raise RuntimeError(f"the paged decode kernel refused its sizes (B, H, KVH, Dk, Dv, stride, ...) = {sizes}")
+        rc = self.fn(*ptrs, *sizes, hpt, threads)
+        if rc == -2:
+            raise ValueError(
+                f"paged decode: a sequence's length (max {int(kv_lens.max())}) exceeds its page table row "
+                f"({pages.shape[1]} pages of {kv.page_size}) or a page it reads is outside the cache "
+                f"({cache.shape[0]} slots)"
+            )
+        if rc != 0:
+            raise ValueError(f"paged decode: sizes the kernel cannot take (B, H, KVH, Dk, Dv, stride, ...) = {sizes}")
         return out
 
 
 class _CpuDecode:
+    """What both backends share: the kernel, and whether it was built."""
+
     name = "cpu"
 
     def __init__(self) -> None:

@@ -6,8 +6,8 @@ $AFD_KERNEL_CACHE (default ~/.cache/afd-engine/kernels; a directory under the sy
 one where that is not writable) and reused by every later process. It links
 OpenMP's libgomp.so.1: torch has loaded its own copy of that library by then, so the kernels run on
 the same thread pool as torch's operators. Where no compiler is found, the build fails or
-AFD_NATIVE_KERNELS=0 is set, `library` returns None (with one warning) and the backends fall back
-to their torch code.
+AFD_NATIVE_KERNELS=0 is set, `library` returns None (after one warning, unless switched off) and
+the backends fall back to their torch code.
 """
 
 from __future__ import annotations

@@ -98,16 +98,24 @@ static void attend(const float *q, const float *cache, const int64_t *pages, int
     }
 }
 
-/* q [B, H, Dk] (scaled), cache [slots, stride], pages [B, P], kv_lens [B] -> out [B, H, Dv]. Key/value
- * head g of a row: keys at g * Dk, values at val_base + g * Dv (MLA: KVH = 1, val_base = 0). Tasks
- * take up to heads_per_task (1..MAX_HEADS) query heads of one key/value head; threads: the OpenMP
- * team size. Returns 0, or -1 for sizes it cannot take. */
+/* q [B, H, Dk] (scaled), cache [num_slots, stride], pages [B, P], kv_lens [B] -> out [B, H, Dv].
+ * Key/value head g of a row: keys at g * Dk, values at val_base + g * Dv (MLA: KVH = 1, val_base =
+ * 0). Tasks take up to heads_per_task (1..MAX_HEADS) query heads of one key/value head; threads: the
+ * OpenMP team size. Returns 0; -1 for sizes it cannot take; -2 when a sequence is longer than its
+ * page table row or one of the pages it reads is outside the cache (nothing is read then). */
 int afd_paged_decode_f32(const float *q, const float *cache, const int64_t *pages, const int64_t *kv_lens,
                          float *out, int64_t B, int64_t H, int64_t KVH, int64_t Dk, int64_t Dv, int64_t stride,
-                         int64_t val_base, int64_t P, int64_t page_size, int64_t heads_per_task, int threads) {
+                         int64_t val_base, int64_t num_slots, int64_t P, int64_t page_size, int64_t heads_per_task,
+                         int threads) {
     if (heads_per_task < 1 || heads_per_task > MAX_HEADS || page_size < 1 || KVH < 1 || H % KVH != 0 ||
         KVH * Dk > stride || val_base + KVH * Dv > stride)
         return -1;
+    int64_t num_pages = num_slots / page_size;
+    for (int64_t b = 0; b < B; b++) {
+        if (kv_lens[b] < 0 || kv_lens[b] > P * page_size) return -2;
+        for (int64_t p = 0; p < (kv_lens[b] + page_size - 1) / page_size; p++)
+            if (pages[b * P + p] < 0 || pages[b * P + p] >= num_pages) return -2;
+    }
     int64_t group = H / KVH, chunks = (group + heads_per_task - 1) / heads_per_task;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < B * KVH * chunks; task++) {

@@ -167,3 +167,22 @@ def _no_compiler_run(run):
         return run(cmd, *args, **kwargs)
 
     return guarded
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.parametrize("broken", ["too long", "page outside", "negative page"])
+def test_inconsistent_tables_raise_instead_of_reading_outside_the_cache(broken):
+    q_nope, q_pe, cache, kv, w_kv_b, scale = (
+        t.cpu() if isinstance(t, torch.Tensor) else t for t in make_mla_case([5, 17], 4, 4, **V3, dtype=torch.float32)
+    )
+    pages, lens = kv.pages.cpu().clone(), kv.kv_lens.cpu().clone()
+    if broken == "too long":
+        lens[1] = pages.shape[1] * 4 + 1
+    else:
+        pages[1, 2] = len(cache) // 4 if broken == "page outside" else -1
+    cpu = CpuMLA()
+    w_uk, w_uv = cpu.absorb(w_kv_b, 4, V3["Dn"], V3["Dv"])
+    with pytest.raises(ValueError, match="exceeds its page table row .* or a page it reads is outside the cache"):
+        cpu.decode(
+            q_nope, q_pe, cache, kv._replace(slots=None, bias=None, pages=pages, kv_lens=lens), w_uk, w_uv, scale
+        )
