@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 from dataclasses import dataclass, field
 
 import msgpack
@@ -128,6 +129,7 @@ def decode(data: bytes):
 _UPDATE_FIELDS = tuple(f.name for f in dataclasses.fields(TokenUpdate))
 _LOGPROBS, _PROMPT_LOGPROBS = _UPDATE_FIELDS.index("logprobs"), _UPDATE_FIELDS.index("prompt_logprobs")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
+_UPDATE_ROW = operator.attrgetter(*_UPDATE_FIELDS)
 
 
 def encode_output(msg) -> bytes:
@@ -156,9 +158,14 @@ def decode_output(data: bytes):
     raise ValueError(f"unknown engine output {kind!r}")
 
 
-def _update_row(u: TokenUpdate) -> list:
-    """A TokenUpdate as a list in field order; token logprobs as [logprob, top_ids, top_logprobs]."""
-    row = [getattr(u, n) for n in _UPDATE_FIELDS]
+def _update_row(u: TokenUpdate) -> tuple | list:
+    """A TokenUpdate as a sequence in field order; token logprobs as [logprob, top_ids, top_logprobs].
+    (Most updates carry no logprobs: their fields are read in one C call, a quarter of the time of a
+    getattr per field, which at hundreds of updates per step matters.)"""
+    row = _UPDATE_ROW(u)
+    if u.logprobs is None and u.prompt_logprobs is None:
+        return row
+    row = list(row)
     if u.logprobs is not None:
         row[_LOGPROBS] = [(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in u.logprobs]
     if u.prompt_logprobs is not None:
