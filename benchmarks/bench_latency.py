@@ -8,9 +8,12 @@ micro-batch, Python per message). This measures that overhead as a ratio to sing
 run, with every server started by `afd serve` and driven by the serving load generator
 (bench_serving, streaming completions, one request at a time). "pinned" runs add --pin-cores.
 
-Single mode runs twice, with 1 and with 2 torch threads (a deployment's ranks get 1 each); the
-faster is the baseline. Each deployment is measured `--repeats` times (each a fresh load of
-`--prompts` requests on the same server), and the median of the TPOT p50s is reported.
+Single mode runs twice, with 1 and with 2 torch threads (a deployment's ranks get 1 each). The
+speed of a shared machine drifts by tens of percent within minutes, so every server is started
+first and the measurement goes in `--repeats` rounds: in each round every server gets a load of
+`--prompts` requests in turn (the order rotating from round to round), and the round's ratio of a
+deployment is its TPOT p50 over the faster single run's in that same round. Reported per
+deployment: the median TPOT p50 over the rounds and the median of its per-round ratios.
 
     python benchmarks/bench_latency.py [--quick] [--json out.json]
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,43 +47,66 @@ DEPLOYMENTS = {  # name -> afd serve flags (--num-threads 1 is start_server's; t
 QUICK = ("single 1 thread", "single 2 threads", "afd 1A+1F mb3 shm", "colocated dp2 shm")
 
 
-def measure(name: str, args: argparse.Namespace) -> dict:
-    """TPOT p50 of each repeat, and their median, of one deployment."""
-    port = free_port("127.0.0.1")
-    proc = start_server(args.model_path, DEPLOYMENTS[name].split(), port)
+def measure(args: argparse.Namespace) -> dict[str, list]:
+    """Every deployment's bench_serving points, one per round; all servers run throughout."""
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
     point_args = argparse.Namespace(
         min_prompts=args.prompts, prompts_per_slot=1, input_len=args.input_len, output_len=args.output_len, workers=1
     )
+    points: dict[str, list] = {name: [] for name in args.deployments}
     try:
-        points = []
+        for name in args.deployments:
+            print(f"starting {name}", file=sys.stderr, flush=True)
+            port = free_port("127.0.0.1")
+            servers[name] = (start_server(args.model_path, DEPLOYMENTS[name].split(), port), port)
+        names = list(args.deployments)
         for i in range(args.repeats):
-            print(f"{name}: repeat {i + 1}/{args.repeats}", file=sys.stderr, flush=True)
-            points.append(measure_point(f"http://127.0.0.1:{port}", 1, point_args))
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                proc, port = servers[name]
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name}: afd serve exited with {proc.returncode}")
+                print(f"round {i + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
+                points[name].append(measure_point(f"http://127.0.0.1:{port}", 1, point_args))
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    failed = sum(p.failed for p in points)
-    if failed:
-        raise RuntimeError(f"{name}: {failed} requests failed ({next(p.error for p in points if p.failed)})")
-    tpots = [p.tpot_p50_ms for p in points]
-    return {"tpot_p50_ms": statistics.median(tpots), "repeats_ms": tpots, "ttft_p50_ms": points[-1].ttft_p50_ms}
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            proc.wait(timeout=60)
+    for name, pts in points.items():
+        failed = [p for p in pts if p.failed]
+        if failed:
+            raise RuntimeError(f"{name}: {sum(p.failed for p in failed)} requests failed ({failed[0].error})")
+    return points
 
 
-def summarize(results: dict[str, dict]) -> dict:
-    """Adds each deployment's ratio to the faster single run; returns the baseline."""
-    base_name = min((n for n in SINGLE if n in results), key=lambda n: results[n]["tpot_p50_ms"])
-    base = results[base_name]["tpot_p50_ms"]
-    for r in results.values():
-        r["vs_single"] = r["tpot_p50_ms"] / base
-    return {"baseline": base_name, "baseline_tpot_ms": base}
+def summarize(points: dict[str, list]) -> tuple[dict[str, dict], dict]:
+    """Per deployment: the rounds' TPOT p50s, their median, the per-round ratios to the faster single
+    run of that round and their median. Also the baseline: the single run with the lower median."""
+    singles = [n for n in SINGLE if n in points]
+    rounds = len(next(iter(points.values())))
+    base_by_round = [min(points[n][i].tpot_p50_ms for n in singles) for i in range(rounds)]
+    results = {}
+    for name, pts in points.items():
+        tpots = [p.tpot_p50_ms for p in pts]
+        ratios = [t / b for t, b in zip(tpots, base_by_round)]
+        results[name] = {
+            "tpot_p50_ms": statistics.median(tpots),
+            "repeats_ms": tpots,
+            "ratios": ratios,
+            "vs_single": statistics.median(ratios),
+            "ttft_p50_ms": statistics.median(p.ttft_p50_ms for p in pts),
+        }
+    base_name = min(singles, key=lambda n: results[n]["tpot_p50_ms"])
+    return results, {"baseline": base_name, "baseline_tpot_ms": results[base_name]["tpot_p50_ms"]}
 
 
 def report(results: dict[str, dict], baseline: str) -> str:
-    lines = [f"{'deployment':<26} {'TPOT p50 ms':>11} {'x single':>9}  repeats (ms)"]
+    lines = [f"{'deployment':<26} {'TPOT p50 ms':>11} {'x single':>9} {'round ratios':>12}  TPOT per round (ms)"]
     for name, r in results.items():
         reps = " ".join(f"{t:.2f}" for t in r["repeats_ms"])
+        spread = f"{min(r['ratios']):.2f}-{max(r['ratios']):.2f}"
         mark = "  (baseline)" if name == baseline else ""
-        lines.append(f"{name:<26} {r['tpot_p50_ms']:>11.2f} {r['vs_single']:>9.2f}  {reps}{mark}")
+        lines.append(f"{name:<26} {r['tpot_p50_ms']:>11.2f} {r['vs_single']:>9.2f} {spread:>12}  {reps}{mark}")
     return "\n".join(lines)
 
 
@@ -87,8 +114,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="checkpoint (default: the embedded tiny model)")
     p.add_argument("--deployments", nargs="+", choices=list(DEPLOYMENTS), default=None, help="default: all")
-    p.add_argument("--prompts", type=int, default=8, help="requests per repeat, one at a time")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=4, help="requests per server and round, one at a time")
+    p.add_argument("--repeats", type=int, default=6, help="rounds over all servers")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="four deployments, small sizes (a smoke run)")
@@ -96,7 +123,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.deployments = args.deployments or list(QUICK)
-        args.prompts, args.repeats, args.input_len, args.output_len = 2, 1, 8, 16
+        args.prompts, args.repeats, args.input_len, args.output_len = 2, 2, 8, 16
     args.deployments = args.deployments or list(DEPLOYMENTS)
     if not any(n in SINGLE for n in args.deployments):
         p.error(f"--deployments needs a single-mode baseline: one of {', '.join(SINGLE)}")
@@ -105,8 +132,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    results = {name: measure(name, args) for name in args.deployments}
-    summary = summarize(results)
+    results, summary = summarize(measure(args))
     print(report(results, summary["baseline"]))
     if args.json:
         Path(args.json).write_text(json.dumps({**summary, "deployments": results, "args": vars(args)}, indent=2))

@@ -23,8 +23,12 @@ from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import InvalidRequestError
 
 HEARTBEAT_S = 0.5
-LOCKSTEP_IDLE_MS = 5  # a lockstep rank with no work anywhere checks for requests this often between rounds
+# A lockstep rank with no work anywhere runs an agreement round this often. The front end wakes
+# every rank when it sends a request (messages.Wake), so this only bounds how long a rank that
+# started a round alone waits for the others; each idle round costs every rank some CPU.
+LOCKSTEP_IDLE_MS = 50
 log = logging.getLogger("afd.engine")
+_WAKE = msgs.encode(msgs.Wake())
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class ControlAddrs:
 @dataclass
 class FrontEndSockets:
     push: list[zmq.Socket]  # requests out, one socket per rank: the router picks the rank
-    pub: zmq.Socket  # aborts and shutdown, to every rank
+    pub: zmq.Socket  # aborts, wake-ups and shutdown, to every rank
     pull: zmq.Socket  # outputs of every rank
 
     @staticmethod
@@ -58,6 +62,15 @@ class FrontEndSockets:
         socks.pub.bind(addrs.broadcast)
         socks.pull.bind(addrs.outputs)
         return socks
+
+    def wake_ranks(self) -> None:
+        """Called after a request went to one rank: where there are several (lockstep ranks),
+        every rank leaves its idle wait, so the request's first agreement round starts now."""
+        if len(self.push) > 1:
+            try:
+                self.pub.send(_WAKE, zmq.NOBLOCK)
+            except zmq.Again:  # a full queue: the ranks are busy, and their idle checks remain
+                pass
 
     def close(self) -> None:
         for sock in self.push:

@@ -1,6 +1,6 @@
 """Control-plane messages between the API server and the engine process (ZeroMQ frames).
 
-front end -> engine (JSON, once per request): AddRequest, AbortRequest, Shutdown, DumpExpertLoad
+front end -> engine (JSON, once per request): AddRequest, AbortRequest, Shutdown, Wake, DumpExpertLoad
 engine -> front end (msgpack, every step): StepOutput (token updates of one step, and engine
 stats), Rejected, ExpertLoadReport (one per attention rank, answering DumpExpertLoad)
 
@@ -39,6 +39,12 @@ class AbortRequest:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Broadcast after a request went to one rank of several: idle ranks join the next agreement
+    round at once instead of at their next idle check."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,7 @@ class InvalidAddRequest:
     param: str | None = None
 
 
-_TYPES = {t.__name__: t for t in (AddRequest, AbortRequest, Shutdown, DumpExpertLoad)}
+_TYPES = {t.__name__: t for t in (AddRequest, AbortRequest, Shutdown, Wake, DumpExpertLoad)}
 
 
 def encode(msg) -> bytes:

@@ -73,6 +73,7 @@ class DistributedEngine(OfflineEngine):
             if not self.deployment.alive():
                 raise DeploymentDied("a rank of the deployment died")
         self.push[rank].send(msgs.encode(msg))
+        self.sockets.wake_ranks()
 
     def has_unfinished(self) -> bool:
         return bool(self._pending)

@@ -126,6 +126,7 @@ class EngineClient:
             if not self.healthy:
                 raise EngineUnavailable("the engine process stopped answering")
         await self.push[rank].send(msgs.encode(msg))
+        self.sockets.wake_ranks()
 
     async def _next(self, queue: asyncio.Queue):
         while True:

@@ -8,11 +8,13 @@ import json
 import threading
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import zmq
 
 from afd_engine import Engine, SamplingParams
+from afd_engine.control import loop as loop_module
 from afd_engine.control import messages as msgs
 from afd_engine.control.loop import ControlAddrs, EngineLoop, FrontEndSockets
 
@@ -107,3 +109,99 @@ def test_each_rank_serves_the_requests_sent_to_it_only(tiny_v3, tmp_path):
                 if u.finish_reason is not None:
                     finished.add(u.request_id)
     assert served == {rid: {rank} for rid, rank in sent.items()}
+
+
+class IdleLockstepEngine:
+    """A lockstep rank with no work anywhere: it counts the agreement rounds the loop runs."""
+
+    lockstep, peers_busy, stopped = True, False, False
+
+    def __init__(self) -> None:
+        self.rounds: list[float] = []  # monotonic time of each round
+        self.scheduler = SimpleNamespace(running=[], waiting=[], cache_hit_tokens=0, prompt_tokens=0)
+        self.pool = SimpleNamespace(used_pages=0, num_pages=1)
+        self.cache = SimpleNamespace(num_pages=0, evicted_pages=0)
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def step_updates(self) -> list:
+        self.rounds.append(time.monotonic())
+        return []
+
+    def request_stop(self) -> None:
+        self.stopped = True
+
+    def expert_rank_load(self) -> tuple:
+        return ()
+
+    def close(self) -> None:
+        pass
+
+
+@contextmanager
+def idle_lockstep_ranks(tmp_path, num_ranks: int):
+    addrs = ControlAddrs(*(f"ipc://{tmp_path}/{n}" for n in ("requests", "broadcast", "outputs")))
+    ctx = zmq.Context()
+    socks = FrontEndSockets.bind(ctx, addrs, num_ranks)
+    engines = [IdleLockstepEngine() for _ in range(num_ranks)]
+    threads = [threading.Thread(target=EngineLoop(e, addrs, r).run, daemon=True) for r, e in enumerate(engines)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield socks, engines
+    finally:
+        socks.pub.send(msgs.encode(msgs.Shutdown()))
+        for thread in threads:
+            thread.join(timeout=30)
+        socks.close()
+        ctx.term()
+
+
+def test_idle_lockstep_ranks_run_few_agreement_rounds(tmp_path):
+    """An idle deployment waits: about 20 rounds a second (one per LOCKSTEP_IDLE_MS); a 5 ms
+    period ran ~200, 10-15% of a core per rank with nothing to do."""
+    with idle_lockstep_ranks(tmp_path, 1) as (_, (engine,)):
+        time.sleep(0.3)  # started
+        before = len(engine.rounds)
+        time.sleep(1.0)
+        rounds = len(engine.rounds) - before
+    assert rounds <= 25  # a round per 50 ms, and a little slack for the start of the window
+
+
+def test_a_request_to_one_of_several_ranks_wakes_every_rank(tmp_path, monkeypatch):
+    """With the idle check effectively off, the front end's wake-up alone starts a round on every
+    rank, the ones that did not get the request too."""
+    monkeypatch.setattr(loop_module, "LOCKSTEP_IDLE_MS", 600_000)
+    with idle_lockstep_ranks(tmp_path, 2) as (socks, engines):
+        for sock in socks.push:
+            sock.setsockopt(zmq.SNDTIMEO, 10_000)
+        deadline = time.monotonic() + 10
+        while not all(e.rounds for e in engines) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first round of each loop (subscriptions settle meanwhile)
+        time.sleep(0.3)
+        before = [len(e.rounds) for e in engines]
+        socks.push[0].send(msgs.encode(msgs.AddRequest("r", [5], GREEDY)))
+        socks.wake_ranks()
+        while [len(e.rounds) for e in engines] == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        after = [len(e.rounds) for e in engines]
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+def test_a_single_rank_gets_no_wake_up(tmp_path):
+    addrs = ControlAddrs(*(f"ipc://{tmp_path}/{n}" for n in ("requests", "broadcast", "outputs")))
+    ctx = zmq.Context()
+    for num_ranks, expected in ((1, []), (2, [msgs.Wake()])):
+        socks = FrontEndSockets.bind(ctx, addrs, num_ranks)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(addrs.broadcast)
+        time.sleep(0.3)  # a PUB drops what it sends before the subscription arrives
+        socks.wake_ranks()
+        got = [msgs.decode(sub.recv())] if sub.poll(1000) else []
+        assert got == expected, num_ranks
+        sub.close(linger=0)
+        socks.close()
+    ctx.term()
