@@ -5,19 +5,24 @@
                  --one byte-------> FIFO afd-<ns>-<d>.wake --wakes the thread waiting in recv
 
 One ring per ordered pair of endpoints (shm_ring.py) and one wake-up FIFO per endpoint. A send
-copies the frame into the ring and writes a byte to the receiver's FIFO; a receiver thread,
-blocked in poll() on that FIFO, moves completed messages into the inbox, where receives wait as
-with the other transports. Nothing spins. A message costs two thread wake-ups (the receiver
-thread, then the waiter), where ZeroMQ over TCP costs its I/O threads, our receiver thread and
-the waiter.
+copies the frame into the ring and writes a byte to the receiver's FIFO. The thread waiting in
+`recv` reads the rings itself (the pump of `Inbox.take`): blocked in poll() on the FIFO, it moves
+completed messages into the inbox, its own and other threads' (which it wakes), and hands the
+role to another waiting thread when it leaves. Nothing spins, and a message costs one thread
+wake-up, where ZeroMQ over TCP costs its I/O threads, our receiver thread and the waiter.
 
-`pump_in_waiter=True` lets the thread waiting in `recv` read the rings itself instead (the pump
-of `Inbox.take`: one wake-up per message). It is off by default and not used by deployments: with
-three runs of tests/comm/test_dispatch_processes.py at once on two cores and a 20 s receive
-timeout, a message between the threads of a two-stage relay came in after the timeout in about
-one run in seven (the receiver thread: once in fifteen, at the first key, maybe a slow start);
-with 90 s both passed twelve of twelve. Whether that is a stall under overload or a lost wake-up
-is not settled.
+`pump_in_waiter=False` makes a receiver thread move the messages instead: two wake-ups per
+message (the receiver thread, then the waiter). With a link delay (`make_inbox`) or an inbox
+shared with another transport (hybrid.py), the receiver thread is used whatever
+`pump_in_waiter` says. In `bench_latency.py`, measured in paired rounds, reading in the waiter
+made AFD 1A+1F 1.74x single mode's TPOT at concurrency 1 against 1.86x with the receiver thread,
+and colocated dp2 2.01x against 2.33x. It was opt-in for a while: three runs of
+tests/comm/test_dispatch_processes.py at once on two cores, with a 20 s receive timeout, once
+saw a message arrive after the timeout (the receiver thread did so once in fifteen runs, and
+both passed with 90 s; seven processes importing torch on that loaded machine start up to 30 s
+apart). A stress with the same relay topology, started behind a barrier so that slow starts do
+not count, 800 keys per run and three runs at once on two cores, passed 30 of 30 runs with a 5 s
+timeout (every run finished within 15 s).
 
 Same semantics as the other transports (base.py):
   * send never blocks on the peer: what does not fit in the ring waits in this process and a
@@ -30,8 +35,6 @@ Same semantics as the other transports (base.py):
   * close() fails pending receives, lingers up to `linger_s` to flush, removes the rings it reads
     and its FIFO (and the rings it wrote that no reader ever opened); messages to an endpoint that
     has closed are dropped, as a closed ZeroMQ peer's would be.
-With a link delay (`make_inbox`) or an inbox shared with another transport (hybrid.py), the
-receiver thread is used whatever `pump_in_waiter` says.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def wake_path(directory: str, namespace: str, endpoint: int) -> str:
 class ShmTransport(Transport):
     """endpoint: this endpoint's id; peers: the endpoints on this host it talks to; namespace: a
     name shared by the endpoints of one deployment and no other (its files' prefix);
-    pump_in_waiter: see the module docstring (experimental)."""
+    pump_in_waiter: the waiting thread reads the rings (default), else a receiver thread does (see
+    the module docstring)."""
 
     def __init__(
         self,
@@ -88,7 +92,7 @@ class ShmTransport(Transport):
         inbox: Inbox | None = None,
         max_pending_bytes: int = 1 << 30,
         linger_s: float = 1.0,
-        pump_in_waiter: bool = False,
+        pump_in_waiter: bool = True,
     ) -> None:
         if not platform_supported():
             raise CommError("the shared-memory transport needs x86-64 (ordered stores); use the zmq transport")
@@ -138,6 +142,8 @@ class ShmTransport(Transport):
         out = self._outboxes.get(dst)
         if out is None:
             raise CommError(f"endpoint {self.endpoint}: endpoint {dst} is not a shared-memory peer ({self.peers})")
+        if self._wake_named:  # see _unlink_wake_when_opened
+            self._unlink_wake_when_opened()
         out.send(encode_frame(msg))
 
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
@@ -203,7 +209,9 @@ class ShmTransport(Transport):
     def _unlink_wake_when_opened(self) -> None:
         """Removes this endpoint's FIFO from the directory once every peer has opened it (the rings
         are named only until both ends have opened them): from then on, a killed process leaves
-        no file behind."""
+        no file behind. Checked whenever a thread reads the rings and at every send, so where
+        the waiting threads read, at the endpoint's first receive or send after its peers
+        started (a receiver thread is woken by each peer as it opens the FIFO)."""
         if self._wake_named and all(r.ring.flag(WAKE_OPENED) for r in self._readers):
             _unlink(self._wake.path)
             self._wake_named = False

@@ -27,14 +27,14 @@ KEYS = [MsgKey(0, layer, mb) for layer in range(2) for mb in range(2)]
 COMM_TIMEOUT_S = 90
 
 
-def run_processes(topo: Topology, config: CommConfig, inputs, kind: str = "zmq") -> dict:
+def run_processes(topo: Topology, config: CommConfig, inputs, kind: str = "zmq", keys=KEYS) -> dict:
     if kind == "zmq":
         transport = (kind, {"addresses": dict(enumerate(free_tcp_addresses(topo.num_endpoints)))})
     else:
         transport = (kind, {"peers": range(topo.num_endpoints), "namespace": uuid.uuid4().hex[:12]})
     results = _SPAWN.Queue()
     procs = [
-        _SPAWN.Process(target=run_endpoint, args=(topo, config, ep, transport, inputs, KEYS, results))
+        _SPAWN.Process(target=run_endpoint, args=(topo, config, ep, transport, inputs, keys, results))
         for ep in range(topo.num_endpoints)
     ]
     # start order must not matter: FFN ranks first here, senders last
@@ -82,3 +82,20 @@ def test_processes_match_reference_exactly(mode, topo, kind):
         assert all(
             torch.equal(torch.tensor(o, dtype=torch.float32).view(ref[sender].shape), ref[sender]) for o in outs
         ), f"sender {sender}"
+
+
+@pytest.mark.timeout(4 * COMM_TIMEOUT_S)
+def test_many_keys_in_flight_through_relays_over_shared_memory():
+    """Every sender dispatches 48 keys before combining any: relays, their threads and the threads
+    waiting in recv (which read the rings themselves) pass many messages at once; a lost wake-up
+    would hold a receive until its timeout."""
+    topo = Topology(3, 2, 2, 8)
+    keys = [MsgKey(step, layer, mb) for step in range(6) for layer in range(2) for mb in range(4)]
+    xs, ids, ws = routing(topo, [5, 0, 7], 3, seed=4)
+    config = CommConfig("two-stage", WireFormat("fp32", "fp32"), timeout=COMM_TIMEOUT_S)
+    reports = run_processes(topo, config, list(zip(xs, ids, ws)), "shm", keys)
+    ref = reference_combine(xs, ids, ws, exact_expert)
+    for sender in range(topo.num_senders):
+        outs, _ = reports[sender]
+        assert len(outs) == len(keys)
+        assert all(torch.equal(torch.tensor(o).view(ref[sender].shape), ref[sender]) for o in outs), sender

@@ -40,14 +40,21 @@ def _files(directory, namespace: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.startswith(f"afd-{namespace}-"))
 
 
-@pytest.fixture
-def pair(tmp_path):
-    """Endpoints 0 and 1 (rings of 64 KiB) in this process; fails if closing leaves files."""
+@pytest.fixture(params=[True, False], ids=["waiter-reads", "receiver-thread"])
+def pair(tmp_path, request):
+    """Endpoints 0 and 1 (rings of 64 KiB) in this process, with the waiting thread reading the
+    rings (the default) or a receiver thread; fails if closing leaves files."""
     ns = uuid.uuid4().hex[:12]
     made = []
 
     def make(endpoint: int, **kwargs) -> ShmTransport:
-        kwargs = {"namespace": ns, "directory": str(tmp_path), "capacity": 64 << 10, **kwargs}
+        kwargs = {
+            "namespace": ns,
+            "directory": str(tmp_path),
+            "capacity": 64 << 10,
+            "pump_in_waiter": request.param,
+            **kwargs,
+        }
         made.append(ShmTransport(endpoint, [0, 1], **kwargs))
         return made[-1]
 
@@ -209,19 +216,25 @@ def test_rejects_unknown_peers_and_bad_namespaces(pair):
         ShmTransport(0, [1], namespace="../etc")
 
 
-def test_files_are_named_only_until_both_ends_have_opened_them(tmp_path):
+@pytest.mark.parametrize("pump", [True, False], ids=["waiter-reads", "receiver-thread"])
+def test_files_are_named_only_until_both_ends_have_opened_them(tmp_path, pump):
     """Once both ends run, nothing of theirs is left in the directory: a process killed from then
-    on leaks nothing (the memory goes with the last mapping)."""
+    on leaks nothing (the memory goes with the last mapping). A receiver thread removes its FIFO's
+    name as soon as the peer has opened it; where the waiting threads read the rings, that happens
+    at the endpoint's next send or receive."""
     ns = uuid.uuid4().hex[:12]
-    a = ShmTransport(0, [1], namespace=ns, directory=str(tmp_path))
+    a = ShmTransport(0, [1], namespace=ns, directory=str(tmp_path), pump_in_waiter=pump)
     assert len(_files(tmp_path, ns)) == 4  # its FIFO, its peer's, a ring each way
-    b = ShmTransport(1, [0], namespace=ns, directory=str(tmp_path))
-    deadline = time.monotonic() + 5  # endpoint 0's receiver thread, woken by its peer, removes its FIFO's name
+    b = ShmTransport(1, [0], namespace=ns, directory=str(tmp_path), pump_in_waiter=pump)
+    if pump:
+        assert _files(tmp_path, ns) == [f"afd-{ns}-0.wake"]  # endpoint 1 removed its own at start
+        a.send(1, Message("x", K, 0, [torch.ones(2)]))
+    deadline = time.monotonic() + 5  # a receiver thread, woken by its peer, removes its FIFO's name
     while _files(tmp_path, ns) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _files(tmp_path, ns) == []
-    a.send(1, Message("x", K, 0, [torch.ones(2)]))
-    assert torch.equal(b.recv(0, "x", K, 5).tensors[0], torch.ones(2))
+    a.send(1, Message("y", K, 0, [torch.ones(2)]))
+    assert torch.equal(b.recv(0, "y", K, 5).tensors[0], torch.ones(2))
     a.close(), b.close()
 
 
