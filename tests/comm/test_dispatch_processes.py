@@ -75,13 +75,7 @@ def test_processes_match_reference_exactly(mode, topo, kind):
     xs, ids, ws = routing(topo, tokens, 3, seed=2)
     config = CommConfig(mode, WireFormat("fp32", "fp32"), timeout=COMM_TIMEOUT_S)
     reports = run_processes(topo, config, list(zip(xs, ids, ws)), kind)
-    ref = reference_combine(xs, ids, ws, exact_expert)
-    for sender in range(topo.num_senders):
-        outs, _ = reports[sender]
-        assert len(outs) == len(KEYS)
-        assert all(
-            torch.equal(torch.tensor(o, dtype=torch.float32).view(ref[sender].shape), ref[sender]) for o in outs
-        ), f"sender {sender}"
+    assert_exact(reports, reference_combine(xs, ids, ws, exact_expert), len(KEYS))
 
 
 @pytest.mark.timeout(4 * COMM_TIMEOUT_S)
@@ -94,8 +88,14 @@ def test_many_keys_in_flight_through_relays_over_shared_memory():
     xs, ids, ws = routing(topo, [5, 0, 7], 3, seed=4)
     config = CommConfig("two-stage", WireFormat("fp32", "fp32"), timeout=COMM_TIMEOUT_S)
     reports = run_processes(topo, config, list(zip(xs, ids, ws)), "shm", keys)
-    ref = reference_combine(xs, ids, ws, exact_expert)
-    for sender in range(topo.num_senders):
+    assert_exact(reports, reference_combine(xs, ids, ws, exact_expert), len(keys))
+
+
+def assert_exact(reports: dict, ref: list[torch.Tensor], num_keys: int) -> None:
+    """Every sender got the reference combine, bit for bit, for each of its keys."""
+    for sender, expected in enumerate(ref):
         outs, _ = reports[sender]
-        assert len(outs) == len(keys)
-        assert all(torch.equal(torch.tensor(o).view(ref[sender].shape), ref[sender]) for o in outs), sender
+        assert len(outs) == num_keys
+        assert all(torch.equal(torch.tensor(o, dtype=torch.float32).view(expected.shape), expected) for o in outs), (
+            f"sender {sender}"
+        )
