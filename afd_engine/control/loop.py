@@ -67,10 +67,7 @@ class FrontEndSockets:
         """Called after a request went to one rank: where there are several (lockstep ranks),
         every rank leaves its idle wait, so the request's first agreement round starts now."""
         if len(self.push) > 1:
-            try:
-                self.pub.send(_WAKE, zmq.NOBLOCK)
-            except zmq.Again:  # a full queue: the ranks are busy, and their idle checks remain
-                pass
+            self.pub.send(_WAKE, zmq.NOBLOCK)  # a PUB socket drops what it cannot queue: never blocks
 
     def close(self) -> None:
         for sock in self.push:

@@ -21,14 +21,18 @@ from afd_engine.control.loop import ControlAddrs, EngineLoop, FrontEndSockets
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
 
 
+def ipc_addrs(tmp_path) -> ControlAddrs:
+    return ControlAddrs(*(f"ipc://{tmp_path}/{n}" for n in ("requests", "broadcast", "outputs")))
+
+
 @contextmanager
-def engine_loops(model_path: str, tmp_path, num_ranks: int):
-    """The front end's sockets, with one engine loop per rank serving behind them in threads."""
-    addrs = ControlAddrs(*(f"ipc://{tmp_path}/{n}" for n in ("requests", "broadcast", "outputs")))
+def serving(tmp_path, engines: list):
+    """The front end's sockets, with one engine loop per rank (engine i is rank i) serving behind
+    them in threads; every loop must stop on Shutdown."""
+    addrs = ipc_addrs(tmp_path)
     ctx = zmq.Context()
-    socks = FrontEndSockets.bind(ctx, addrs, num_ranks)
-    loops = [EngineLoop(Engine(model_path=model_path, num_threads=1), addrs, rank) for rank in range(num_ranks)]
-    threads = [threading.Thread(target=loop.run, daemon=True) for loop in loops]
+    socks = FrontEndSockets.bind(ctx, addrs, len(engines))
+    threads = [threading.Thread(target=EngineLoop(e, addrs, r).run, daemon=True) for r, e in enumerate(engines)]
     for thread in threads:
         thread.start()
     try:
@@ -40,6 +44,10 @@ def engine_loops(model_path: str, tmp_path, num_ranks: int):
             assert not thread.is_alive(), "the loop did not stop on Shutdown"
         socks.close()
         ctx.term()
+
+
+def engine_loops(model_path: str, tmp_path, num_ranks: int):
+    return serving(tmp_path, [Engine(model_path=model_path, num_threads=1) for _ in range(num_ranks)])
 
 
 @pytest.fixture
@@ -136,32 +144,14 @@ class IdleLockstepEngine:
         return ()
 
     def close(self) -> None:
-        pass
-
-
-@contextmanager
-def idle_lockstep_ranks(tmp_path, num_ranks: int):
-    addrs = ControlAddrs(*(f"ipc://{tmp_path}/{n}" for n in ("requests", "broadcast", "outputs")))
-    ctx = zmq.Context()
-    socks = FrontEndSockets.bind(ctx, addrs, num_ranks)
-    engines = [IdleLockstepEngine() for _ in range(num_ranks)]
-    threads = [threading.Thread(target=EngineLoop(e, addrs, r).run, daemon=True) for r, e in enumerate(engines)]
-    for thread in threads:
-        thread.start()
-    try:
-        yield socks, engines
-    finally:
-        socks.pub.send(msgs.encode(msgs.Shutdown()))
-        for thread in threads:
-            thread.join(timeout=30)
-        socks.close()
-        ctx.term()
+        """Nothing to release."""
 
 
 def test_idle_lockstep_ranks_run_few_agreement_rounds(tmp_path):
     """An idle deployment waits: about 20 rounds a second (one per LOCKSTEP_IDLE_MS); a 5 ms
     period ran ~200, 10-15% of a core per rank with nothing to do."""
-    with idle_lockstep_ranks(tmp_path, 1) as (_, (engine,)):
+    engine = IdleLockstepEngine()
+    with serving(tmp_path, [engine]):
         time.sleep(0.3)  # started
         before = len(engine.rounds)
         time.sleep(1.0)
@@ -173,7 +163,8 @@ def test_a_request_to_one_of_several_ranks_wakes_every_rank(tmp_path, monkeypatc
     """With the idle check effectively off, the front end's wake-up alone starts a round on every
     rank, the ones that did not get the request too."""
     monkeypatch.setattr(loop_module, "LOCKSTEP_IDLE_MS", 600_000)
-    with idle_lockstep_ranks(tmp_path, 2) as (socks, engines):
+    engines = [IdleLockstepEngine(), IdleLockstepEngine()]
+    with serving(tmp_path, engines) as socks:
         for sock in socks.push:
             sock.setsockopt(zmq.SNDTIMEO, 10_000)
         deadline = time.monotonic() + 10
@@ -191,7 +182,7 @@ def test_a_request_to_one_of_several_ranks_wakes_every_rank(tmp_path, monkeypatc
 
 
 def test_a_single_rank_gets_no_wake_up(tmp_path):
-    addrs = ControlAddrs(*(f"ipc://{tmp_path}/{n}" for n in ("requests", "broadcast", "outputs")))
+    addrs = ipc_addrs(tmp_path)
     ctx = zmq.Context()
     for num_ranks, expected in ((1, []), (2, [msgs.Wake()])):
         socks = FrontEndSockets.bind(ctx, addrs, num_ranks)
