@@ -32,7 +32,8 @@ class DispatchHandle:
     num_tokens: int
     hidden_size: int
     dtype: torch.dtype
-    routes: list[tuple[int, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # (peer, rows, weights)
+    # (peer, rows, weights) per peer; rows None: the only route, with every token in order
+    routes: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     dispatch_stats: CommStats = field(default_factory=CommStats)  # what this call sent
 
 
@@ -65,10 +66,16 @@ class AttentionEndpoint(Endpoint, ABC):
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
         """Waits for every peer's results and returns [T, H] in the dispatched dtype: per token,
         the top-k-weighted sum of its experts' outputs."""
-        out = torch.zeros(handle.num_tokens, handle.hidden_size, dtype=torch.float32)
+        out = None
         for peer, rows, weights in handle.routes:
             y = self.combine_layout.unpack(self.recv(peer, self.combine_layout.kind, handle.key))["out"].float()
-            out.index_add_(0, rows, y if weights is None else y * weights[:, None])  # y [n, H]
+            y = y if weights is None else y * weights[:, None]  # y [n, H]
+            if rows is None:  # the only route, with every token in order
+                out = y
+                continue
+            out = torch.zeros(handle.num_tokens, handle.hidden_size) if out is None else out
+            out.index_add_(0, rows, y)
+        out = torch.zeros(handle.num_tokens, handle.hidden_size) if out is None else out
         return out.to(handle.dtype)
 
     def _meta(self, hidden: torch.Tensor) -> dict:
@@ -79,23 +86,32 @@ class TwoStageAttentionEndpoint(AttentionEndpoint):
     combine_layout = COMBINE
 
     def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
+        if self.topo.num_nodes == 1:  # the one node takes every token whole: nothing to select
+            rows = torch.arange(hidden.shape[0])
+            self._send_node(0, hidden, rows, topk_ids.to(torch.int32), topk_weights.float(), handle, whole=True)
+            return
         node_of = self.topo.node_of_expert[topk_ids]  # [T, K]
         for node in range(self.topo.num_nodes):
             rows, ids, weights = masked_rows(node_of == node, topk_ids, topk_weights)
-            values, scales = self.config.wire.encode(hidden[rows])
-            peer = self.topo.ffn_endpoint(self.topo.relay_rank(self.sender, node))
-            msg = DISPATCH.pack(
-                handle.key,
-                self.endpoint,
-                self._meta(hidden),
-                hidden=values,
-                scales=scales,
-                ids=ids,
-                weights=weights,
-                rows=rows.to(torch.int32),
-            )
-            self.send(peer, "dispatch", msg, rows.numel())
-            handle.routes.append((peer, rows, None))  # the node weighted and reduced its experts already
+            self._send_node(node, hidden[rows], rows, ids, weights, handle, whole=False)
+
+    def _send_node(self, node, hidden, rows, ids, weights, handle: DispatchHandle, whole: bool) -> None:
+        """hidden [n, H]: the rows of the sender's tokens that go to `node`, with their node-local
+        ids and weights [n, K]; `whole`: every token, in order (combine then needs no scatter)."""
+        values, scales = self.config.wire.encode(hidden)
+        peer = self.topo.ffn_endpoint(self.topo.relay_rank(self.sender, node))
+        msg = DISPATCH.pack(
+            handle.key,
+            self.endpoint,
+            self._meta(hidden),
+            hidden=values,
+            scales=scales,
+            ids=ids,
+            weights=weights,
+            rows=rows.to(torch.int32),
+        )
+        self.send(peer, "dispatch", msg, rows.numel())
+        handle.routes.append((peer, None if whole else rows, None))  # the node weighted and reduced already
 
 
 class DirectAttentionEndpoint(AttentionEndpoint):

@@ -68,6 +68,7 @@ class FfnEndpoint(Endpoint, ABC):
         super().__init__(topo, topo.ffn_endpoint(rank), transport, config)
         self.rank, self.node = rank, topo.node_of_rank(rank)
         self.local_index = topo.local_index(rank)  # [E]
+        self._local_of = torch.cat([self.local_index, torch.tensor([-1])])  # [E + 1]: id -1 -> -1
 
     def post_dispatch(self, key: MsgKey) -> None:
         """Starts receiving `key` in the background where the mode has background work (idempotent);
@@ -90,9 +91,9 @@ class FfnEndpoint(Endpoint, ABC):
             ids.append(m_ids[:, None] if m_ids.dim() == 1 else m_ids)  # direct: one expert per row
             weights.append(f["weights"] if "weights" in f else torch.ones(ids[-1].shape))
             returns.append((m.src, m.meta["sender"], len(f["rows"])))
-        ids = torch.cat(ids)
-        local = torch.where(ids >= 0, self.local_index[ids.clamp(min=0)], -1)
-        return ExpertBatch(key, torch.cat(hidden), local, torch.cat(weights).float(), returns)
+        cat = torch.cat if len(msgs) > 1 else lambda ts: ts[0]
+        local = self._local_of[cat(ids)]  # an id of -1 (another node's slot) reads the last entry, -1
+        return ExpertBatch(key, cat(hidden), local, cat(weights).float(), returns)
 
     def send_combine(self, batch: ExpertBatch, outputs: torch.Tensor) -> None:
         """outputs [M, H]: per received row, the weighted sum over this rank's experts

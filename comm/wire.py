@@ -75,4 +75,4 @@ class WireFormat:
 
 
 def nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.nbytes for t in tensors)

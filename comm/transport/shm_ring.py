@@ -16,7 +16,7 @@ tail. Each slot is one aligned 8-byte store, and x86-64 keeps stores in order an
 (TSO), so a reader that sees a head also sees the bytes before it, and a writer that sees a tail
 never overwrites bytes still being read; `platform_supported` says where that holds.
 
-A frame is u64 body length, then the body: u32 header length, the JSON header of
+A frame is u64 body length, then the body: u32 header length, the msgpack header of
 `Message.header()`, and each tensor's raw bytes, each starting 64-byte aligned within the body
 (the body is received into one buffer, whose slices become the tensors: no copy after the one
 out of the ring). A frame longer than the ring just takes several turns.
@@ -24,7 +24,6 @@ out of the ring). A frame longer than the ring just takes several turns.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import platform
@@ -36,7 +35,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from comm.messages import CommError, Message, MsgKey
+from comm.messages import CommError, Message
 
 HEADER_BYTES = 256
 HEAD, TAIL, ATTACHED, CLOSED, WAKE_OPENED = 0, 8, 16, 17, 18  # uint64 slots of the header
@@ -242,20 +241,18 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 def decode_body(body: memoryview) -> Message:
     """A frame's body -> its message; the tensors share body's memory."""
-    view = body
-    length = int.from_bytes(view[:4], "little")
-    head = json.loads(bytes(view[4 : 4 + length]))
-    offset, tensors = 4 + length, []
-    for dtype, shape in head["tensors"]:
-        dt = getattr(torch, dtype)
-        n = dt.itemsize * _numel(shape)
+    length = int.from_bytes(body[:4], "little")
+    msg, specs = Message.parse_header(body[4 : 4 + length])
+    offset = 4 + length
+    for dt, shape in specs:
+        n = _numel(shape)
         if n == 0:  # empty tensors take no bytes (and no padding)
-            tensors.append(torch.empty(shape, dtype=dt))
+            msg.tensors.append(torch.empty(shape, dtype=dt))
             continue
         offset += -offset % ALIGN
-        tensors.append(torch.frombuffer(body, dtype=dt, count=n // dt.itemsize, offset=offset).view(shape))
-        offset += n
-    return Message(head["kind"], MsgKey(*head["key"]), head["src"], tensors, head["meta"])
+        msg.tensors.append(torch.frombuffer(body, dtype=dt, count=n, offset=offset).view(shape))
+        offset += n * dt.itemsize
+    return msg
 
 
 def _numel(shape: list[int]) -> int:

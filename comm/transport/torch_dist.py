@@ -6,7 +6,7 @@ Endpoint id = global rank. The caller initialises the default process group (see
 default group must construct one, with the same device type, because it creates subgroups.
 
 Wire protocol, per message: a fixed-size int64 header tensor (HEADER_BYTES: word 0 is the
-length of the JSON `Message.header()`, the following words carry its bytes), then each non-empty
+length of the msgpack `Message.header()`, the following words carry its bytes), then each non-empty
 payload tensor as raw bytes (a flat uint8 view, so every dtype travels, float8 included, even
 where the backend knows nothing of the dtype). Empty tensors are not sent at all: the header
 already says their dtype and shape.
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import queue
 import threading
 import time
@@ -89,9 +88,10 @@ def pack_header(msg: Message) -> torch.Tensor:
     return head
 
 
-def unpack_header(head: torch.Tensor) -> dict:
+def unpack_header(head: torch.Tensor) -> tuple[Message, list[tuple[torch.dtype, list[int]]]]:
+    """The message (without its tensors) and its tensors' (dtype, shape)."""
     head = head.cpu()
-    return json.loads(head[1:].view(torch.uint8)[: int(head[0])].numpy().tobytes())
+    return Message.parse_header(head[1:].view(torch.uint8)[: int(head[0])].numpy().tobytes())
 
 
 def _wire_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -219,16 +219,16 @@ class TorchDistTransport(Transport):
             while True:
                 head = torch.empty(HEADER_BYTES // 8, dtype=torch.int64)
                 dist.recv(head, src, group=head_group)
-                head = unpack_header(head)
-                if head["kind"] == _CLOSE:
+                msg, specs = unpack_header(head)
+                if msg.kind == _CLOSE:
                     self._closed_peers.add(src)
                     return
-                self._inbox.put(self._receive_message(head, src, data_group))
+                self._inbox.put(self._receive_message(msg, specs, src, data_group))
 
-    def _receive_message(self, head: dict, src: int, group) -> Message:
-        tensors = [self._receive_tensor(getattr(torch, dtype), shape, src, group) for dtype, shape in head["tensors"]]
+    def _receive_message(self, msg: Message, specs: list, src: int, group) -> Message:
+        msg.tensors = [self._receive_tensor(dtype, shape, src, group) for dtype, shape in specs]
         _synchronize(self.device)  # the consumer may run on another stream
-        return Message(head["kind"], MsgKey(*head["key"]), head["src"], tensors, head["meta"])
+        return msg
 
     def _receive_tensor(self, dtype: torch.dtype, shape: list[int], src: int, group) -> torch.Tensor:
         numel = torch.Size(shape).numel()

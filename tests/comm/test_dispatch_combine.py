@@ -18,6 +18,7 @@ FP32 = WireFormat(dispatch="fp32", combine="fp32")
 TOPOLOGIES = {
     "1 sender, 1 node x 1": (Topology(1, 1, 1, 8), [5], 2),
     "3 senders, 2 nodes x 2": (Topology(3, 2, 2, 8), [7, 0, 3], 3),
+    "3 senders, 1 node x 2": (Topology(3, 1, 2, 8), [6, 2, 0], 3),
     "4 senders, 2 nodes x 3": (Topology(4, 2, 3, 12), [6, 9, 1, 4], 4),
     "5 senders, 3 nodes x 2, remapped": (
         Topology(5, 3, 2, 12, expert_map=tuple(reversed(range(12)))),
@@ -39,8 +40,9 @@ def test_combine_equals_reference_exactly(mode, name, case):
         assert torch.equal(out[0], ref), f"sender {sender}"
 
 
-def test_every_sender_empty():
-    topo = Topology(3, 2, 2, 8)
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_every_sender_empty(nodes):
+    topo = Topology(3, nodes, 2, 8)
     xs, ids, ws = routing(topo, [0, 0, 0], 2, seed=0)
     for mode in ("two-stage", "direct"):
         outs, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)

@@ -94,11 +94,19 @@ def test_message_round_trip_every_dtype():
     _assert_same(w.wire(back.tensors), msg.tensors)
 
 
+def test_a_tensor_of_a_dtype_the_wire_has_no_name_for_is_refused_at_send():
+    msg = Message("combine", MsgKey(0, 0, 0), 0, [torch.zeros(2, dtype=torch.complex64)])
+    with pytest.raises(CommError, match="complex64 cannot travel; use one of float64, float32"):
+        msg.header()
+
+
 def test_torch_dist_header_packing():
     msg = Message("combine", MsgKey(5, 6, 7), 2, w.sample_tensors(), {"a": 1})
     head = pack_header(msg)
     assert head.dtype == torch.int64 and head.numel() * 8 == HEADER_BYTES
-    assert unpack_header(head)["tensors"][2] == ["float8_e4m3fn", [4, 8]]
+    back, specs = unpack_header(head)
+    assert (back.kind, back.key, back.src, back.meta, back.tensors) == ("combine", MsgKey(5, 6, 7), 2, {"a": 1}, [])
+    assert specs == [(t.dtype, list(t.shape)) for t in msg.tensors] and specs[2] == (torch.float8_e4m3fn, [4, 8])
     with pytest.raises(CommError, match="exceeds"):
         pack_header(Message("combine", MsgKey(0, 0, 0), 0, meta={"big": "x" * HEADER_BYTES}))
 
