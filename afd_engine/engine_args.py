@@ -124,6 +124,11 @@ class EngineArgs:
         "auto", "combine wire format: auto (the activations' dtype), fp32 or bf16", choices=("auto", "fp32", "bf16")
     )
     comm_timeout: float = opt(30.0, "seconds a rank waits for a peer before failing the step")
+    comm_spin_us: int = opt(
+        0,
+        "shared-memory data plane: microseconds a waiting rank keeps looking for a message before it sleeps; "
+        "lower latency for CPU time, worth it where every rank has cores of its own (0: sleep at once)",
+    )
     transport: str = opt(
         "auto",
         "data plane between ranks on one machine: auto (shared memory where /dev/shm has room for the rings, "
@@ -194,6 +199,7 @@ class EngineArgs:
             "the colocated baseline dispatches directly; two-stage needs --mode afd",
         )
         need(self.comm_timeout > 0, "comm_timeout", "must be positive")
+        need(0 <= self.comm_spin_us <= 1_000_000, "comm_spin_us", "must be between 0 and 1000000 (1 s)")
         need(self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0")
         need(
             self.mode != "single"

@@ -40,6 +40,7 @@ def test_generate_prints_the_completion(tiny_v3):
             "model directory '/no/such/dir' does not exist",
         ),
         (["generate", "--prompt", "hi", "--page-size", "0"], "--page-size=0: must be at least 1"),
+        (["generate", "--prompt", "hi", "--comm-spin-us", "-5"], "--comm-spin-us=-5: must be between 0 and 1000000"),
         (["generate", "--prompt", "hi", "--temperature", "-2"], "invalid sampling parameter temperature=-2.0"),
         (["make-tiny-model", "/tmp/x", "--arch", "llama"], "supported: deepseek_v3, deepseek_v2"),
     ],

@@ -66,17 +66,31 @@ def make_transport(kind: str, endpoint: int, **kwargs) -> Transport:
 
 
 def peer_transport(
-    endpoint: int, addresses: dict[int, str], hosts: dict[int, str], namespace: str, link_delay_s: float = 0.0
+    endpoint: int,
+    addresses: dict[int, str],
+    hosts: dict[int, str],
+    namespace: str,
+    link_delay_s: float = 0.0,
+    spin_s: float = 0.0,
 ) -> Transport:
     """The transport of `endpoint` among peers: shared memory to those with its host id
     (`shm_transport.host_id()`; "" for none), ZeroMQ at `addresses` to the others. Every endpoint
-    decides from the same tables, so both ends of each pair agree on the path."""
+    decides from the same tables, so both ends of each pair agree on the path. `spin_s`: see
+    ShmTransport (the shared-memory path only)."""
     mine = hosts.get(endpoint, "")
     if not mine:
         return make_transport("zmq", endpoint, addresses=addresses, link_delay_s=link_delay_s)
     local = {e for e, h in hosts.items() if h == mine}
     if not (set(addresses) | set(hosts)) - local:
-        return make_transport("shm", endpoint, peers=local, namespace=namespace, link_delay_s=link_delay_s)
+        return make_transport(
+            "shm", endpoint, peers=local, namespace=namespace, link_delay_s=link_delay_s, spin_s=spin_s
+        )
     return make_transport(
-        "hybrid", endpoint, addresses=addresses, local=local, namespace=namespace, link_delay_s=link_delay_s
+        "hybrid",
+        endpoint,
+        addresses=addresses,
+        local=local,
+        namespace=namespace,
+        link_delay_s=link_delay_s,
+        spin_s=spin_s,
     )

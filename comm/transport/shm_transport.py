@@ -24,6 +24,16 @@ apart). A stress with the same relay topology, started behind a barrier so that 
 not count, 800 keys per run and three runs at once on two cores, passed 30 of 30 runs with a 5 s
 timeout (every run finished within 15 s).
 
+Spinning (`spin_s`, off by default): a thread that finds nothing to read looks at the rings
+again and again for up to `spin_s` before it blocks in poll(), so a message that comes within
+that time is read without a wake-up: no sleep, no scheduler latency, at the price of the CPU
+time spent looking. Where every rank has cores of its own this is what low-latency data planes
+do; where ranks share cores with each other and with the front end, the looking takes CPU from
+them. On this project's 2-core machine, in paired bench_latency rounds at concurrency 1,
+1 ms of spinning took AFD 1A+1F from 1.62-1.77x single mode's TPOT to 1.41-1.47x, and colocated
+dp2 from 1.93x to 1.66-1.84x; at concurrency 32 two runs disagreed (AFD 20% slower in one, 8%
+faster in the other), so it stays opt-in (`--comm-spin-us`).
+
 Same semantics as the other transports (base.py):
   * send never blocks on the peer: what does not fit in the ring waits in this process and a
     flusher thread feeds it in as the reader makes room (so a message bigger than the ring takes
@@ -78,7 +88,8 @@ class ShmTransport(Transport):
     """endpoint: this endpoint's id; peers: the endpoints on this host it talks to; namespace: a
     name shared by the endpoints of one deployment and no other (its files' prefix);
     pump_in_waiter: the waiting thread reads the rings (default), else a receiver thread does (see
-    the module docstring)."""
+    the module docstring); spin_s: before it blocks in poll(), the reading thread looks at the rings
+    for up to this long, yielding the core between looks (see "Spinning" above)."""
 
     def __init__(
         self,
@@ -93,11 +104,15 @@ class ShmTransport(Transport):
         max_pending_bytes: int = 1 << 30,
         linger_s: float = 1.0,
         pump_in_waiter: bool = True,
+        spin_s: float = 0.0,
     ) -> None:
         if not platform_supported():
             raise CommError("the shared-memory transport needs x86-64 (ordered stores); use the zmq transport")
         if not re.fullmatch(r"[A-Za-z0-9_]{1,64}", namespace):
             raise CommError(f"shared-memory namespace {namespace!r}: use 1-64 letters, digits or _")
+        if spin_s < 0:
+            raise CommError(f"spin_s must be >= 0, got {spin_s}")
+        self._spin_s = spin_s
         self.endpoint, self.peers = endpoint, sorted(set(peers) - {endpoint})
         self._linger_s = linger_s
         self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)
@@ -196,6 +211,8 @@ class ShmTransport(Transport):
                 self._unlink_wake_when_opened()
                 if self._read_rings() or seconds <= 0:
                     return
+                if self._spin_s > 0 and self._spin(min(self._spin_s, seconds)) and self._read_rings():
+                    return
                 # Bytes are cleared only after poll() returns, and the caller then looks at the
                 # inbox again: a message put there (sent to itself) before its byte was cleared is
                 # seen. Clearing first would lose that wake-up.
@@ -205,6 +222,16 @@ class ShmTransport(Transport):
             except Exception as e:  # a broken frame: every waiter fails, not only this one
                 self._inbox.fail(CommError(f"reading the shared-memory rings failed: {e!r}"))
                 raise
+
+    def _spin(self, seconds: float) -> bool:
+        """Whether a ring got bytes within `seconds` of looking (no wake-up byte needed)."""
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for reader in self._readers:
+                if reader.ring.readable():
+                    return True
+            os.sched_yield()  # another runnable thread or process on this core goes first (GIL released)
+        return False
 
     def _unlink_wake_when_opened(self) -> None:
         """Removes this endpoint's FIFO from the directory once every peer has opened it (the rings

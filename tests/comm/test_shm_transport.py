@@ -209,6 +209,33 @@ def test_link_delay_holds_every_message_back(pair):
     assert 0.19 <= time.monotonic() - start < 1.0
 
 
+def _write_without_waking(sender: ShmTransport, dst: int, msg: Message) -> None:
+    """Puts msg in the ring to dst but writes no wake-up byte: only a reader that looks finds it."""
+    sender._outboxes[dst].ring.write(encode_frame(msg))
+
+
+def test_a_spinning_reader_finds_a_message_without_being_woken(pair):
+    a, b = pair(0), pair(1, spin_s=5.0)
+    threading.Timer(0.1, _write_without_waking, (a, 1, Message("quiet", K, 0, [torch.ones(3)]))).start()
+    start = time.monotonic()
+    assert torch.equal(b.recv(0, "quiet", K, 3.0).tensors[0], torch.ones(3))
+    assert time.monotonic() - start < 1.0  # not left until the poll() timeout
+
+
+def test_without_spinning_a_reader_waits_for_its_wake_up(tmp_path):
+    ns = uuid.uuid4().hex[:12]
+    a, b = (ShmTransport(i, [0, 1], namespace=ns, directory=str(tmp_path)) for i in range(2))
+    try:
+        threading.Timer(0.1, _write_without_waking, (a, 1, Message("quiet", K, 0))).start()
+        start = time.monotonic()
+        assert b.recv(0, "quiet", K, 1.5).kind == "quiet"  # read once poll() gives up
+        assert time.monotonic() - start >= 1.4
+    finally:
+        a.close(), b.close()
+    with pytest.raises(CommError, match="spin_s must be >= 0"):
+        ShmTransport(0, [1], namespace=ns, directory=str(tmp_path), spin_s=-1)
+
+
 def test_rejects_unknown_peers_and_bad_namespaces(pair):
     with pytest.raises(CommError, match="endpoint 5 is not a shared-memory peer"):
         pair(0).send(5, Message("x", K, 0))

@@ -23,7 +23,9 @@ DEPLOYMENTS = {
     "afd 2A 2x1 mb3 two-stage overlap": dict(
         mode="afd", dp_size=2, ffn_nodes=2, micro_batches=3, overlap_schedule="on"
     ),
-    "afd 2A 2x2 mb4 two-stage": dict(mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, micro_batches=4),
+    "afd 2A 2x2 mb4 two-stage spin": dict(
+        mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, micro_batches=4, comm_spin_us=300
+    ),
     "afd 2A 2x2 mb3 direct zmq": dict(
         mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, dispatch="direct", transport="zmq"
     ),
