@@ -1,14 +1,16 @@
 """What the shared-memory transport is made of: a ring (a byte stream in a file under /dev/shm), the
-framing of a `Message` as bytes in it, and the FIFO that wakes a receiver.
+framing of a `Message` as bytes in it, and the FIFO that wakes its reader.
 
 One ring carries one direction between two endpoints: one writer process, one reader process.
+Each ring has its own wake-up FIFO (its path plus ".wake"), shared by the same two processes and
+no other, so that the files of a pair can be removed by either of its ends without touching what
+other endpoints use.
 
     file:  [ header: 256 B                                  ][ data: capacity bytes, used cyclically ]
             slot 0 head    bytes ever written (writer)
             slot 8 tail    bytes ever read (reader)         (own 64-byte line: no false sharing)
             slot 16 attached   the reader has opened the ring
             slot 17 closed     the reader has closed: writes are dropped
-            slot 18 wake_opened  the writer has opened the reader's wake-up FIFO
 
 head and tail only grow (uint64), so `head - tail` is what is waiting and `capacity - that` is free.
 The writer copies bytes in and then publishes head; the reader copies bytes out and then publishes
@@ -38,7 +40,7 @@ import torch
 from comm.messages import CommError, Message
 
 HEADER_BYTES = 256
-HEAD, TAIL, ATTACHED, CLOSED, WAKE_OPENED = 0, 8, 16, 17, 18  # uint64 slots of the header
+HEAD, TAIL, ATTACHED, CLOSED = 0, 8, 16, 17  # uint64 slots of the header
 ALIGN = 64
 _PREFIX = struct.Struct("<Q")
 _ZEROS = memoryview(bytes(ALIGN))
@@ -172,42 +174,94 @@ class FrameReader:
 
 
 class WakeFifo:
-    """An endpoint's wake-up FIFO: a byte per message in, its reader waits for any byte.
-
-    Opened read-write by both sides: opening never waits for the other end, and the reader never
-    sees end-of-file while no writer is connected."""
+    """The wake-up FIFO of one ring: its writer writes a byte per message, its reader waits (in
+    `Doorbells`) for any byte. Opened read-write by both ends: opening never waits for the other
+    end, and the reader never sees end-of-file while no writer is connected. Made atomically and
+    named only until both ends have opened it, as the ring (whichever end comes second removes
+    the name)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        try:
-            os.mkfifo(path, 0o600)
-        except FileExistsError:
-            pass
-        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-        self._poll = select.poll()
-        self._poll.register(self.fd, select.POLLIN)
+        self.fd, created = _open_or_create_fifo(path)
+        if not created:
+            _unlink(path)
 
     def signal(self) -> None:
-        try:
-            os.write(self.fd, b"\0")
-        except BlockingIOError:  # 64 KiB of unread wake-ups: the reader is woken already
-            pass
-
-    def wait(self, seconds: float) -> None:
-        self._poll.poll(seconds * 1000)
-        self.clear()
-
-    def clear(self) -> None:
-        try:
-            while len(os.read(self.fd, 65536)) == 65536:
-                pass
-        except BlockingIOError:
-            pass
+        _ring_bell(self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def unlink(self) -> None:
+        """Removes the name if it is still there (the other end never opened the FIFO)."""
+        _unlink(self.path)
+
+
+class Doorbells:
+    """What a reader waits on: the wake-up FIFOs of its incoming rings and a pipe of its own
+    (`ring`: a message it sent itself, or close). `wait` returns once any of them has a byte (or
+    after `seconds`) and clears the ones that had."""
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+        self._own_r, self._own_w = os.pipe()
+        for fd in (self._own_r, self._own_w):
+            os.set_blocking(fd, False)
+        self._poll.register(self._own_r, select.POLLIN)
+
+    def add(self, fifo: WakeFifo) -> None:
+        self._poll.register(fifo.fd, select.POLLIN)
+
+    def ring(self) -> None:
+        _ring_bell(self._own_w)
+
+    def wait(self, seconds: float) -> None:
+        for fd, _ in self._poll.poll(seconds * 1000):
+            try:
+                while len(os.read(fd, 65536)) == 65536:
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        for fd in (self._own_r, self._own_w):
+            if fd >= 0:
+                os.close(fd)
+        self._own_r = self._own_w = -1
+
+
+def _ring_bell(fd: int) -> None:
+    if fd < 0:  # closed: nobody waits any more
+        return
+    try:
+        os.write(fd, b"\0")
+    except BlockingIOError:  # 64 KiB of unread wake-ups: the reader is woken already
+        pass
+
+
+def _open_or_create_fifo(path: str) -> tuple[int, bool]:
+    """A read-write, non-blocking descriptor of the FIFO at path, made if missing (under a temporary
+    name, then linked into place: the other end never opens a name that is about to vanish); and
+    whether this call made it."""
+    flags = os.O_RDWR | os.O_NONBLOCK
+    try:
+        return os.open(path, flags), False
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}"
+    os.mkfifo(tmp, 0o600)
+    try:
+        fd = os.open(tmp, flags)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # the other end made it first: use theirs
+            os.close(fd)
+            return os.open(path, flags), False
+    finally:
+        _unlink(tmp)
+    return fd, True
 
 
 def encode_frame(msg: Message) -> deque[memoryview]:

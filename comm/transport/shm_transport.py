@@ -2,27 +2,30 @@
 
     endpoint s                               /dev/shm                                endpoint d
     send(d, msg) --frame, 1 copy--> ring afd-<ns>-<s>to<d> --1 copy--> tensors --> recv(s, ...)
-                 --one byte-------> FIFO afd-<ns>-<d>.wake --wakes the thread waiting in recv
+                 --one byte-------> FIFO afd-<ns>-<s>to<d>.wake --wakes the thread waiting in recv
 
-One ring per ordered pair of endpoints (shm_ring.py) and one wake-up FIFO per endpoint. A send
-copies the frame into the ring and writes a byte to the receiver's FIFO. The thread waiting in
-`recv` reads the rings itself (the pump of `Inbox.take`): blocked in poll() on the FIFO, it moves
-completed messages into the inbox, its own and other threads' (which it wakes), and hands the
-role to another waiting thread when it leaves. Nothing spins, and a message costs one thread
-wake-up, where ZeroMQ over TCP costs its I/O threads, our receiver thread and the waiter.
+One ring per ordered pair of endpoints (shm_ring.py), each with its own wake-up FIFO. A send
+copies the frame into the ring and writes a byte to the ring's FIFO; the receiver waits on the
+FIFOs of all its rings at once (poll()). The thread waiting in `recv` reads the rings itself (the
+pump of `Inbox.take`): woken from poll(), it moves completed messages into the inbox, its own and
+other threads' (which it wakes), and hands the role to another waiting thread when it leaves.
+Nothing spins (unless asked to, below), and a message costs one thread wake-up, where ZeroMQ over
+TCP costs its I/O threads, our receiver thread and the waiter.
 
 `pump_in_waiter=False` makes a receiver thread move the messages instead: two wake-ups per
 message (the receiver thread, then the waiter). With a link delay (`make_inbox`) or an inbox
 shared with another transport (hybrid.py), the receiver thread is used whatever
 `pump_in_waiter` says. In `bench_latency.py`, measured in paired rounds, reading in the waiter
 made AFD 1A+1F 1.74x single mode's TPOT at concurrency 1 against 1.86x with the receiver thread,
-and colocated dp2 2.01x against 2.33x. It was opt-in for a while: three runs of
-tests/comm/test_dispatch_processes.py at once on two cores, with a 20 s receive timeout, once
-saw a message arrive after the timeout (the receiver thread did so once in fifteen runs, and
-both passed with 90 s; seven processes importing torch on that loaded machine start up to 30 s
-apart). A stress with the same relay topology, started behind a barrier so that slow starts do
-not count, 800 keys per run and three runs at once on two cores, passed 30 of 30 runs with a 5 s
-timeout (every run finished within 15 s).
+and colocated dp2 2.01x against 2.33x.
+
+Why a FIFO per ring and not one per receiver: with one FIFO per receiver, opened by all its
+peers, a peer that finished and closed before a slow receiver had even started removed that
+FIFO's name (its reader had never opened it); the receiver then made a new FIFO that its other
+peers, holding the old one, never wrote to. Its waits lasted until their timeouts (three runs of
+tests/comm/test_dispatch_processes.py at once on two cores stalled in 4 of 6 tries; a receiver
+thread, which wakes every second anyway, only slowed down). A ring and its FIFO have exactly two
+users, so either end may remove their names. Since the change: 9 of 9 such tries passed.
 
 Spinning (`spin_s`, off by default): a thread that finds nothing to read looks at the rings
 again and again for up to `spin_s` before it blocks in poll(), so a message that comes within
@@ -63,7 +66,7 @@ from comm.transport.shm_ring import (
     ATTACHED,
     CLOSED,
     HEADER_BYTES,
-    WAKE_OPENED,
+    Doorbells,
     FrameReader,
     Ring,
     WakeFifo,
@@ -80,8 +83,8 @@ def ring_path(directory: str, namespace: str, src: int, dst: int) -> str:
     return f"{directory}/afd-{namespace}-{src}to{dst}"
 
 
-def wake_path(directory: str, namespace: str, endpoint: int) -> str:
-    return f"{directory}/afd-{namespace}-{endpoint}.wake"
+def wake_path(ring: str) -> str:
+    return f"{ring}.wake"
 
 
 class ShmTransport(Transport):
@@ -120,22 +123,19 @@ class ShmTransport(Transport):
         self._lock = threading.Lock()  # guards _closed
         self._pump_lock = threading.Lock()  # the reading side of the rings: one thread at a time
         self._closed = False
-        self._wake: WakeFifo | None = None
-        self._wake_named = True  # this endpoint's FIFO still has its name in the directory
-        self._readers: list[FrameReader] = []
+        self._bells = Doorbells()
+        self._readers: list[tuple[FrameReader, WakeFifo]] = []
         self._outboxes: dict[int, _Outbox] = {}
         try:  # every ring and FIFO now, so that nothing is created on the hot path
-            self._wake = WakeFifo(wake_path(directory, namespace, endpoint))
             for src in self.peers:
-                self._readers.append(FrameReader(Ring(ring_path(directory, namespace, src, endpoint), capacity)))
-                self._readers[-1].ring.set_flag(ATTACHED)
+                path = ring_path(directory, namespace, src, endpoint)
+                reader, wake = FrameReader(Ring(path, capacity)), WakeFifo(wake_path(path))
+                self._readers.append((reader, wake))
+                self._bells.add(wake)
+                reader.ring.set_flag(ATTACHED)
             for dst in self.peers:
-                ring = Ring(ring_path(directory, namespace, endpoint, dst), capacity)
-                wake = WakeFifo(wake_path(directory, namespace, dst))
-                self._outboxes[dst] = _Outbox(ring, wake, dst, max_pending_bytes)
-                ring.set_flag(WAKE_OPENED)  # see _unlink_wake_when_opened
-                wake.signal()  # the peer, if running, removes its FIFO's name now
-            self._unlink_wake_when_opened()
+                path = ring_path(directory, namespace, endpoint, dst)
+                self._outboxes[dst] = _Outbox(Ring(path, capacity), WakeFifo(wake_path(path)), dst, max_pending_bytes)
         except BaseException:
             self._release()
             raise
@@ -152,13 +152,11 @@ class ShmTransport(Transport):
         if dst == self.endpoint:
             own = Message(msg.kind, msg.key, msg.src, [t.clone() for t in msg.tensors], dict(msg.meta))
             if self._inbox.put(own):  # the thread waiting for it pumps, maybe blocked in poll()
-                self._wake.signal()
+                self._bells.ring()
             return
         out = self._outboxes.get(dst)
         if out is None:
             raise CommError(f"endpoint {self.endpoint}: endpoint {dst} is not a shared-memory peer ({self.peers})")
-        if self._wake_named:  # see _unlink_wake_when_opened
-            self._unlink_wake_when_opened()
         out.send(encode_frame(msg))
 
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
@@ -179,7 +177,7 @@ class ShmTransport(Transport):
                 return
             self._closed = True
         self._inbox.fail(CommError("transport closed"))
-        self._wake.signal()  # a thread blocked waiting for a wake-up returns at once
+        self._bells.ring()  # a thread blocked waiting for a wake-up returns at once
         if self._receiver is not None:
             self._receiver.join()
         deadline = time.monotonic() + self._linger_s
@@ -189,15 +187,15 @@ class ShmTransport(Transport):
             self._release()
 
     def _release(self) -> None:
-        for reader in self._readers:
+        for reader, wake in self._readers:
             reader.ring.set_flag(CLOSED)  # senders drop what they would still send
             reader.ring.close()
             reader.ring.unlink()
-        if self._wake is not None:
-            self._wake.close()
-            _unlink(self._wake.path)
+            wake.close()
+            wake.unlink()
         for out in self._outboxes.values():
             out.close(0.0)
+        self._bells.close()
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -208,7 +206,6 @@ class ShmTransport(Transport):
             if self._closed:
                 return
             try:
-                self._unlink_wake_when_opened()
                 if self._read_rings() or seconds <= 0:
                     return
                 if self._spin_s > 0 and self._spin(min(self._spin_s, seconds)) and self._read_rings():
@@ -216,7 +213,7 @@ class ShmTransport(Transport):
                 # Bytes are cleared only after poll() returns, and the caller then looks at the
                 # inbox again: a message put there (sent to itself) before its byte was cleared is
                 # seen. Clearing first would lose that wake-up.
-                self._wake.wait(seconds)
+                self._bells.wait(seconds)
                 if not self._closed:
                     self._read_rings()
             except Exception as e:  # a broken frame: every waiter fails, not only this one
@@ -227,25 +224,15 @@ class ShmTransport(Transport):
         """Whether a ring got bytes within `seconds` of looking (no wake-up byte needed)."""
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
-            for reader in self._readers:
+            for reader, _ in self._readers:
                 if reader.ring.readable():
                     return True
             os.sched_yield()  # another runnable thread or process on this core goes first (GIL released)
         return False
 
-    def _unlink_wake_when_opened(self) -> None:
-        """Removes this endpoint's FIFO from the directory once every peer has opened it (the rings
-        are named only until both ends have opened them): from then on, a killed process leaves
-        no file behind. Checked whenever a thread reads the rings and at every send, so where
-        the waiting threads read, at the endpoint's first receive or send after its peers
-        started (a receiver thread is woken by each peer as it opens the FIFO)."""
-        if self._wake_named and all(r.ring.flag(WAKE_OPENED) for r in self._readers):
-            _unlink(self._wake.path)
-            self._wake_named = False
-
     def _read_rings(self) -> int:
         count = 0
-        for reader in self._readers:
+        for reader, _ in self._readers:
             for msg in reader.read():
                 self._inbox.put(msg)
                 count += 1
@@ -260,7 +247,7 @@ class ShmTransport(Transport):
 
 
 class _Outbox:
-    """What one endpoint sends to one peer: the ring, the peer's FIFO, and what waits for room."""
+    """What one endpoint sends to one peer: the ring, its FIFO, and what waits for room."""
 
     def __init__(self, ring: Ring, wake: WakeFifo, dst: int, max_pending_bytes: int) -> None:
         self.ring, self.wake, self.dst, self.max_pending_bytes = ring, wake, dst, max_pending_bytes
@@ -315,7 +302,8 @@ class _Outbox:
 
     def close(self, linger_s: float) -> None:
         """Waits up to linger_s for the waiting bytes to go, then drops the rest and unmaps; removes
-        the ring (and the peer's FIFO) if its reader never opened it. Idempotent."""
+        the names of the ring and its FIFO if its reader never opened them (they are this pair's
+        alone). Idempotent."""
         flusher = self.flusher
         if flusher is not None:
             flusher.join(linger_s)
@@ -328,9 +316,9 @@ class _Outbox:
         never_read = not self.ring.flag(ATTACHED)
         self.ring.close()
         self.wake.close()
-        if never_read:  # the peer never started: its files are this endpoint's to remove
+        if never_read:  # the peer never started: the pair's files are this endpoint's to remove
             self.ring.unlink()
-            _unlink(self.wake.path)
+            self.wake.unlink()
 
 
 def host_id(directory: str = SHM_DIR) -> str:

@@ -246,29 +246,42 @@ def test_rejects_unknown_peers_and_bad_namespaces(pair):
 @pytest.mark.parametrize("pump", [True, False], ids=["waiter-reads", "receiver-thread"])
 def test_files_are_named_only_until_both_ends_have_opened_them(tmp_path, pump):
     """Once both ends run, nothing of theirs is left in the directory: a process killed from then
-    on leaks nothing (the memory goes with the last mapping). A receiver thread removes its FIFO's
-    name as soon as the peer has opened it; where the waiting threads read the rings, that happens
-    at the endpoint's next send or receive."""
+    on leaks nothing (the memory goes with the last mapping). The second end to open a ring or
+    its FIFO removes the name."""
     ns = uuid.uuid4().hex[:12]
     a = ShmTransport(0, [1], namespace=ns, directory=str(tmp_path), pump_in_waiter=pump)
-    assert len(_files(tmp_path, ns)) == 4  # its FIFO, its peer's, a ring each way
+    assert _files(tmp_path, ns) == [f"afd-{ns}-{r}" for r in ("0to1", "0to1.wake", "1to0", "1to0.wake")]
     b = ShmTransport(1, [0], namespace=ns, directory=str(tmp_path), pump_in_waiter=pump)
-    if pump:
-        assert _files(tmp_path, ns) == [f"afd-{ns}-0.wake"]  # endpoint 1 removed its own at start
-        a.send(1, Message("x", K, 0, [torch.ones(2)]))
-    deadline = time.monotonic() + 5  # a receiver thread, woken by its peer, removes its FIFO's name
-    while _files(tmp_path, ns) and time.monotonic() < deadline:
-        time.sleep(0.01)
     assert _files(tmp_path, ns) == []
     a.send(1, Message("y", K, 0, [torch.ones(2)]))
     assert torch.equal(b.recv(0, "y", K, 5).tensors[0], torch.ones(2))
     a.close(), b.close()
 
 
+def test_a_peer_that_closes_before_a_late_one_starts_leaves_the_others_able_to_wake_it(tmp_path):
+    """Endpoints 0 and 1 start; 1 closes without ever hearing from 2, so it removes what it made
+    for 2 (a ring and its FIFO). Endpoint 2 starts only then, and must still be woken by 0's
+    messages. (With one FIFO per receiver, opened by all its peers, 1 removed that FIFO's name
+    while 0 held it open: 2 made a new one, and 0's wake-ups went to the old one.)"""
+    ns = uuid.uuid4().hex[:12]
+    kw = {"namespace": ns, "directory": str(tmp_path)}
+    e0, e1 = ShmTransport(0, range(3), **kw), ShmTransport(1, range(3), **kw)
+    e1.close()
+    e2 = ShmTransport(2, range(3), **kw)
+    try:
+        threading.Timer(0.1, e0.send, (2, Message("late", K, 0, [torch.ones(2)]))).start()
+        start = time.monotonic()
+        assert torch.equal(e2.recv(0, "late", K, 5).tensors[0], torch.ones(2))
+        assert time.monotonic() - start < 2.0  # woken by the message, not by the 5 s timeout
+    finally:
+        e0.close(), e2.close()
+    assert _files(tmp_path, ns) == []
+
+
 def test_remove_namespace_and_fits(tmp_path):
     ns = uuid.uuid4().hex[:12]
     ShmTransport(0, [1], namespace=ns, directory=str(tmp_path))  # never closed: as if killed
-    assert len(_files(tmp_path, ns)) == 4  # its FIFO, its peer's, a ring each way
+    assert len(_files(tmp_path, ns)) == 4  # a ring each way, each with its FIFO
     assert len(remove_namespace(ns, str(tmp_path))) == 4 and _files(tmp_path, ns) == []
     assert fits(2, 1 << 20, str(tmp_path)) and not fits(1 << 40, 1 << 20, str(tmp_path))
 
