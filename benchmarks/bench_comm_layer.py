@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""The comm library's own cost per MoE layer at decode: one attention endpoint and one FFN endpoint
+in this process exchange one layer's messages (dispatch, receive, send the results back, combine)
+for a micro-batch of a few tokens, over the in-process and the shared-memory transports.
+
+Both endpoints run in one thread, one after the other, so the figure is the library's CPU time
+(routing, framing, copies, the rings and the wake-up bytes), without any process wake-up or
+expert compute. The FFN side returns its tokens' activations as the "experts' output", so every
+combine must give back exactly what was dispatched (checked, fp32 on the wire). Reported per
+transport: the minimum and the median over `--chunks` chunks of `--layers` layers, in us per layer.
+
+    python benchmarks/bench_comm_layer.py [--tokens 1] [--hidden 192] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from comm import CommConfig, MsgKey, Topology, WireFormat, attention_endpoint, ffn_endpoint
+from comm.transport.inproc import InProcessFabric
+from comm.transport.shm_transport import ShmTransport, remove_namespace
+
+
+def transports(kind: str):
+    if kind == "inproc":
+        fabric = InProcessFabric()
+        return fabric.endpoint(0), fabric.endpoint(1)
+    ns = f"bench{os.getpid()}"
+    return ShmTransport(0, [1], namespace=ns), ShmTransport(1, [0], namespace=ns)
+
+
+def measure(kind: str, args: argparse.Namespace) -> dict:
+    topo = Topology(num_senders=1, num_nodes=1, ranks_per_node=1, num_experts=args.experts)
+    config = CommConfig("two-stage", WireFormat("fp32", "fp32"), timeout=10)
+    ta, tf = transports(kind)
+    a, f = attention_endpoint(topo, 0, ta, config), ffn_endpoint(topo, 0, tf, config)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.tokens, args.hidden, generator=g)
+    ids = torch.stack([torch.randperm(args.experts, generator=g)[: args.topk] for _ in range(args.tokens)])
+    weights = torch.rand(args.tokens, args.topk, generator=g)
+    step = iter(range(1 << 62))
+
+    def layer() -> torch.Tensor:
+        key = MsgKey(next(step), 1, 0)
+        handle = a.dispatch(hidden, ids, weights, key)
+        batch = f.recv_dispatch(key)
+        f.send_combine(batch, batch.hidden)
+        return a.combine(handle)
+
+    try:
+        if not torch.equal(layer(), hidden):
+            raise RuntimeError(f"{kind}: combine did not return what was dispatched")
+        for _ in range(args.layers):  # warm-up
+            layer()
+        per_layer = []
+        for _ in range(args.chunks):
+            start = time.perf_counter()
+            for _ in range(args.layers):
+                layer()
+            per_layer.append((time.perf_counter() - start) / args.layers * 1e6)
+    finally:
+        ta.close(), tf.close()
+        if kind == "shm":
+            remove_namespace(f"bench{os.getpid()}")
+    return {"min_us": min(per_layer), "median_us": statistics.median(per_layer), "chunks_us": per_layer}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=1, help="tokens in the micro-batch")
+    p.add_argument("--hidden", type=int, default=192, help="hidden size (the embedded model's)")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--layers", type=int, default=300, help="layers per chunk")
+    p.add_argument("--chunks", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = {kind: measure(kind, args) for kind in ("inproc", "shm")}
+    print(f"{'transport':<10} {'min us/layer':>12} {'median us/layer':>15}")
+    for kind, r in results.items():
+        print(f"{kind:<10} {r['min_us']:>12.1f} {r['median_us']:>15.1f}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"args": vars(args), "transports": results}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

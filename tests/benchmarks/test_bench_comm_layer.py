@@ -1,0 +1,18 @@
+"""bench_comm_layer: one MoE layer's messages between two endpoints in one process, over the
+in-process and the shared-memory transports; every combine must return what was dispatched."""
+
+from __future__ import annotations
+
+import json
+
+from tests.process_helpers import bench_run
+
+
+def test_both_transports_round_trip_exactly_and_report_per_layer_times(tmp_path):
+    out = tmp_path / "layer.json"
+    res = bench_run("bench_comm_layer.py", "--tokens", "3", "--layers", "20", "--chunks", "3", "--json", str(out))
+    data = json.loads(out.read_text())
+    assert set(data["transports"]) == {"inproc", "shm"}
+    for r in data["transports"].values():
+        assert len(r["chunks_us"]) == 3 and 0 < r["min_us"] <= r["median_us"]
+    assert "inproc" in res.stdout and "shm" in res.stdout
