@@ -66,17 +66,18 @@ class AttentionEndpoint(Endpoint, ABC):
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
         """Waits for every peer's results and returns [T, H] in the dispatched dtype: per token,
         the top-k-weighted sum of its experts' outputs."""
-        out = None
-        for peer, rows, weights in handle.routes:
-            y = self.combine_layout.unpack(self.recv(peer, self.combine_layout.kind, handle.key))["out"].float()
-            y = y if weights is None else y * weights[:, None]  # y [n, H]
-            if rows is None:  # the only route, with every token in order
-                out = y
-                continue
-            out = torch.zeros(handle.num_tokens, handle.hidden_size) if out is None else out
-            out.index_add_(0, rows, y)
-        out = torch.zeros(handle.num_tokens, handle.hidden_size) if out is None else out
+        routes = handle.routes
+        if len(routes) == 1 and routes[0][1] is None:  # one route, every token in order: no scatter
+            return self._results(handle, routes[0][0], routes[0][2]).to(handle.dtype)
+        out = torch.zeros(handle.num_tokens, handle.hidden_size)
+        for peer, rows, weights in routes:
+            out.index_add_(0, rows, self._results(handle, peer, weights))
         return out.to(handle.dtype)
+
+    def _results(self, handle: DispatchHandle, peer: int, weights: torch.Tensor | None) -> torch.Tensor:
+        """peer's combine message for handle, fp32 [n, H], weighted per row where `weights` [n] is given."""
+        y = self.combine_layout.unpack(self.recv(peer, self.combine_layout.kind, handle.key))["out"].float()
+        return y if weights is None else y * weights[:, None]
 
     def _meta(self, hidden: torch.Tensor) -> dict:
         return {"sender": self.sender, "dtype": dtype_name(hidden.dtype)}
