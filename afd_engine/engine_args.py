@@ -17,6 +17,7 @@ from afd_engine.errors import ConfigError
 from kernels.registry import ATTENTION_BACKENDS, MOE_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+AUTO_SPIN_US = 1000  # --comm-spin-us where every rank has cores of its own (bench_latency.py)
 
 
 def opt(default, help: str, **extra):
@@ -124,10 +125,11 @@ class EngineArgs:
         "auto", "combine wire format: auto (the activations' dtype), fp32 or bf16", choices=("auto", "fp32", "bf16")
     )
     comm_timeout: float = opt(30.0, "seconds a rank waits for a peer before failing the step")
-    comm_spin_us: int = opt(
-        0,
-        "shared-memory data plane: microseconds a waiting rank keeps looking for a message before it sleeps; "
-        "lower latency for CPU time, worth it where every rank has cores of its own (0: sleep at once)",
+    comm_spin_us: int | None = opt(
+        None,
+        "shared-memory data plane: microseconds a waiting rank may keep looking for a message before it "
+        "sleeps, while most of its recent waits were that short (0: always sleep at once; default: "
+        f"{AUTO_SPIN_US} where this machine's ranks x threads fit its cores, else 0)",
     )
     transport: str = opt(
         "auto",
@@ -199,7 +201,8 @@ class EngineArgs:
             "the colocated baseline dispatches directly; two-stage needs --mode afd",
         )
         need(self.comm_timeout > 0, "comm_timeout", "must be positive")
-        need(0 <= self.comm_spin_us <= 1_000_000, "comm_spin_us", "must be between 0 and 1000000 (1 s)")
+        spin_ok = self.comm_spin_us is None or 0 <= self.comm_spin_us <= 1_000_000
+        need(spin_ok, "comm_spin_us", "must be between 0 and 1000000 (1 s)")
         need(self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0")
         need(
             self.mode != "single"

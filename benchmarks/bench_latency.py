@@ -7,7 +7,8 @@ overhead (the agreement round, a descriptor, per layer a dispatch and a combine 
 micro-batch, Python per message). This measures that overhead as a ratio to single mode, in one
 run, with every server started by `afd serve` and driven by the serving load generator
 (bench_serving, streaming completions, one request at a time). "pinned" runs add --pin-cores,
-"spin" runs --comm-spin-us 1000 (a waiting rank looks for 1 ms before it sleeps).
+"no spin" runs --comm-spin-us 0 (a waiting rank sleeps at once; by default, with a core per rank,
+it looks for up to 1 ms first while its recent waits were that short).
 
 Single mode runs twice, with 1 and with 2 torch threads (a deployment's ranks get 1 each). The
 speed of a shared machine drifts by tens of percent within minutes, so every server is started
@@ -41,9 +42,9 @@ DEPLOYMENTS = {  # name -> afd serve flags (--num-threads 1 is start_server's; t
     "afd 1A+1F mb1 shm": "--mode afd --dp-size 1 --micro-batches 1 --transport shm",
     "afd 1A+1F mb3 zmq": "--mode afd --dp-size 1 --micro-batches 3 --transport zmq",
     "afd 1A+1F mb3 shm pinned": "--mode afd --dp-size 1 --micro-batches 3 --transport shm --pin-cores",
-    "afd 1A+1F mb3 shm spin": "--mode afd --dp-size 1 --micro-batches 3 --transport shm --comm-spin-us 1000",
+    "afd 1A+1F mb3 shm no spin": "--mode afd --dp-size 1 --micro-batches 3 --transport shm --comm-spin-us 0",
     "colocated dp2 shm": "--mode colocated --dp-size 2 --transport shm",
-    "colocated dp2 shm spin": "--mode colocated --dp-size 2 --transport shm --comm-spin-us 1000",
+    "colocated dp2 shm no spin": "--mode colocated --dp-size 2 --transport shm --comm-spin-us 0",
     "colocated dp2 shm pinned": "--mode colocated --dp-size 2 --transport shm --pin-cores",
     "colocated dp2 zmq": "--mode colocated --dp-size 2 --transport zmq",
 }

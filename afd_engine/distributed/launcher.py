@@ -23,7 +23,7 @@ from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
 from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, host_rendezvous, new_namespace, shm_host
 from afd_engine.distributed.spec import DeploymentSpec
-from afd_engine.engine_args import EngineArgs, core_shares, usable_core_ids, usable_cpus
+from afd_engine.engine_args import AUTO_SPIN_US, EngineArgs, core_shares, usable_core_ids, usable_cpus
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
 
@@ -46,9 +46,12 @@ class Deployment:
         self.role, self.node_rank, self.rendezvous = role, node_rank, rendezvous
         path = resolve_model_path(args.model_path)
         cfg = ModelConfig.from_pretrained(path)
-        self.args = args.replace(
-            model_path=str(path), num_threads=args.num_threads or max(1, usable_cpus() // self._local_processes(args))
-        )
+        ranks, cores = self._local_processes(args), usable_cpus()
+        threads = args.num_threads or max(1, cores // ranks)
+        spin = args.comm_spin_us
+        if spin is None:  # spinning takes a core: only where no other rank of this machine needs it
+            spin = AUTO_SPIN_US if ranks * threads <= cores else 0
+        self.args = args.replace(model_path=str(path), num_threads=threads, comm_spin_us=spin)
         self.spec = DeploymentSpec.of(self.args, cfg) if args.mode != "single" else None
         self.workdir = tempfile.mkdtemp(prefix="afd-")
         self.addrs = ControlAddrs(*(f"ipc://{self.workdir}/{n}" for n in ("requests", "broadcast", "outputs")))

@@ -11,12 +11,19 @@ other endpoints use.
             slot 8 tail    bytes ever read (reader)         (own 64-byte line: no false sharing)
             slot 16 attached   the reader has opened the ring
             slot 17 closed     the reader has closed: writes are dropped
+            slot 24 asleep     the reader may be blocked in poll(): a write must wake it
 
 head and tail only grow (uint64), so `head - tail` is what is waiting and `capacity - that` is free.
 The writer copies bytes in and then publishes head; the reader copies bytes out and then publishes
 tail. Each slot is one aligned 8-byte store, and x86-64 keeps stores in order and loads in order
 (TSO), so a reader that sees a head also sees the bytes before it, and a writer that sees a tail
 never overwrites bytes still being read; `platform_supported` says where that holds.
+
+The wake-up byte costs a system call (and, on a virtual machine, often an interrupt to another
+vCPU), so a writer writes it only when the reader may be asleep. That is a store on each side
+followed by a load of the other's store (reader: asleep = 1, then head; writer: head, then
+asleep), which x86-64 may reorder: both sides put a full barrier between the two (`full_fence`),
+so at least one of them sees the other's store and no wake-up is lost.
 
 A frame is u64 body length, then the body: u32 header length, the msgpack header of
 `Message.header()`, and each tensor's raw bytes, each starting 64-byte aligned within the body
@@ -31,6 +38,7 @@ import os
 import platform
 import select
 import struct
+import threading
 import time
 from collections import deque
 
@@ -40,13 +48,24 @@ import torch
 from comm.messages import CommError, Message
 
 HEADER_BYTES = 256
-HEAD, TAIL, ATTACHED, CLOSED = 0, 8, 16, 17  # uint64 slots of the header
+HEAD, TAIL, ATTACHED, CLOSED, ASLEEP = 0, 8, 16, 17, 24  # uint64 slots of the header
 ALIGN = 64
 _PREFIX = struct.Struct("<Q")
 _ZEROS = memoryview(bytes(ALIGN))
 _JOIN_BYTES = 64 << 10  # frames up to this size are joined into one part before the ring
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8}
 _NUMPY_DTYPES |= {torch.uint8, torch.bool}
+
+
+_FENCE = threading.Lock()
+
+
+def full_fence() -> None:
+    """A full memory barrier: no load after it is done before a store ahead of it is seen by the
+    other cores. CPython's lock takes and gives back with atomic read-modify-write instructions
+    (LOCK-prefixed on x86-64), which are full barriers there."""
+    _FENCE.acquire()
+    _FENCE.release()
 
 
 def platform_supported() -> bool:
@@ -83,8 +102,8 @@ class Ring:
     def flag(self, slot: int) -> bool:
         return bool(self._ctrl[slot])
 
-    def set_flag(self, slot: int) -> None:
-        self._ctrl[slot] = 1
+    def set_flag(self, slot: int, value: bool = True) -> None:
+        self._ctrl[slot] = int(value)
 
     # -- writer ----------------------------------------------------------------------------
 
@@ -188,6 +207,12 @@ class WakeFifo:
 
     def signal(self) -> None:
         _ring_bell(self.fd)
+
+    def signal_if_asleep(self, ring: Ring) -> None:
+        """After bytes were published to `ring`: wakes its reader if it may be blocked in poll()."""
+        full_fence()
+        if ring.flag(ASLEEP):
+            _ring_bell(self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:

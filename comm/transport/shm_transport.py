@@ -27,15 +27,16 @@ tests/comm/test_dispatch_processes.py at once on two cores stalled in 4 of 6 tri
 thread, which wakes every second anyway, only slowed down). A ring and its FIFO have exactly two
 users, so either end may remove their names. Since the change: 9 of 9 such tries passed.
 
-Spinning (`spin_s`, off by default): a thread that finds nothing to read looks at the rings
-again and again for up to `spin_s` before it blocks in poll(), so a message that comes within
-that time is read without a wake-up: no sleep, no scheduler latency, at the price of the CPU
-time spent looking. Where every rank has cores of its own this is what low-latency data planes
-do; where ranks share cores with each other and with the front end, the looking takes CPU from
-them. On this project's 2-core machine, in paired bench_latency rounds at concurrency 1,
-1 ms of spinning took AFD 1A+1F from 1.62-1.77x single mode's TPOT to 1.41-1.47x, and colocated
-dp2 from 1.93x to 1.66-1.84x; at concurrency 32 two runs disagreed (AFD 20% slower in one, 8%
-faster in the other), so it stays opt-in (`--comm-spin-us`).
+Spinning (`spin_s`, off by default here; deployments turn it on where each rank has cores of
+its own, see EngineArgs.comm_spin_us): a thread that finds nothing to read looks at the rings again
+and again for up to `spin_s` before it blocks in poll(), so a message that comes within that time
+is read without a wake-up: no sleep, no scheduler latency, no cold caches, at the price of the
+CPU time spent looking. `SpinPolicy` (spin.py) looks only while most recent waits were that short,
+so an idle rank, or one whose peer is busy for longer, sleeps at once. A writer writes a wake-up
+byte only while the reader's ring says it may be asleep (shm_ring.py), so a looking reader costs
+its writers no system call either. On this project's 2-core machine, in paired bench_latency
+rounds at concurrency 1, 1 ms of looking took AFD 1A+1F from 1.62-1.77x single mode's TPOT to
+1.41-1.47x.
 
 Same semantics as the other transports (base.py):
   * send never blocks on the peer: what does not fit in the ring waits in this process and a
@@ -63,6 +64,7 @@ from collections.abc import Iterable
 from comm.messages import CommError, Message, MsgKey
 from comm.transport.base import Inbox, Transport, make_inbox
 from comm.transport.shm_ring import (
+    ASLEEP,
     ATTACHED,
     CLOSED,
     HEADER_BYTES,
@@ -71,8 +73,10 @@ from comm.transport.shm_ring import (
     Ring,
     WakeFifo,
     encode_frame,
+    full_fence,
     platform_supported,
 )
+from comm.transport.spin import SpinPolicy
 
 SHM_DIR = "/dev/shm"
 DEFAULT_CAPACITY = 4 << 20  # bytes per ring: decode messages are far smaller; prefill ones stream through
@@ -115,7 +119,7 @@ class ShmTransport(Transport):
             raise CommError(f"shared-memory namespace {namespace!r}: use 1-64 letters, digits or _")
         if spin_s < 0:
             raise CommError(f"spin_s must be >= 0, got {spin_s}")
-        self._spin_s = spin_s
+        self._spin = SpinPolicy(spin_s)
         self.endpoint, self.peers = endpoint, sorted(set(peers) - {endpoint})
         self._linger_s = linger_s
         self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)
@@ -208,19 +212,36 @@ class ShmTransport(Transport):
             try:
                 if self._read_rings() or seconds <= 0:
                     return
-                if self._spin_s > 0 and self._spin(min(self._spin_s, seconds)) and self._read_rings():
-                    return
-                # Bytes are cleared only after poll() returns, and the caller then looks at the
-                # inbox again: a message put there (sent to itself) before its byte was cleared is
-                # seen. Clearing first would lose that wake-up.
-                self._bells.wait(seconds)
-                if not self._closed:
-                    self._read_rings()
+                start = time.perf_counter()
+                window = self._spin.window(seconds)
+                if not (window > 0 and self._look(window) and self._read_rings()):
+                    self._sleep(seconds)
+                self._spin.record(time.perf_counter() - start)
             except Exception as e:  # a broken frame: every waiter fails, not only this one
                 self._inbox.fail(CommError(f"reading the shared-memory rings failed: {e!r}"))
                 raise
 
-    def _spin(self, seconds: float) -> bool:
+    def _sleep(self, seconds: float) -> None:
+        """Blocks in poll() until a wake-up byte (or `seconds`), then reads the rings. Writers write
+        that byte only while the ring's asleep flag is up (shm_ring.py), so the flags go up first
+        and the rings are looked at once more after a fence: what a writer published before it
+        could see the flag is read here, not slept through."""
+        for reader, _ in self._readers:
+            reader.ring.set_flag(ASLEEP)
+        full_fence()
+        try:
+            if not self._read_rings():
+                # Bytes are cleared only after poll() returns, and the caller then looks at the
+                # inbox again: a message put there (sent to itself) before its byte was cleared
+                # is seen. Clearing first would lose that wake-up.
+                self._bells.wait(seconds)
+        finally:
+            for reader, _ in self._readers:
+                reader.ring.set_flag(ASLEEP, False)
+        if not self._closed:
+            self._read_rings()
+
+    def _look(self, seconds: float) -> bool:
         """Whether a ring got bytes within `seconds` of looking (no wake-up byte needed)."""
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
@@ -267,7 +288,7 @@ class _Outbox:
                 self.ring.write(parts)
             if parts:
                 self._queue(parts)
-        self.wake.signal()
+        self.wake.signal_if_asleep(self.ring)
 
     def _queue(self, parts: deque[memoryview]) -> None:
         size = sum(len(p) for p in parts)
@@ -294,7 +315,7 @@ class _Outbox:
                 written = self.ring.write(self.pending)
                 self.pending_bytes -= written
             if written:
-                self.wake.signal()
+                self.wake.signal_if_asleep(self.ring)
                 pause = _FLUSH_PAUSE[0]
             else:
                 time.sleep(pause)

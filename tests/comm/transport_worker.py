@@ -221,3 +221,17 @@ def record_failure(raised: list, fn) -> None:
         fn()
     except CommError as e:
         raised.append((type(e).__name__, time.monotonic()))
+
+
+def echo(kind: str, kwargs: dict, rounds: int) -> dict:
+    """Endpoint 1: sends back each of endpoint 0's `rounds` pings as it comes."""
+    from comm.transport.factory import make_transport
+
+    t = make_transport(kind, 1, **kwargs)
+    try:
+        for i in range(rounds):
+            ping = t.recv(0, "ping", MsgKey(i, 0, 0), WAIT)
+            t.send(0, Message("pong", ping.key, 1, ping.tensors))
+    finally:
+        t.close()
+    return {}

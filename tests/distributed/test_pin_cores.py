@@ -1,4 +1,6 @@
-"""--pin-cores: each rank process of a deployment on one machine runs on its own share of the cores."""
+"""How a deployment's ranks share this machine's cores: --pin-cores (each rank process runs on its
+own share of them) and the default of --comm-spin-us (spinning only where each rank has cores of
+its own)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import os
 import pytest
 
 from afd_engine import SamplingParams, make_engine
-from afd_engine.engine_args import core_shares, usable_core_ids
+from afd_engine.distributed import launcher
+from afd_engine.engine_args import EngineArgs, core_shares, usable_core_ids
 
 
 def test_core_shares_split_the_cores_evenly_in_order():
@@ -31,3 +34,22 @@ def test_rank_processes_run_on_their_share_of_the_cores(pin, tiny_v3):
             prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=3, ignore_eos=True)
         )
         assert len(out[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "flags, cores, spin_us",
+    [
+        (dict(mode="afd", dp_size=1), 2, 1000),  # 2 ranks x 1 thread on 2 cores: each has its own
+        (dict(mode="afd", dp_size=1), 1, 0),  # 2 ranks on 1 core
+        (dict(mode="colocated", dp_size=2, num_threads=2), 2, 0),  # 2 ranks x 2 threads on 2 cores
+        (dict(mode="colocated", dp_size=2, comm_spin_us=50), 1, 50),  # asked for: as asked
+        (dict(mode="afd", dp_size=1, comm_spin_us=0), 2, 0),
+    ],
+)
+def test_ranks_spin_by_default_only_where_each_has_cores_of_its_own(flags, cores, spin_us, tiny_v3, monkeypatch):
+    monkeypatch.setattr(launcher, "usable_cpus", lambda: cores)
+    deployment = launcher.Deployment(EngineArgs(model_path=tiny_v3, **flags))
+    try:
+        assert deployment.args.comm_spin_us == spin_us
+    finally:
+        deployment.stop()

@@ -1,0 +1,65 @@
+"""SpinPolicy: a waiting thread looks before it sleeps only while its recent waits were short."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from comm.messages import Message, MsgKey
+from comm.transport.shm_ring import encode_frame
+from comm.transport.shm_transport import ShmTransport
+from comm.transport.spin import SpinPolicy
+
+K = MsgKey(0, 0, 0)
+
+
+def test_spins_while_most_recent_waits_were_short():
+    policy = SpinPolicy(0.001, history=4)
+    assert policy.window(5.0) == 0.001  # starts on
+    assert policy.window(0.0004) == 0.0004  # never past the caller's limit
+    for _ in range(2):
+        policy.record(0.01)  # two long waits of four: still half short
+    assert policy.window(5.0) == 0.001
+    policy.record(0.01)  # three of four long: off
+    assert policy.window(5.0) == 0.0
+    policy.record(0.0005)
+    assert policy.window(5.0) == 0.0  # one short wait of four
+    policy.record(0.001)  # a wait of exactly max_s counts as short: two of four
+    assert policy.window(5.0) == 0.001
+
+
+def test_zero_never_spins_and_negative_is_refused():
+    policy = SpinPolicy(0.0)
+    policy.record(0.0)
+    assert policy.window(1.0) == 0.0
+    with pytest.raises(ValueError, match="max_s must be >= 0"):
+        SpinPolicy(-1.0)
+
+
+def test_a_reader_whose_waits_were_long_stops_looking_and_sleeps(tmp_path):
+    """After a run of waits longer than its look, the reader no longer finds a message written
+    without a wake-up byte before poll() gives up; the same reader did while its waits were short."""
+    ns = uuid.uuid4().hex[:12]
+    a = ShmTransport(0, [0, 1], namespace=ns, directory=str(tmp_path))
+    b = ShmTransport(1, [0, 1], namespace=ns, directory=str(tmp_path), spin_s=0.02)
+
+    def write_quietly():  # into the ring, without a wake-up byte: only a reader that looks finds it
+        a._outboxes[1].ring.write(encode_frame(Message("quiet", K, 0)))
+
+    try:
+        threading.Timer(0.005, write_quietly).start()
+        start = time.monotonic()
+        b.recv(0, "quiet", K, 1.0)
+        assert time.monotonic() - start < 0.5  # looked, and found it
+        for _ in range(8):  # waits of 50 ms, longer than the 20 ms look
+            threading.Timer(0.05, a.send, (1, Message("late", K, 0))).start()
+            b.recv(0, "late", K, 5.0)
+        threading.Timer(0.005, write_quietly).start()
+        start = time.monotonic()
+        b.recv(0, "quiet", K, 1.0)
+        assert time.monotonic() - start >= 0.9  # slept: read once poll() gave up
+    finally:
+        a.close(), b.close()
