@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from comm.endpoint import CommConfig, Endpoint, masked_rows
-from comm.messages import MsgKey
+from comm.messages import CommError, MsgKey
 from comm.protocol import COMBINE, COMBINE_DIRECT, DISPATCH, DISPATCH_DIRECT, Layout, dtype_name
 from comm.stats import CommStats
 from comm.topology import Topology
@@ -47,14 +47,25 @@ class AttentionEndpoint(Endpoint, ABC):
         self.sender = sender
 
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: MsgKey
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        key: MsgKey,
+        expected: bool = True,
     ) -> DispatchHandle:
         """Sends tokens to their experts without waiting for anyone.
 
         hidden [T, H] fp32/bf16; topk_ids [T, K] int64 logical experts; topk_weights [T, K] fp32.
-        T may be 0: every peer still gets a (empty) message, so it never waits in vain.
+        T may be 0: every peer still gets a (empty) message, so it never waits in vain, unless
+        not `expected`: the FFN side was told that this sender has no tokens for key (the
+        `senders` of FfnEndpoint.recv_dispatch leave it out), and nothing is sent.
         """
         handle = DispatchHandle(key, hidden.shape[0], hidden.shape[1], hidden.dtype)
+        if not expected:
+            if hidden.shape[0]:
+                raise CommError(f"sender {self.sender}: {hidden.shape[0]} tokens for {key}, which no FFN rank expects")
+            return handle  # no routes: combine gives [0, H] without waiting
         self._send_tokens(hidden, topk_ids, topk_weights, handle)
         handle.dispatch_stats = self.call_stats.get(("dispatch", key), CommStats())
         return handle

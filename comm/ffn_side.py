@@ -21,13 +21,14 @@ direct: every sender sends its copies straight here; results go straight back, u
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from comm.endpoint import CommConfig, Endpoint, masked_rows
-from comm.messages import CommTimeout, Message, MsgKey
+from comm.messages import CommError, CommTimeout, Message, MsgKey
 from comm.protocol import COMBINE, COMBINE_DIRECT, DISPATCH, DISPATCH_DIRECT, DTYPES, EXPERT_OUT, FORWARD, Layout
 from comm.topology import Topology
 from comm.transport.base import Transport
@@ -70,17 +71,25 @@ class FfnEndpoint(Endpoint, ABC):
         self.local_index = topo.local_index(rank)  # [E]
         self._local_of = torch.cat([self.local_index, torch.tensor([-1])])  # [E + 1]: id -1 -> -1
 
-    def post_dispatch(self, key: MsgKey) -> None:
+    def post_dispatch(self, key: MsgKey, senders: Collection[int] | None = None) -> None:
         """Starts receiving `key` in the background where the mode has background work (idempotent);
-        call it early to overlap."""
+        call it early to overlap. `senders`: as for recv_dispatch."""
 
-    def recv_dispatch(self, key: MsgKey) -> ExpertBatch:
-        """Blocks until every token copy routed to this rank for `key` arrived."""
-        return self._batch(key, self._recv_copies(key))
+    def recv_dispatch(self, key: MsgKey, senders: Collection[int] | None = None) -> ExpertBatch:
+        """Blocks until every token copy routed to this rank for `key` arrived. `senders`: the
+        senders that send for `key` (None: all); the others have no tokens for it and send nothing
+        (their `dispatch(..., expected=False)`). At least one must send."""
+        if senders is not None and not senders:
+            raise CommError(f"FFN rank {self.rank}: no sender sends for {key}; leave such a key out")
+        return self._batch(key, self._recv_copies(key, senders))
 
     @abstractmethod
-    def _recv_copies(self, key: MsgKey) -> list[Message]:
+    def _recv_copies(self, key: MsgKey, senders: Collection[int] | None) -> list[Message]:
         """The messages holding this rank's token copies for `key`, in a fixed order."""
+
+    def _senders(self, senders: Collection[int] | None, among: Iterable[int]) -> list[int]:
+        """The senders of `among` that send, in order."""
+        return [s for s in among if senders is None or s in senders]
 
     def _batch(self, key: MsgKey, msgs: list[Message]) -> ExpertBatch:
         hidden, ids, weights, returns = [], [], [], []
@@ -110,9 +119,10 @@ class FfnEndpoint(Endpoint, ABC):
 class DirectFfnEndpoint(FfnEndpoint):
     dispatch_layout, return_layout = DISPATCH_DIRECT, COMBINE_DIRECT
 
-    def _recv_copies(self, key: MsgKey) -> list[Message]:
+    def _recv_copies(self, key: MsgKey, senders: Collection[int] | None) -> list[Message]:
         kind = self.dispatch_layout.kind
-        return [self.recv(self.topo.sender_endpoint(s), kind, key) for s in range(self.topo.num_senders)]
+        active = self._senders(senders, range(self.topo.num_senders))
+        return [self.recv(self.topo.sender_endpoint(s), kind, key) for s in active]
 
 
 class TwoStageFfnEndpoint(FfnEndpoint):
@@ -128,26 +138,27 @@ class TwoStageFfnEndpoint(FfnEndpoint):
         self._forwarded: dict[MsgKey, Future] = {}
         self._returning: list[Future] = []
 
-    def post_dispatch(self, key: MsgKey) -> None:
+    def post_dispatch(self, key: MsgKey, senders: Collection[int] | None = None) -> None:
         if not self._alone and key not in self._forwarded:
-            self._forwarded[key] = self._relay_out.submit(self._relay_dispatch, key)
+            active = self._senders(senders, self.topo.senders_of_relay(self.rank))
+            self._forwarded[key] = self._relay_out.submit(self._relay_dispatch, key, active)
 
-    def recv_dispatch(self, key: MsgKey) -> ExpertBatch:
+    def recv_dispatch(self, key: MsgKey, senders: Collection[int] | None = None) -> ExpertBatch:
         self._check_background()
-        self.post_dispatch(key)
+        self.post_dispatch(key, senders)
         try:
-            return super().recv_dispatch(key)
+            return super().recv_dispatch(key, senders)
         except CommTimeout:
             self._raise_relay_error(key)
             raise
 
-    def _recv_copies(self, key: MsgKey) -> list[Message]:
+    def _recv_copies(self, key: MsgKey, senders: Collection[int] | None) -> list[Message]:
         if self._alone:
-            senders = self.topo.senders_of_relay(self.rank)
-            return [self.recv(self.topo.sender_endpoint(s), DISPATCH.kind, key) for s in senders]
+            active = self._senders(senders, self.topo.senders_of_relay(self.rank))
+            return [self.recv(self.topo.sender_endpoint(s), DISPATCH.kind, key) for s in active]
         msgs = []
         for relay in self.topo.node_ranks(self.node):
-            for _ in self.topo.senders_of_relay(relay):
+            for _ in self._senders(senders, self.topo.senders_of_relay(relay)):
                 msgs.append(self.recv(self.topo.ffn_endpoint(relay), FORWARD.kind, key))
         return msgs
 
@@ -160,10 +171,11 @@ class TwoStageFfnEndpoint(FfnEndpoint):
 
     # -- relay (background threads) --------------------------------------------------------
 
-    def _relay_dispatch(self, key: MsgKey) -> list[tuple[int, int, dict[int, torch.Tensor]]]:
-        """Forwards each of this relay's senders' tokens to the node's FFN ranks, first come first
-        served. Returns per sender, in forwarding order: (sender, tokens, rows sent to each rank)."""
-        waiting = {self.topo.sender_endpoint(s) for s in self.topo.senders_of_relay(self.rank)}
+    def _relay_dispatch(self, key: MsgKey, senders: list[int]) -> list[tuple[int, int, dict[int, torch.Tensor]]]:
+        """Forwards each of these senders' tokens (this relay's that send for key) to the node's FFN
+        ranks, first come first served. Returns per sender, in forwarding order: (sender, tokens,
+        rows sent to each rank)."""
+        waiting = {self.topo.sender_endpoint(s) for s in senders}
         done = []
         while waiting:
             msg = self.transport.recv_any(sorted(waiting), DISPATCH.kind, key, self.config.timeout)

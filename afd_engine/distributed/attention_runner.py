@@ -13,7 +13,9 @@ this rank's expert-serving operations (receive, experts, send_combine) before ea
 
 Lockstep: before each step the attention ranks exchange their token counts, and a rank with no
 work still steps (with empty micro-batches) while any rank has work, so the FFN side gets a
-message from every rank for every layer and micro-batch.
+message from every rank for every layer and micro-batch. In colocated mode every rank knows those
+counts, so a rank without tokens sends no (empty) dispatch messages, its peers wait for none from
+it and send it no results: at concurrency 1 the idle rank only serves its experts.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ class PipelineRunner(StepRunner):
             self.rebalancer.sync_in(self.step_id, [meta, *metas], loads + [t for m in msgs for t in m.tensors])
         self.stopped = self.want_stop or any(m["stop"] for m in metas)
         self.ran = not self.stopped and mine + sum(m["tokens"] for m in metas) > 0
+        if self.server is not None:  # colocated: a rank without tokens sends nothing, and nobody waits for it
+            tokens = {self.rank: mine, **{ep: m["tokens"] for ep, m in zip(self.peers, metas)}}
+            self.executor.expected = mine > 0
+            self.server.senders = [i for i in range(self.spec.topology.num_senders) if tokens[i] > 0]
         return self.ran
 
     @property

@@ -30,6 +30,7 @@ class RemoteExpertExecutor(ExpertExecutor):
         self.endpoint, self.expert_map, self.device = endpoint, expert_map, torch.device(device)
         self.recorder = recorder
         self.step = 0
+        self.expected = True  # False: the FFN side knows this rank has no tokens this step (colocated)
 
     def dispatch(
         self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -39,7 +40,7 @@ class RemoteExpertExecutor(ExpertExecutor):
         key = MsgKey(self.step, layer_id, micro_batch)
         salt = self.step + micro_batch + self.endpoint.sender  # which copy takes a batch's odd pairs
         slots = self.expert_map.to_physical(layer_id, topk_ids, salt)
-        return self.endpoint.dispatch(hidden.cpu(), slots.cpu(), topk_weights.cpu(), key)
+        return self.endpoint.dispatch(hidden.cpu(), slots.cpu(), topk_weights.cpu(), key, self.expected)
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
         return self.endpoint.combine(handle).to(self.device)
@@ -49,12 +50,13 @@ class CommExpertServer(ExpertServer):
     def __init__(self, endpoint: FfnEndpoint, device: torch.device | str = "cpu") -> None:
         self.endpoint, self.device = endpoint, torch.device(device)
         self.step = 0
+        self.senders: list[int] | None = None  # the senders with tokens this step (None: all)
 
     def post(self, layer_id: int, micro_batch: int) -> None:
-        self.endpoint.post_dispatch(MsgKey(self.step, layer_id, micro_batch))
+        self.endpoint.post_dispatch(MsgKey(self.step, layer_id, micro_batch), self.senders)
 
     def receive(self, layer_id: int, micro_batch: int) -> ExpertBatch:
-        batch = self.endpoint.recv_dispatch(MsgKey(self.step, layer_id, micro_batch))
+        batch = self.endpoint.recv_dispatch(MsgKey(self.step, layer_id, micro_batch), self.senders)
         if self.device.type != "cpu":
             batch.hidden, batch.local_ids = batch.hidden.to(self.device), batch.local_ids.to(self.device)
             batch.weights = batch.weights.to(self.device)

@@ -57,25 +57,29 @@ def _expert_on(topo: Topology, node: int, g) -> torch.Tensor:
     return choices[torch.randint(len(choices), (1,), generator=g)][0]
 
 
-def sender_work(ep: AttentionEndpoint, x, ids, w, keys=(KEY,)) -> list[torch.Tensor]:
-    handles = [ep.dispatch(x, ids, w, key) for key in keys]
+def sender_work(ep: AttentionEndpoint, x, ids, w, keys=(KEY,), expected: bool = True) -> list[torch.Tensor]:
+    handles = [ep.dispatch(x, ids, w, key, expected) for key in keys]
     return [ep.combine(h) for h in handles]
 
 
-def ffn_work(ep: FfnEndpoint, keys=(KEY,), expert_fn=exact_expert) -> None:
+def ffn_work(ep: FfnEndpoint, keys=(KEY,), expert_fn=exact_expert, senders=None) -> None:
     experts = ep.topo.experts_of(ep.rank)
     for key in keys:
-        batch = ep.recv_dispatch(key)
+        batch = ep.recv_dispatch(key, senders)
         ep.send_combine(batch, run_experts(batch, experts, expert_fn))
 
 
-def run_inproc(topo: Topology, config: CommConfig, xs, ids, ws, keys=(KEY,), expert_fn=exact_expert):
-    """Returns (per sender: list of combine outputs per key, the endpoints)."""
+def run_inproc(
+    topo: Topology, config: CommConfig, xs, ids, ws, keys=(KEY,), expert_fn=exact_expert, skip_empty: bool = False
+):
+    """Returns (per sender: list of combine outputs per key, the endpoints). `skip_empty`: senders
+    without tokens send nothing, and the FFN ranks are told which senders send."""
     fabric = InProcessFabric()
     eps = {i: fabric.endpoint(i) for i in range(topo.num_endpoints)}
     senders = [attention_endpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
     ffn_ranks = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in range(topo.num_ffn_ranks)]
     results: dict[int, list] = {}
+    expected = [len(x) > 0 or not skip_empty for x in xs]
     errors: list[BaseException] = []
 
     def guard(fn, *args):
@@ -84,14 +88,12 @@ def run_inproc(topo: Topology, config: CommConfig, xs, ids, ws, keys=(KEY,), exp
         except BaseException as exc:  # noqa: BLE001 - reported to the test thread below
             errors.append(exc)
 
-    threads = [
-        threading.Thread(
-            target=guard,
-            args=(lambda i=i: results.__setitem__(i, sender_work(senders[i], xs[i], ids[i], ws[i], keys)),),
-        )
-        for i in range(topo.num_senders)
-    ]
-    threads += [threading.Thread(target=guard, args=(ffn_work, o, keys, expert_fn)) for o in ffn_ranks]
+    def send(i: int) -> None:
+        results[i] = sender_work(senders[i], xs[i], ids[i], ws[i], keys, expected[i])
+
+    threads = [threading.Thread(target=guard, args=(send, i)) for i in range(topo.num_senders)]
+    active = [i for i, x in enumerate(xs) if len(x)] if skip_empty else None
+    threads += [threading.Thread(target=guard, args=(ffn_work, o, keys, expert_fn, active)) for o in ffn_ranks]
     for t in threads:
         t.start()
     for t in threads:

@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from comm import volume
+from comm.attention_side import attention_endpoint
 from comm.endpoint import CommConfig
-from comm.messages import CommTimeout, KeyMismatchError, MsgKey
+from comm.ffn_side import ffn_endpoint
+from comm.messages import CommError, CommTimeout, KeyMismatchError, MsgKey
 from comm.reference import reference_combine
 from comm.stats import CommStats
 from comm.topology import INTER_NODE, Topology, TopologyError
+from comm.transport.inproc import InProcessFabric
 from comm.wire import WireFormat
 from tests.comm.harness import KEY, exact_expert, routing, run_inproc
 
@@ -47,6 +50,34 @@ def test_every_sender_empty(nodes):
     for mode in ("two-stage", "direct"):
         outs, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)
         assert [o[0].shape for o in outs] == [torch.Size([0, 16])] * 3
+
+
+@pytest.mark.parametrize("mode", ["two-stage", "direct"])
+@pytest.mark.parametrize("name", [name for name, (_, tokens, _) in TOPOLOGIES.items() if 0 in tokens])
+def test_senders_without_tokens_can_send_nothing(mode, name):
+    """Told which senders send, the FFN ranks wait for no message from the others and return them
+    nothing: the same results, no traffic from a sender without tokens, nothing left unread."""
+    topo, tokens, k = TOPOLOGIES[name]
+    xs, ids, ws = routing(topo, tokens, k, seed=7)
+    outs, eps = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws, skip_empty=True)
+    for sender, (out, ref) in enumerate(zip(outs, reference_combine(xs, ids, ws, exact_expert))):
+        assert torch.equal(out[0], ref), f"sender {sender}"
+    idle = [i for i, t in enumerate(tokens) if t == 0]
+    assert idle and all(not eps[i].stats.counters for i in idle)
+    inboxes = eps[0].transport.fabric.inboxes.values()
+    assert sum(len(q) for inbox in inboxes for q in inbox._channels.values()) == 0
+
+
+def test_a_sender_left_out_must_have_no_tokens_and_some_sender_must_send():
+    topo = Topology(2, 1, 1, 4)
+    fabric = InProcessFabric()
+    x, ids, w = (t[0] for t in routing(topo, [1], 2, seed=1))
+    sender = attention_endpoint(topo, 0, fabric.endpoint(0))
+    with pytest.raises(CommError, match=r"1 tokens for .*, which no FFN rank expects"):
+        sender.dispatch(x, ids, w, KEY, expected=False)
+    ffn = ffn_endpoint(topo, 0, fabric.endpoint(2))
+    with pytest.raises(CommError, match="no sender sends for"):
+        ffn.recv_dispatch(KEY, senders=[])
 
 
 def test_colocated_direct_with_several_micro_batches():

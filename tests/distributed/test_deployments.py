@@ -61,6 +61,16 @@ def test_deployment_matches_single_engine_and_transformers(name, tiny_v3, refere
         assert_greedy_matches(out, ref, gaps, f"{name} prompt len {len(ids)}")
 
 
+@pytest.mark.timeout(120)
+def test_a_colocated_rank_without_requests_serves_its_experts_and_sends_nothing_else(tiny_v3, reference):
+    """One request on colocated dp2: the other rank has no tokens in any step. It sends no dispatch
+    messages and nobody waits for any from it (a wait would time out after comm_timeout)."""
+    batch, single, _ = reference
+    with make_engine(model_path=tiny_v3, mode="colocated", dp_size=2, comm_timeout=10, dispatch_dtype="fp32") as engine:
+        outs = engine.generate(prompt_token_ids=batch[4:5], sampling_params=GREEDY)
+    assert outs[0].token_ids == single[4]
+
+
 # Harder runs: other model configurations, prompts up to 200 tokens, prefill in small chunks, a KV
 # pool too small for the batch (preemption and recompute), and micro-batch counts 5 to 8.
 STRESS_LENS = (1, 9, 57, 130, 200)
