@@ -131,7 +131,10 @@ class DirectAttentionEndpoint(AttentionEndpoint):
 
     def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
         ffn_rank = self.topo.ffn_rank_of[topk_ids]  # [T, K]
-        for rank in range(self.topo.num_ffn_ranks):
+        routes = {}
+        # A colocated rank's own experts last: its peers start on their share sooner (the routes,
+        # and so the order in which combine adds the results, stay in rank order).
+        for rank in sorted(range(self.topo.num_ffn_ranks), key=lambda r: self.topo.ffn_endpoint(r) == self.endpoint):
             rows, slot = (ffn_rank == rank).nonzero(as_tuple=True)  # one copy per (token, expert)
             values, scales = self.config.wire.encode(hidden[rows])
             peer = self.topo.ffn_endpoint(rank)
@@ -145,7 +148,8 @@ class DirectAttentionEndpoint(AttentionEndpoint):
                 rows=rows.to(torch.int32),
             )
             self.send(peer, "dispatch", msg, rows.numel())
-            handle.routes.append((peer, rows, topk_weights[rows, slot].float()))
+            routes[rank] = (peer, rows, topk_weights[rows, slot].float())
+        handle.routes.extend(routes[rank] for rank in sorted(routes))
 
 
 def attention_endpoint(

@@ -80,6 +80,22 @@ def test_a_sender_left_out_must_have_no_tokens_and_some_sender_must_send():
         ffn.recv_dispatch(KEY, senders=[])
 
 
+def test_a_colocated_rank_sends_to_its_peers_before_itself():
+    """Its own share is computed by itself anyway: the peers' messages go first."""
+    topo = Topology(3, 1, 3, 6, colocated=True)
+    fabric = InProcessFabric()
+    transport = fabric.endpoint(1)
+    sent = []
+    send = transport.send
+    transport.send = lambda dst, msg: (sent.append(dst), send(dst, msg))
+    for ep in (0, 2):
+        fabric.endpoint(ep)
+    x, ids, w = (t[0] for t in routing(topo, [4], 3, seed=2))
+    handle = attention_endpoint(topo, 1, transport, CommConfig("direct", FP32)).dispatch(x, ids, w, KEY)
+    assert sent == [0, 2, 1]
+    assert [peer for peer, _, _ in handle.routes] == [0, 1, 2]  # combine still adds in rank order
+
+
 def test_colocated_direct_with_several_micro_batches():
     topo = Topology(4, 2, 2, 8, colocated=True)
     xs, ids, ws = routing(topo, [5, 3, 0, 6], 3, seed=3)
