@@ -49,6 +49,12 @@ class ExpertBatch:
     weights: torch.Tensor
     _returns: list[tuple[int, int, int]]  # (peer endpoint, sender, rows) per received message, in order
 
+    @classmethod
+    def empty(cls, key: MsgKey, hidden_size: int, top_k: int, dtype: torch.dtype) -> ExpertBatch:
+        """No tokens, and nothing to send back: a key for which no sender sends."""
+        hidden = torch.empty(0, hidden_size, dtype=dtype)
+        return cls(key, hidden, torch.empty(0, top_k, dtype=torch.int64), torch.empty(0, top_k), [])
+
     @property
     def num_tokens(self) -> int:
         return self.hidden.shape[0]

@@ -12,10 +12,13 @@ tokens are at the experts, the others compute attention. In colocated mode the s
 this rank's expert-serving operations (receive, experts, send_combine) before each combine.
 
 Lockstep: before each step the attention ranks exchange their token counts, and a rank with no
-work still steps (with empty micro-batches) while any rank has work, so the FFN side gets a
-message from every rank for every layer and micro-batch. In colocated mode every rank knows those
-counts, so a rank without tokens sends no (empty) dispatch messages, its peers wait for none from
-it and send it no results: at concurrency 1 the idle rank only serves its experts.
+work still steps (with empty micro-batches) while any rank has work, so every rank and FFN rank
+runs the same layers and micro-batches. An empty micro-batch sends nothing where its receivers
+know it is empty: in AFD mode each step descriptor gives the FFN ranks
+every micro-batch's token count, so an empty micro-batch sends no dispatch messages (and one that
+no attention rank fills is served without any); in colocated mode the agreement round gives every
+rank the others' token counts, so a rank without tokens sends none, its peers wait for none from
+it and send it no results (at concurrency 1 the idle rank only serves its experts).
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ class PipelineRunner(StepRunner):
         topo, config = spec.topology, spec.comm_config()
         self.sender = attention_endpoint(topo, rank, transport, config)
         self.server = (
-            CommExpertServer(ffn_endpoint(topo, rank, transport, config), pool.device) if topo.colocated else None
+            CommExpertServer(ffn_endpoint(topo, rank, transport, config), model.config, pool.device, pool.cache.dtype)
+            if topo.colocated
+            else None
         )
         self.peers = [topo.sender_endpoint(i) for i in range(topo.num_senders) if i != rank]
         self.ffn = [] if topo.colocated else [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks)]
@@ -67,6 +72,7 @@ class PipelineRunner(StepRunner):
         every = spec.args.eplb_rebalance_num_iterations if spec.args.enable_eplb else None
         self.rebalancer = Rebalancer(spec.initial_map(), model.load_recorder, every, transport, self.ffn, stager)
         self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder)
+        self.executor.skip_empty = not topo.colocated  # AFD: the FFN ranks know each micro-batch's count
         self.n = spec.args.num_micro_batches
         self.step_id = self.sync_id = self.keepalive_id = 0
         self.last_ffn_send = float("-inf")  # monotonic time of the last message to the FFN ranks
@@ -105,7 +111,7 @@ class PipelineRunner(StepRunner):
         if self.server is not None:  # colocated: a rank without tokens sends nothing, and nobody waits for it
             tokens = {self.rank: mine, **{ep: m["tokens"] for ep, m in zip(self.peers, metas)}}
             self.executor.expected = mine > 0
-            self.server.senders = [i for i in range(self.spec.topology.num_senders) if tokens[i] > 0]
+            self.server.senders = [[i for i in range(self.spec.topology.num_senders) if tokens[i] > 0]] * self.n
         return self.ran
 
     @property

@@ -99,7 +99,8 @@ class FfnWorker:
         topo = spec.topology
         self.stager = ExpertStager(load_shard, rank, shard.routed_experts()) if load_shard is not None else None
         self._to_stage: ExpertMap | None = None  # a placement announced in this step's descriptor
-        self.server = CommExpertServer(ffn_endpoint(topo, rank, transport, spec.comm_config()), device)
+        endpoint = ffn_endpoint(topo, rank, transport, spec.comm_config())
+        self.server = CommExpertServer(endpoint, shard.config, device, spec.args.torch_dtype)
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.n = spec.args.num_micro_batches
         self.step_id = 0
@@ -143,6 +144,9 @@ class FfnWorker:
         count = check_descriptors(metas, self.n, self.step_id)
         if count is not None:
             self._rebalance(metas[self.senders[0]])
+            # an empty micro-batch of an attention rank sends nothing (RemoteExpertExecutor.skip_empty)
+            tokens = [metas[ep]["tokens"] for ep in self.senders]
+            self.server.senders = [[i for i, t in enumerate(tokens) if t[m] > 0] for m in range(count)]
         return count
 
     def _rebalance(self, meta: dict) -> None:

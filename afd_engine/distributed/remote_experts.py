@@ -31,6 +31,7 @@ class RemoteExpertExecutor(ExpertExecutor):
         self.recorder = recorder
         self.step = 0
         self.expected = True  # False: the FFN side knows this rank has no tokens this step (colocated)
+        self.skip_empty = False  # True: the FFN side knows every micro-batch's token count (AFD descriptors)
 
     def dispatch(
         self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -40,27 +41,42 @@ class RemoteExpertExecutor(ExpertExecutor):
         key = MsgKey(self.step, layer_id, micro_batch)
         salt = self.step + micro_batch + self.endpoint.sender  # which copy takes a batch's odd pairs
         slots = self.expert_map.to_physical(layer_id, topk_ids, salt)
-        return self.endpoint.dispatch(hidden.cpu(), slots.cpu(), topk_weights.cpu(), key, self.expected)
+        expected = self.expected and not (self.skip_empty and hidden.shape[0] == 0)
+        return self.endpoint.dispatch(hidden.cpu(), slots.cpu(), topk_weights.cpu(), key, expected)
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
         return self.endpoint.combine(handle).to(self.device)
 
 
 class CommExpertServer(ExpertServer):
-    def __init__(self, endpoint: FfnEndpoint, device: torch.device | str = "cpu") -> None:
+    """`senders`, set per step: per micro-batch, the senders with tokens in it (the others send
+    nothing), or None (every sender sends, empty or not). A micro-batch without senders is served
+    as an empty batch of `cfg`'s shape, without a message."""
+
+    def __init__(self, endpoint: FfnEndpoint, cfg, device: torch.device | str = "cpu", dtype=torch.float32) -> None:
         self.endpoint, self.device = endpoint, torch.device(device)
+        self.empty_shape = (cfg.hidden_size, cfg.num_experts_per_tok, dtype)
         self.step = 0
-        self.senders: list[int] | None = None  # the senders with tokens this step (None: all)
+        self.senders: list[list[int]] | None = None
+
+    def _senders(self, micro_batch: int) -> list[int] | None:
+        return None if self.senders is None else self.senders[micro_batch]
 
     def post(self, layer_id: int, micro_batch: int) -> None:
-        self.endpoint.post_dispatch(MsgKey(self.step, layer_id, micro_batch), self.senders)
+        senders = self._senders(micro_batch)
+        if senders != []:
+            self.endpoint.post_dispatch(MsgKey(self.step, layer_id, micro_batch), senders)
 
     def receive(self, layer_id: int, micro_batch: int) -> ExpertBatch:
-        batch = self.endpoint.recv_dispatch(MsgKey(self.step, layer_id, micro_batch), self.senders)
+        key, senders = MsgKey(self.step, layer_id, micro_batch), self._senders(micro_batch)
+        if senders == []:
+            return ExpertBatch.empty(key, *self.empty_shape)
+        batch = self.endpoint.recv_dispatch(key, senders)
         if self.device.type != "cpu":
             batch.hidden, batch.local_ids = batch.hidden.to(self.device), batch.local_ids.to(self.device)
             batch.weights = batch.weights.to(self.device)
         return batch
 
     def send(self, tokens: ExpertBatch, outputs: torch.Tensor) -> None:
-        self.endpoint.send_combine(tokens, outputs)
+        if self._senders(tokens.key.micro_batch) != []:  # else nobody sent, and nobody waits for results
+            self.endpoint.send_combine(tokens, outputs)

@@ -71,6 +71,20 @@ def test_a_colocated_rank_without_requests_serves_its_experts_and_sends_nothing_
     assert outs[0].token_ids == single[4]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ffn", [dict(ffn_nodes=1), dict(ffn_nodes=1, ffn_ranks_per_node=2)])
+def test_afd_empty_micro_batches_send_nothing(ffn, tiny_v3, reference):
+    """One request on 2 attention ranks with 3 micro-batches: the idle rank's micro-batches and two
+    of the busy rank's are empty. Their dispatch messages are not sent and the FFN ranks (told by
+    the step descriptors) wait for none; a micro-batch nobody fills is served without a message
+    (a wait for one would time out after comm_timeout)."""
+    batch, single, _ = reference
+    flags = dict(mode="afd", dp_size=2, micro_batches=3, comm_timeout=10, dispatch_dtype="fp32", **ffn)
+    with make_engine(model_path=tiny_v3, **flags) as engine:
+        outs = engine.generate(prompt_token_ids=batch[4:5], sampling_params=GREEDY)
+    assert outs[0].token_ids == single[4]
+
+
 # Harder runs: other model configurations, prompts up to 200 tokens, prefill in small chunks, a KV
 # pool too small for the batch (preemption and recompute), and micro-batch counts 5 to 8.
 STRESS_LENS = (1, 9, 57, 130, 200)
