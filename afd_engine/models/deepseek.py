@@ -170,6 +170,11 @@ class MLAttention(nn.Module):
         return out[valid]
 
 
+def _no_routes(h: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate's output for no tokens: topk_ids [0, K] int64, topk_weights [0, K] fp32."""
+    return h.new_empty(0, top_k, dtype=torch.int64), h.new_empty(0, top_k, dtype=torch.float32)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, slot_expert, kernels) -> None:
         super().__init__()
@@ -191,7 +196,8 @@ class DecoderLayer(nn.Module):
         shared = moe.shared_experts
 
         def gate(st) -> None:
-            st.set("topk", moe.gate(st.get("h")))
+            h = st.get("h")
+            st.set("topk", moe.gate(h) if len(h) else _no_routes(h, moe.gate.cfg.num_experts_per_tok))
 
         def dispatch(st) -> None:
             topk_ids, topk_weights = st.pop("topk")
@@ -199,7 +205,8 @@ class DecoderLayer(nn.Module):
             st.set("routed", executor.dispatch(layer_id, st.micro_batch, h, topk_ids, topk_weights))
 
         def shared_expert(st) -> None:
-            st.set("shared", shared(st.pop("h")))
+            h = st.pop("h")
+            st.set("shared", shared(h) if len(h) else h)
 
         def combine(st) -> None:
             st.set("routed_out", executor.combine(st.pop("routed")))
@@ -220,8 +227,14 @@ class DecoderLayer(nn.Module):
         return tuple(Operation(name, fn, self.layer_id) for name, fn in ops)
 
     def _attention(self, st) -> None:
-        """x -> residual (the stream after attention) and h (the normalised MLP input), both [T, H]."""
+        """x -> residual (the stream after attention) and h (the normalised MLP input), both [T, H].
+        An empty micro-batch (a rank stepping in lockstep without tokens) computes nothing here, in
+        the gate, the shared expert or the dense MLP: its tensors stay [0, H]."""
         x = st.pop("x")
+        if not len(x):
+            st.set("residual", x)
+            st.set("h", x)
+            return
         x = x + self.self_attn(
             self.input_layernorm(x), st.get("fb"), st.get("cos_sin"), st.get("kv_cache")[self.layer_id]
         )
@@ -229,7 +242,8 @@ class DecoderLayer(nn.Module):
         st.set("h", self.post_attention_layernorm(x))
 
     def _dense(self, st) -> None:
-        st.set("x", st.pop("residual") + self.mlp(st.pop("h")))
+        h = st.pop("h")
+        st.set("x", st.pop("residual") + (self.mlp(h) if len(h) else h))
 
 
 class DeepseekModel(nn.Module):
