@@ -13,12 +13,12 @@ this rank's expert-serving operations (receive, experts, send_combine) before ea
 
 Lockstep: before each step the attention ranks exchange their token counts, and a rank with no
 work still steps (with empty micro-batches) while any rank has work, so every rank and FFN rank
-runs the same layers and micro-batches. An empty micro-batch sends nothing where its receivers
-know it is empty: in AFD mode each step descriptor gives the FFN ranks
-every micro-batch's token count, so an empty micro-batch sends no dispatch messages (and one that
-no attention rank fills is served without any); in colocated mode the agreement round gives every
-rank the others' token counts, so a rank without tokens sends none, its peers wait for none from
-it and send it no results (at concurrency 1 the idle rank only serves its experts).
+runs the same layers and micro-batches. An empty micro-batch computes nothing in the layers, and
+sends nothing where its receivers know it is empty: in AFD mode each step descriptor gives the FFN
+ranks every micro-batch's token count, so an empty micro-batch sends no dispatch messages (and one
+that no attention rank fills is served without any); in colocated mode the agreement round gives
+every rank the others' token counts, so a rank without tokens sends none, its peers wait for none
+from it and send it no results (at concurrency 1 the idle rank only serves its experts).
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ class PipelineRunner(StepRunner):
         topo, config = spec.topology, spec.comm_config()
         self.sender = attention_endpoint(topo, rank, transport, config)
         self.server = (
-            CommExpertServer(ffn_endpoint(topo, rank, transport, config), model.config, pool.device, pool.cache.dtype)
+            CommExpertServer(
+                ffn_endpoint(topo, rank, transport, config), model.config, pool.device, spec.args.torch_dtype
+            )
             if topo.colocated
             else None
         )

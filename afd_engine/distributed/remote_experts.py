@@ -69,9 +69,9 @@ class CommExpertServer(ExpertServer):
 
     def receive(self, layer_id: int, micro_batch: int) -> ExpertBatch:
         key, senders = MsgKey(self.step, layer_id, micro_batch), self._senders(micro_batch)
-        if senders == []:
-            return ExpertBatch.empty(key, *self.empty_shape)
-        batch = self.endpoint.recv_dispatch(key, senders)
+        batch = (
+            ExpertBatch.empty(key, *self.empty_shape) if senders == [] else self.endpoint.recv_dispatch(key, senders)
+        )
         if self.device.type != "cpu":
             batch.hidden, batch.local_ids = batch.hidden.to(self.device), batch.local_ids.to(self.device)
             batch.weights = batch.weights.to(self.device)
