@@ -99,7 +99,7 @@ class TwoStageAttentionEndpoint(AttentionEndpoint):
 
     def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
         if self.topo.num_nodes == 1:  # the one node takes every token whole: nothing to select
-            rows = torch.arange(hidden.shape[0])
+            rows = torch.arange(hidden.shape[0], dtype=torch.int32)
             self._send_node(0, hidden, rows, topk_ids.to(torch.int32), topk_weights.float(), handle, whole=True)
             return
         node_of = self.topo.node_of_expert[topk_ids]  # [T, K]

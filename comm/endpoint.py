@@ -9,7 +9,7 @@ import torch
 
 from comm.messages import CommError, Message, MsgKey
 from comm.stats import CommStats
-from comm.topology import Topology
+from comm.topology import LOCAL, Topology
 from comm.transport.base import Transport
 from comm.wire import WireFormat, nbytes
 
@@ -40,14 +40,21 @@ class Endpoint:
         self.topo, self.endpoint, self.transport, self.config = topo, endpoint, transport, config
         self.stats = CommStats()
         self.call_stats: OrderedDict[tuple[str, MsgKey], CommStats] = OrderedDict()
+        self._links = {dst: topo.link(endpoint, dst) for dst in range(topo.num_endpoints)}
 
     def send(self, dst: int, phase: str, msg: Message, copies: int) -> None:
         self.transport.send(dst, msg)
-        call = self.call_stats.setdefault((phase, msg.key), CommStats())
-        for s in (self.stats, call):
-            s.record(phase, self.topo.link(self.endpoint, dst), copies, nbytes(msg.tensors))
-        while len(self.call_stats) > _KEEP_CALL_STATS:
-            self.call_stats.popitem(last=False)
+        link = self._links[dst]
+        if link == LOCAL:  # crosses no link: not counted (stats.py)
+            return
+        call = self.call_stats.get((phase, msg.key))
+        if call is None:
+            call = self.call_stats[(phase, msg.key)] = CommStats()
+            if len(self.call_stats) > _KEEP_CALL_STATS:
+                self.call_stats.popitem(last=False)
+        size = nbytes(msg.tensors)
+        self.stats.record(phase, link, copies, size)
+        call.record(phase, link, copies, size)
 
     def recv(self, src: int, kind: str, key: MsgKey) -> Message:
         return self.transport.recv(src, kind, key, self.config.timeout)
