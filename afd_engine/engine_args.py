@@ -17,7 +17,7 @@ from afd_engine.errors import ConfigError
 from kernels.registry import ATTENTION_BACKENDS, MOE_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-AUTO_SPIN_US = 1000  # --comm-spin-us where every rank has cores of its own (bench_latency.py)
+AUTO_SPIN_US = 2000  # --comm-spin-us where every rank has cores of its own (bench_latency.py)
 
 
 def opt(default, help: str, **extra):

@@ -7,9 +7,11 @@ rank waiting a few hundred microseconds for its peer's half of a MoE layer, not 
 or an FFN rank waiting milliseconds for the attention rank's next batch.
 
 `SpinPolicy` keeps the length of the last `history` waits and spins (for up to `max_s`) only
-while at least half of them ended within `max_s`: a run of long waits (idle, or a peer that is
-busy for longer than the look would last) turns the spinning off, a run of short ones turns it
-back on. It starts on.
+while at least a quarter of them ended within `max_s`: a run of long waits (idle, or a peer that
+is busy for longer than the look would last) turns the spinning off, a couple of short ones turn
+it back on. It starts on. A quarter, not a half: an AFD FFN rank at concurrency 1 waits once per
+step for the next step's descriptor and once for its first MoE layer, both longer than the rest,
+and with a half the spinning flickered off and on with those (about half of its waits).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class SpinPolicy:
 
     def window(self, limit_s: float) -> float:
         """How long the next wait should look before it sleeps (0: sleep at once); at most limit_s."""
-        if self.max_s <= 0 or 2 * self._count < len(self._short):
+        if self.max_s <= 0 or 4 * self._count < len(self._short):
             return 0.0
         return min(self.max_s, limit_s)
 

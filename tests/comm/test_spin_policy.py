@@ -16,19 +16,22 @@ from comm.transport.spin import SpinPolicy
 K = MsgKey(0, 0, 0)
 
 
-def test_spins_while_most_recent_waits_were_short():
-    policy = SpinPolicy(0.001, history=4)
+def test_spins_while_a_quarter_of_the_recent_waits_were_short():
+    policy = SpinPolicy(0.001, history=8)
     assert policy.window(5.0) == 0.001  # starts on
     assert policy.window(0.0004) == 0.0004  # never past the caller's limit
-    for _ in range(2):
-        policy.record(0.01)  # two long waits of four: still half short
+    for _ in range(6):
+        policy.record(0.01)  # six long waits of eight: still a quarter short
     assert policy.window(5.0) == 0.001
-    policy.record(0.01)  # three of four long: off
+    policy.record(0.01)  # seven of eight long: off
     assert policy.window(5.0) == 0.0
-    policy.record(0.0005)
-    assert policy.window(5.0) == 0.0  # one short wait of four
-    policy.record(0.001)  # a wait of exactly max_s counts as short: two of four
+    policy.record(0.0005)  # one short of eight (it pushed the last short one of the start out)
+    assert policy.window(5.0) == 0.0
+    policy.record(0.001)  # a wait of exactly max_s counts as short: two of eight
     assert policy.window(5.0) == 0.001
+    for wait in (0.0005, 0.01) * 4:  # half short, half long, as an FFN rank's steps: stays on
+        policy.record(wait)
+        assert policy.window(5.0) == 0.001
 
 
 def test_zero_never_spins_and_negative_is_refused():

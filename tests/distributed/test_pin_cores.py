@@ -39,7 +39,7 @@ def test_rank_processes_run_on_their_share_of_the_cores(pin, tiny_v3):
 @pytest.mark.parametrize(
     "flags, cores, spin_us",
     [
-        (dict(mode="afd", dp_size=1), 2, 1000),  # 2 ranks x 1 thread on 2 cores: each has its own
+        (dict(mode="afd", dp_size=1), 2, 2000),  # 2 ranks x 1 thread on 2 cores: each has its own
         (dict(mode="afd", dp_size=1), 1, 0),  # 2 ranks on 1 core
         (dict(mode="colocated", dp_size=2, num_threads=2), 2, 0),  # 2 ranks x 2 threads on 2 cores
         (dict(mode="colocated", dp_size=2, comm_spin_us=50), 1, 50),  # asked for: as asked
