@@ -8,7 +8,7 @@ micro-batch, Python per message). This measures that overhead as a ratio to sing
 run, with every server started by `afd serve` and driven by the serving load generator
 (bench_serving, streaming completions, one request at a time). "pinned" runs add --pin-cores,
 "no spin" runs --comm-spin-us 0 (a waiting rank sleeps at once; by default, with a core per rank,
-it looks for up to 1 ms first while its recent waits were that short).
+it looks for up to 2 ms first while a quarter of its recent waits were that short).
 
 Single mode runs twice, with 1 and with 2 torch threads (a deployment's ranks get 1 each). The
 speed of a shared machine drifts by tens of percent within minutes, so every server is started

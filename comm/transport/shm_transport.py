@@ -36,7 +36,7 @@ so an idle rank, or one whose peer is busy for longer, sleeps at once. A writer 
 byte only while the reader's ring says it may be asleep (shm_ring.py), so a looking reader costs
 its writers no system call either. On this project's 2-core machine, in paired bench_latency
 rounds at concurrency 1, 1 ms of looking took AFD 1A+1F from 1.62-1.77x single mode's TPOT to
-1.41-1.47x.
+1.41-1.47x; 2 ms while a quarter of the recent waits were short, 1.37-1.42x (1.61-1.71x without).
 
 Same semantics as the other transports (base.py):
   * send never blocks on the peer: what does not fit in the ring waits in this process and a
