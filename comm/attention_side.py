@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -129,12 +130,16 @@ class TwoStageAttentionEndpoint(AttentionEndpoint):
 class DirectAttentionEndpoint(AttentionEndpoint):
     combine_layout = COMBINE_DIRECT
 
+    @cached_property
+    def _send_order(self) -> list[int]:
+        """FFN ranks in order, a colocated rank's own last: its peers start on their share sooner
+        (the routes, and so the order in which combine adds the results, stay in rank order)."""
+        return sorted(range(self.topo.num_ffn_ranks), key=lambda r: self.topo.ffn_endpoint(r) == self.endpoint)
+
     def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
         ffn_rank = self.topo.ffn_rank_of[topk_ids]  # [T, K]
         routes = {}
-        # A colocated rank's own experts last: its peers start on their share sooner (the routes,
-        # and so the order in which combine adds the results, stay in rank order).
-        for rank in sorted(range(self.topo.num_ffn_ranks), key=lambda r: self.topo.ffn_endpoint(r) == self.endpoint):
+        for rank in self._send_order:
             rows, slot = (ffn_rank == rank).nonzero(as_tuple=True)  # one copy per (token, expert)
             values, scales = self.config.wire.encode(hidden[rows])
             peer = self.topo.ffn_endpoint(rank)

@@ -245,9 +245,9 @@ class Doorbells:
     def wait(self, seconds: float) -> None:
         for fd, _ in self._poll.poll(seconds * 1000):
             try:
-                while len(os.read(fd, 65536)) == 65536:
+                while len(os.read(fd, 65536)) == 65536:  # every byte waiting, however many
                     pass
-            except BlockingIOError:
+            except BlockingIOError:  # none left: cleared
                 pass
 
     def close(self) -> None:
