@@ -98,7 +98,9 @@ class EngineArgs:
         "a C decode attention kernel (MLA and GQA) for fp32 CPU tensors",
     )
     moe_backend: str = opt(
-        "torch", "routed-expert kernels of the ranks that hold experts, by name (kernels/registry.py)"
+        "cpu",
+        "routed-expert kernels of the ranks that hold experts, by name (kernels/registry.py); cpu: the torch "
+        "reference with a C kernel for decode-sized fp32 CPU batches",
     )
     mode: str = opt(
         "single",

@@ -14,8 +14,6 @@ cache, no C compiler on the machine) runs the reference instead.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from kernels import native
@@ -37,12 +35,7 @@ class PagedDecodeKernel:
     """Calls the C kernel; `fn` is None where it could not be built (see kernels/native.py)."""
 
     def __init__(self) -> None:
-        lib = native.library("paged_decode")
-        self.fn = None
-        if lib is not None:
-            self.fn = lib.afd_paged_decode_f32
-            self.fn.restype = ctypes.c_int
-            self.fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11 + [ctypes.c_int]
+        self.fn = native.function("paged_decode", "afd_paged_decode_f32", pointers=5, sizes=11)
 
     def runs(self, q: torch.Tensor, cache: torch.Tensor) -> bool:
         """Whether these inputs go to the kernel (else to the reference)."""

@@ -50,6 +50,19 @@ def library(name: str) -> ctypes.CDLL | None:
         return _loaded[name]
 
 
+def function(name: str, symbol: str, pointers: int, sizes: int):
+    """The kernel `symbol` of kernels/csrc/<name>.c, typed as `pointers` pointer arguments, then
+    `sizes` int64 ones and a final int (the thread count), returning an int status; None where the
+    library cannot be built."""
+    lib = library(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + [ctypes.c_int]
+    return fn
+
+
 def _build_and_load(name: str) -> ctypes.CDLL | None:
     if os.environ.get("AFD_NATIVE_KERNELS", "1") == "0":
         return None

@@ -5,9 +5,9 @@ to "module:factory" and imports the module only when that backend is chosen, so 
 imports (triton, CUDA extensions) never run on a machine that does not ask for it.
 
     name      attention (MLA)              MoE
-    cpu       kernels.cpu_attention.CpuMLA -                             C decode core (MLA, GQA) for
-                                                                         fp32 CPU tensors, else the
-                                                                         reference
+    cpu       kernels.cpu_attention.CpuMLA kernels.cpu_moe.CpuMoE          C decode core (MLA, GQA) and C
+                                                                         decode-batch MoE for fp32 CPU
+                                                                         tensors, else the reference
     torch     kernels.mla.TorchMLA         kernels.moe.TorchMoE          reference, any device
     triton    kernels.triton.mla.TritonMLA kernels.triton.moe.TritonMoE  CUDA GPUs; on the CPU only
                                                                          under TRITON_INTERPRET=1 (tests)
@@ -26,7 +26,11 @@ ATTENTION_BACKENDS = {
     "torch": {"mla": "kernels.mla:TorchMLA", "gqa": "kernels.gqa:TorchGQA"},
     "triton": {"mla": "kernels.triton.mla:TritonMLA", "gqa": "kernels.triton.gqa:TritonGQA"},
 }
-MOE_BACKENDS = {"torch": "kernels.moe:TorchMoE", "triton": "kernels.triton.moe:TritonMoE"}
+MOE_BACKENDS = {
+    "cpu": "kernels.cpu_moe:CpuMoE",
+    "torch": "kernels.moe:TorchMoE",
+    "triton": "kernels.triton.moe:TritonMoE",
+}
 _NEEDS_TRITON = {"triton"}
 
 

@@ -83,7 +83,7 @@ def test_unknown_backends_are_refused_with_the_known_ones(tiny_v3):
 
     with pytest.raises(ConfigError, match=r"--attention-backend='flash': unknown backend; known: cpu, torch, triton"):
         Engine(model_path=tiny_v3, attention_backend="flash")
-    with pytest.raises(ConfigError, match=r"--moe-backend='deep_gemm': unknown backend; known: torch"):
+    with pytest.raises(ConfigError, match=r"--moe-backend='deep_gemm': unknown backend; known: cpu, torch, triton"):
         Engine(model_path=tiny_v3, moe_backend="deep_gemm")
 
 
