@@ -22,6 +22,47 @@
 
 #define BLK 32
 #define MAX_HEADS 128 /* heads per task */
+#define VW 16          /* floats per vector of add_values (one AVX-512 register; narrower CPUs split it) */
+
+typedef float vf __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof(float)))); /* unaligned loads */
+
+/* out[h] += sum over the block's rows t of s[h * BLK + t] * value(t), for every head h < nh. Four
+ * heads and VW outputs at a time stay in registers over all the block's rows, so each value row is
+ * loaded once per four heads and each output once per block; the adds run in row order, as a plain
+ * loop over rows would. */
+static void add_values(const float *s, const float *const *rows, int n, int nh, int Dv, int64_t voff, float *out) {
+    int h = 0;
+    for (; h + 4 <= nh; h += 4) {
+        float *o0 = out + h * Dv, *o1 = o0 + Dv, *o2 = o1 + Dv, *o3 = o2 + Dv;
+        const float *p0 = s + h * BLK, *p1 = p0 + BLK, *p2 = p1 + BLK, *p3 = p2 + BLK;
+        int c = 0;
+        for (; c + VW <= Dv; c += VW) {
+            vf a0 = *(vf *)(o0 + c), a1 = *(vf *)(o1 + c), a2 = *(vf *)(o2 + c), a3 = *(vf *)(o3 + c);
+            for (int t = 0; t < n; t++) {
+                vf r = *(const vf *)(rows[t] + voff + c);
+                a0 += p0[t] * r;
+                a1 += p1[t] * r;
+                a2 += p2[t] * r;
+                a3 += p3[t] * r;
+            }
+            *(vf *)(o0 + c) = a0, *(vf *)(o1 + c) = a1, *(vf *)(o2 + c) = a2, *(vf *)(o3 + c) = a3;
+        }
+        for (; c < Dv; c++)
+            for (int t = 0; t < n; t++) {
+                float r = rows[t][voff + c];
+                o0[c] += p0[t] * r, o1[c] += p1[t] * r, o2[c] += p2[t] * r, o3[c] += p3[t] * r;
+            }
+    }
+    for (; h < nh; h++) {
+        float *o = out + h * Dv;
+        const float *p = s + h * BLK;
+        for (int t = 0; t < n; t++) {
+            const float *row = rows[t] + voff;
+#pragma omp simd
+            for (int c = 0; c < Dv; c++) o[c] += p[t] * row[c];
+        }
+    }
+}
 
 static void attend(const float *q, const float *cache, const int64_t *pages, int64_t len, int64_t page_size,
                    int nh, int Dk, int Dv, int64_t stride, int64_t koff, int64_t voff, float *out) {
@@ -83,14 +124,7 @@ static void attend(const float *q, const float *cache, const int64_t *pages, int
                 for (int c = 0; c < Dv; c++) o[c] *= corr;
             }
         }
-        for (int t = 0; t < n; t++) {
-            const float *row = rows[t] + voff;
-            for (int h = 0; h < nh; h++) {
-                float p = s[h * BLK + t], *o = out + h * Dv;
-#pragma omp simd
-                for (int c = 0; c < Dv; c++) o[c] += p * row[c];
-            }
-        }
+        add_values(s, rows, n, nh, Dv, voff, out);
     }
     for (int h = 0; h < nh; h++) {
         float inv = l[h] > 0.f ? 1.f / l[h] : 0.f, *o = out + h * Dv;
