@@ -3,19 +3,21 @@
 
 Makes (or reuses, --model-path) a tiny random DeepSeek-V3 checkpoint whose attention has the real
 DeepSeek-V3 dimensions (vLLM's CPU MLA kernels accept no other head sizes) but few layers, a small
-hidden size and few experts, so that it runs on a couple of cores. Then, one server at a time,
-each pinned to the same cores (--cores):
+hidden size and few experts, so that it runs on a couple of cores. Then, with both servers pinned
+to the same cores (--cores):
 
-  1. starts the server (`afd serve`, single mode, --num-threads = the number of cores; vLLM's
+  1. starts each server (`afd serve`, single mode, --num-threads = the number of cores; vLLM's
      OpenAI API server from --vllm-python, one OpenMP thread bound to each core, tcmalloc and
-     Intel OpenMP preloaded as vLLM's CPU guide asks);
-  2. sends a few prompts (token ids) greedily and keeps the generated token ids;
-  3. runs an untimed warm-up load at the highest concurrency, then bench_serving's load at each
-     --concurrency, --repeats times (levels interleaved; the fastest repeat is reported):
-     completions backend, random token ids from a fixed seed per level and repeat, fixed input
-     and output lengths, temperature 0, ignore_eos (every request generates exactly --output-len
-     tokens), and how much of the cores other processes took meanwhile;
-  4. stops the server.
+     Intel OpenMP preloaded as vLLM's CPU guide asks), sends it a few prompts (token ids)
+     greedily and keeps the generated token ids;
+  2. runs an untimed warm-up load on each at the highest concurrency, then bench_serving's load
+     at each --concurrency, --repeats times, the servers taking turns at every level (the one
+     not measured idles; the machine's drift falls on both alike) and the levels interleaved;
+     the fastest repeat is reported: completions backend, random token ids from a fixed seed per
+     level and repeat (the same for both servers), fixed input and output lengths, temperature 0,
+     ignore_eos (every request generates exactly --output-len tokens), and how much of the cores
+     other processes (the idle server among them) took meanwhile;
+  3. stops both servers.
 
 It prints how many greedy outputs are token-identical between the two (both fp32; a small
 numerical difference between the engines may flip a close pair of logits, after which the
@@ -48,7 +50,7 @@ from afd_engine.distributed.rendezvous import free_port
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv3_checkpoint import prepare_model  # noqa: E402
 from greedy_agreement import agreement_prompts, compare_greedy, run_greedy  # noqa: E402
-from load_levels import run_load  # noqa: E402
+from load_levels import run_levels  # noqa: E402
 from peer_servers import (  # noqa: E402
     afd_spec,
     default_cores,
@@ -141,8 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_engine(engine: str, model: Path, args: argparse.Namespace, log_dir: Path) -> dict:
-    """Start one server, take its greedy outputs and its load figures, stop it."""
+def start_engine(
+    engine: str, model: Path, args: argparse.Namespace, log_dir: Path
+) -> tuple[dict, subprocess.Popen | None]:
+    """Start one server and take its greedy outputs: (its record, its process; None if it failed)."""
     port = free_port("127.0.0.1")
     if engine == "afd":
         spec = afd_spec(sys.executable, model, port, args.core_list)
@@ -168,29 +172,56 @@ def run_engine(engine: str, model: Path, args: argparse.Namespace, log_dir: Path
     try:
         proc = start_server(spec, port, args.core_list, log_path, args.startup_timeout)
     except RuntimeError as exc:
-        record["error"] = str(exc)
-        print(f"error: {exc}", file=sys.stderr)
-        return record
+        return _failed(record, engine, str(exc)), None
     record["startup_s"] = time.monotonic() - t0
-    base_url = f"http://127.0.0.1:{port}"
+    record["base_url"] = f"http://127.0.0.1:{port}"
     try:
         prompts = agreement_prompts(args.agreement_prompts, args.input_len)
-        record["greedy"] = run_greedy(engine, base_url, prompts, args.agreement_output_len)
-        record["points"] = run_load(base_url, args, server_session=proc.pid)
-        shares = [p["other_work_share"] for p in record["points"] if p["other_work_share"] is not None]
-        if shares and max(shares) > 0.05:
-            print(
-                f"warning: other work took up to {max(shares):.0%} of the cores during {engine}'s reported runs",
-                file=sys.stderr,
-            )
-        record["ok"] = all(p["failed"] == 0 for p in record["points"])
-        if not record["ok"]:
-            record["error"] = "some requests failed"
+        record["greedy"] = run_greedy(engine, record["base_url"], prompts, args.agreement_output_len)
     except (httpx.HTTPError, RuntimeError, KeyError, IndexError) as exc:
-        record["error"] = f"{type(exc).__name__}: {exc}"
-        print(f"error: {engine}: {record['error']}", file=sys.stderr)
-    finally:
         stop_server(proc)
+        return _failed(record, engine, f"{type(exc).__name__}: {exc}"), None
+    return record, proc
+
+
+def run_engines(model: Path, args: argparse.Namespace, log_dir: Path) -> dict[str, dict]:
+    """Start every server, run the load on all of them taking turns (load_levels.run_levels), stop
+    them; per engine, its record."""
+    records: dict[str, dict] = {}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for engine in args.engines:
+            records[engine], proc = start_engine(engine, model, args, log_dir)
+            if proc is not None:
+                procs[engine] = proc
+        servers = {engine: (records[engine]["base_url"], proc.pid) for engine, proc in procs.items()}
+        try:
+            points = run_levels(servers, args) if servers else {}
+        except (httpx.HTTPError, RuntimeError, KeyError, IndexError) as exc:
+            for engine in servers:
+                _failed(records[engine], engine, f"{type(exc).__name__}: {exc}")
+            return records
+        for engine, engine_points in points.items():
+            record = records[engine]
+            record["points"] = engine_points
+            shares = [p["other_work_share"] for p in engine_points if p["other_work_share"] is not None]
+            if shares and max(shares) > 0.05:
+                print(
+                    f"warning: other work took up to {max(shares):.0%} of the cores during {engine}'s reported runs",
+                    file=sys.stderr,
+                )
+            record["ok"] = all(p["failed"] == 0 for p in engine_points)
+            if not record["ok"]:
+                record["error"] = "some requests failed"
+    finally:
+        for proc in procs.values():
+            stop_server(proc)
+    return records
+
+
+def _failed(record: dict, engine: str, error: str) -> dict:
+    record["error"] = error
+    print(f"error: {engine}: {error}", file=sys.stderr)
     return record
 
 
@@ -312,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     model = prepare_model(args.model_path, workdir)
     print(f"model: {model}; cores: {format_cores(args.core_list)}; logs: {log_dir}", file=sys.stderr)
 
-    records = {engine: run_engine(engine, model, args, log_dir) for engine in args.engines}
+    records = run_engines(model, args, log_dir)
 
     afd, vllm = records.get("afd", {}), records.get("vllm", {})
     agreement = None

@@ -1,6 +1,6 @@
-"""The load of bench_vs_vllm.py: bench_serving's load at each concurrency level, repeated with fresh
-prompts (levels interleaved), the fastest repeat reported with the share of the cores that other
-work took during each."""
+"""The load of bench_vs_vllm.py: bench_serving's load at each concurrency level on each server,
+repeated with fresh prompts, the servers taking turns at every level (and the levels interleaved),
+the fastest repeat reported with the share of the cores that other work took during each."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import sys
 
 from bench_serving import parse_args as serving_args
 from bench_serving import run_benchmark
-from peer_servers import SERVED_NAME, cpu_sample, other_work_share
+from peer_servers import SERVED_NAME, cpu_sample, idle_check, other_work_share
+
+QUIET_SHARE = 0.02  # a run starts once other work takes less than this share of the cores ...
+QUIET_SAMPLE_S = 0.5  # ... over this long
+QUIET_MAX_S = 15.0  # or after this long, whatever the cores do
 
 
 def num_prompts(concurrency: int, args: argparse.Namespace) -> int:
@@ -75,19 +79,45 @@ def best_point(samples: list[dict]) -> dict:
     return best
 
 
-def run_load(base_url: str, args: argparse.Namespace, server_session: int | None = None) -> list[dict]:
+def settle(cores: list[int]) -> None:
+    """Waits until the cores are quiet: a server just measured keeps some of its threads busy for a
+    while after its last request (vLLM's OpenMP threads, seen taking 6% of the cores during the
+    next server's run), and that would count against the next one."""
+    waited = 0.0
+    while waited < QUIET_MAX_S:
+        share = idle_check(cores, QUIET_SAMPLE_S)
+        waited += QUIET_SAMPLE_S
+        if share is None or share < QUIET_SHARE:
+            return
+
+
+def run_levels(servers: dict[str, tuple[str, int | None]], args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Per server (name -> (base URL, its process session)), the best repeat of each level.
+
+    Every server stays up throughout and they take turns: each repeat runs every level, and each
+    level on every server, one after the other (the first server alternates between repeats).
+    This machine's speed drifts by tens of percent within minutes; taking turns lets that drift
+    fall on all servers alike instead of on whichever ran in a slow stretch. While one server is
+    measured the others idle, and what they use counts as other work; each run starts once the
+    cores are quiet (`settle`)."""
     top = max(args.concurrency)
-    # Untimed: every batch size up to the largest once, so no level pays for first-time work.
-    _bench(load_argv(base_url, top, top, args.input_len, min(args.output_len, 8), seed=10_000 + args.seed))
-    samples: dict[int, list[dict]] = {conc: [] for conc in args.concurrency}
-    for repeat in range(args.repeats):  # levels interleaved, so a burst of other work hits one repeat
+    for base_url, _ in servers.values():
+        # Untimed: every batch size up to the largest once, so no level pays for first-time work.
+        _bench(load_argv(base_url, top, top, args.input_len, min(args.output_len, 8), seed=10_000 + args.seed))
+    samples = {name: {conc: [] for conc in args.concurrency} for name in servers}
+    names = list(servers)
+    for repeat in range(args.repeats):
+        order = names if repeat % 2 == 0 else names[::-1]
         for conc in args.concurrency:
             seed = load_seed(args, conc, repeat)
-            argv = load_argv(base_url, conc, num_prompts(conc, args), args.input_len, args.output_len, seed)
-            print(f"load: concurrency {conc}, repeat {repeat + 1}/{args.repeats}", file=sys.stderr, flush=True)
-            before = cpu_sample(args.core_list, server_session)
-            point = level_point(conc, _bench(argv))
-            after = cpu_sample(args.core_list, server_session)
-            point["other_work_share"] = other_work_share(before, after, len(args.core_list))
-            samples[conc].append(point)
-    return [best_point(samples[conc]) for conc in args.concurrency]
+            for name in order:
+                base_url, session = servers[name]
+                argv = load_argv(base_url, conc, num_prompts(conc, args), args.input_len, args.output_len, seed)
+                print(f"load: {name}, concurrency {conc}, repeat {repeat + 1}/{args.repeats}", file=sys.stderr)
+                settle(args.core_list)
+                before = cpu_sample(args.core_list, session)
+                point = level_point(conc, _bench(argv))
+                after = cpu_sample(args.core_list, session)
+                point["other_work_share"] = other_work_share(before, after, len(args.core_list))
+                samples[name][conc].append(point)
+    return {name: [best_point(samples[name][conc]) for conc in args.concurrency] for name in names}

@@ -202,3 +202,100 @@ def test_repeats_use_fresh_prompts_and_the_fastest_is_reported(bvv):
     assert best["output_tok_s"] == 120.0 and best["tpot_p50_ms"] == 20.0  # TPOT of the same repeat
     assert best["samples_tok_s"] == [90.0, 120.0, 100.0] and best["failed"] == 1
     assert bvv.parse_args(["--quick"]).repeats == 1
+
+
+def test_the_servers_take_turns_on_the_same_requests(bvv, monkeypatch):
+    """Every server is measured at every level of every repeat, one after the other on the same
+    seeded requests, the first one alternating between repeats; the CPU accounting of each run
+    follows the server measured; the best repeat per server and level is reported."""
+    import bench_serving  # on sys.path, as for the script
+
+    args = bvv.parse_args(["--concurrency", "1", "4", "--repeats", "3", "--cores", "0"])
+    runs, sessions = [], []
+    # each server's throughput, run by run: (repeat 0: level 1, level 4), (repeat 1: ...), ...
+    speed = {"http://a:1": [10.0, 30.0, 20.0, 5.0, 15.0, 25.0], "http://v:2": [40.0, 10.0, 15.0, 6.0, 50.0, 7.0]}
+
+    def fake_bench(argv):
+        ns = bench_serving.parse_args(argv)
+        runs.append((ns.base_url, ns.max_concurrency, ns.seed))
+        tok_s = speed[ns.base_url].pop(0) if ns.random_output_len == args.output_len else 0.0
+        metrics = dict.fromkeys(("median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "median_e2e_latency_ms"), 1.0)
+        return {
+            **metrics,
+            "completed": ns.num_prompts,
+            "failed": 0,
+            "output_throughput": tok_s,
+            "duration": 1.0,
+            "total_output_tokens": 1,
+            "errors": [],
+        }
+
+    monkeypatch.setattr(levels, "_bench", fake_bench)
+    monkeypatch.setattr(levels, "cpu_sample", lambda cores, session: sessions.append(session))
+    monkeypatch.setattr(levels, "other_work_share", lambda before, after, n: 0.0)
+    monkeypatch.setattr(levels, "settle", lambda cores: runs.append("settle"))
+    points = levels.run_levels({"afd": ("http://a:1", 11), "vllm": ("http://v:2", 22)}, args)
+
+    warm = [(r[0], r[1]) for r in runs[:2]]
+    assert warm == [("http://a:1", 4), ("http://v:2", 4)]  # one untimed warm-up each, at the top level
+    assert runs[2::2] == ["settle"] * 12  # every timed run waits for quiet cores first
+    timed = runs[3::2]
+    order = ["http://a:1", "http://v:2"] * 2 + ["http://v:2", "http://a:1"] * 2 + ["http://a:1", "http://v:2"] * 2
+    assert [url for url, _, _ in timed] == order
+    assert [conc for _, conc, _ in timed] == [1, 1, 4, 4] * 3
+    for i in range(0, len(timed), 2):  # both servers of a turn get the same requests
+        assert timed[i][1:] == timed[i + 1][1:]
+    assert len({seed for _, _, seed in timed}) == 6
+    assert sessions == [s for url, _, _ in timed for s in [11 if url == "http://a:1" else 22] * 2]
+    assert [p["samples_tok_s"] for p in points["afd"]] == [[10.0, 20.0, 15.0], [30.0, 5.0, 25.0]]
+    assert [p["output_tok_s"] for p in points["afd"]] == [20.0, 30.0]
+    assert [p["output_tok_s"] for p in points["vllm"]] == [50.0, 10.0]
+
+
+def test_both_servers_are_up_for_the_load_and_stopped_after_it(bvv, monkeypatch, tmp_path):
+    """Both servers start before any load runs; one that failed to start is left out; every
+    started server is stopped, also when the load fails."""
+    events = []
+
+    class Proc:
+        def __init__(self, pid):
+            self.pid = pid
+
+    def start(engine, model, args, log_dir):
+        events.append(("start", engine))
+        if engine == "vllm":
+            return {"ok": False, "error": "no"}, None
+        return {"ok": False, "base_url": f"http://{engine}"}, Proc(7)
+
+    def levels_ok(servers, args):
+        events.append(("load", sorted(servers.items())))
+        return {name: [{"failed": 0, "other_work_share": 0.0}] for name in servers}
+
+    monkeypatch.setattr(bvv, "start_engine", start)
+    monkeypatch.setattr(bvv, "stop_server", lambda proc: events.append(("stop", proc.pid)))
+    monkeypatch.setattr(bvv, "run_levels", levels_ok)
+    args = bvv.parse_args([])
+    records = bvv.run_engines(tmp_path, args, tmp_path)
+    assert events == [("start", "afd"), ("start", "vllm"), ("load", [("afd", ("http://afd", 7))]), ("stop", 7)]
+    assert records["afd"]["ok"] and not records["vllm"]["ok"]
+
+    def levels_fail(servers, args):
+        raise RuntimeError("bench failed")
+
+    events.clear()
+    monkeypatch.setattr(bvv, "run_levels", levels_fail)
+    records = bvv.run_engines(tmp_path, args, tmp_path)
+    assert events[-1] == ("stop", 7) and records["afd"]["error"] == "RuntimeError: bench failed"
+
+
+def test_a_run_waits_for_quiet_cores_but_not_forever(monkeypatch):
+    shares = [0.3, 0.1, 0.01, 0.0]
+    monkeypatch.setattr(levels, "idle_check", lambda cores, seconds: shares.pop(0))
+    levels.settle([0])
+    assert shares == [0.0]  # returned at the first share under QUIET_SHARE
+    calls = []
+    monkeypatch.setattr(levels, "idle_check", lambda cores, seconds: calls.append(seconds) or 0.5)
+    levels.settle([0])
+    assert len(calls) == levels.QUIET_MAX_S / levels.QUIET_SAMPLE_S and set(calls) == {levels.QUIET_SAMPLE_S}
+    monkeypatch.setattr(levels, "idle_check", lambda cores, seconds: None)  # no /proc: nothing to wait for
+    levels.settle([0])
