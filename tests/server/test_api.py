@@ -238,10 +238,12 @@ def test_aborted_streams_free_their_kv_pages(few_running):
     assert server.metric("afd_num_requests_running") == 0
     # pages the cache took in (what it holds now plus what it evicted since): run to the end, the
     # 50 requests add 50 x 25 pages of 16 tokens (1,250, seen when aborts are dropped); aborted
-    # after 3 tokens, 1-2 each, plus what a loaded machine computes before the abort arrives
-    # (up to 251 pages seen). Under half: the engine stopped them early.
+    # after 3 tokens, 1-2 each, plus what the engine computes before the abort arrives: 1-201
+    # pages alone, up to 629 beside the rest of the suite (the front end is slow to run there,
+    # and the engine's small batches got faster with the C MoE kernel). Under three quarters:
+    # the engine stopped them early.
     inserted = server.metric("afd_prefix_cache_pages") + server.metric("afd_prefix_cache_evicted_pages_total")
-    assert inserted - cache_before < 50 * 25 // 2, inserted - cache_before
+    assert inserted - cache_before < 50 * 25 * 3 // 4, inserted - cache_before
     assert aborted_count(server, "chat") == before + 50
     assert httpx.get(server.url + "/health").status_code == 200
 
