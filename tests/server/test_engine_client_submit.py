@@ -1,0 +1,86 @@
+"""EngineClient._submit over real ZeroMQ sockets: a request goes to a connected rank at once,
+without polling; to a rank that has not connected yet it waits until the rank connects; an
+engine that is gone is reported instead of waited for."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+
+from afd_engine.control import messages as msgs
+from afd_engine.control.loop import ControlAddrs
+from afd_engine.control.router import Router
+from afd_engine.sampling_params import SamplingParams
+from afd_engine.server.engine_client import EngineClient, EngineUnavailable
+
+
+def add(rid: str) -> msgs.AddRequest:
+    return msgs.AddRequest(rid, [5, 6, 7], SamplingParams(max_new_tokens=2))
+
+
+@pytest.fixture
+def addrs(tmp_path):
+    return ControlAddrs(f"ipc://{tmp_path}/req", f"ipc://{tmp_path}/bcast", f"ipc://{tmp_path}/out")
+
+
+def rank_socket(ctx: zmq.Context, addrs: ControlAddrs) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.connect(addrs.requests_of(0))
+    return sock
+
+
+def test_a_connected_rank_gets_the_request_without_a_poll(addrs):
+    async def run():
+        client = EngineClient(addrs, Router.of("round_robin", 1, 16))
+        ctx = zmq.Context()
+        rank = rank_socket(ctx, addrs)
+        try:
+            await asyncio.sleep(0.2)  # the connection is up
+
+            async def no_poll(*_):
+                raise AssertionError("polled a connected rank")
+
+            client.push[0].poll = no_poll
+            await client._submit(0, add("a"))
+            assert rank.poll(2000)
+            assert msgs.decode(rank.recv()).rid == "a"
+        finally:
+            rank.close(linger=0)
+            ctx.term()
+            client.sockets.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_waits_for_its_rank_to_connect(addrs):
+    async def run():
+        client = EngineClient(addrs, Router.of("round_robin", 1, 16))
+        ctx = zmq.Context()
+        try:
+            submit = asyncio.ensure_future(client._submit(0, add("early")))
+            await asyncio.sleep(0.3)
+            assert not submit.done()  # nobody to take it yet
+            rank = rank_socket(ctx, addrs)
+            await asyncio.wait_for(submit, 5)
+            assert rank.poll(2000)
+            assert msgs.decode(rank.recv()).rid == "early"
+            rank.close(linger=0)
+        finally:
+            ctx.term()
+            client.sockets.close()
+
+    asyncio.run(run())
+
+
+def test_a_dead_engine_is_reported_not_waited_for(addrs):
+    async def run():
+        client = EngineClient(addrs, Router.of("round_robin", 1, 16), alive=lambda: False)
+        try:
+            with pytest.raises(EngineUnavailable, match="stopped answering"):
+                await asyncio.wait_for(client._submit(0, add("lost")), 10)
+        finally:
+            client.sockets.close()
+
+    asyncio.run(run())
