@@ -50,16 +50,17 @@ def library(name: str) -> ctypes.CDLL | None:
         return _loaded[name]
 
 
-def function(name: str, symbol: str, pointers: int, sizes: int):
+def function(name: str, symbol: str, pointers: int, sizes: int, doubles: int = 0, threads: bool = True):
     """The kernel `symbol` of kernels/csrc/<name>.c, typed as `pointers` pointer arguments, then
-    `sizes` int64 ones and a final int (the thread count), returning an int status; None where the
-    library cannot be built."""
+    `sizes` int64 ones, `doubles` double ones and (with `threads`) a final int, the thread count;
+    it returns an int status. None where the library cannot be built."""
     lib = library(name)
     if lib is None:
         return None
     fn = getattr(lib, symbol)
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + [ctypes.c_int]
+    args = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + [ctypes.c_double] * doubles
+    fn.argtypes = args + ([ctypes.c_int] if threads else [])
     return fn
 
 

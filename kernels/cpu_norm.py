@@ -1,0 +1,56 @@
+"""RMSNorm on CPUs: a C kernel (kernels/csrc/rms_norm.c) for fp32 CPU tensors.
+
+torch's CPU rms_norm is half a dozen operators (square, mean, add, rsqrt, two products) and,
+with the weight, a seventh: about 15 us for a decode step's [32, 256] on this project's 2-core
+machine, and a DeepSeek layer has four of them. The kernel does a row in one pass over it and
+one over the output, on one thread (no parallel region for microseconds of work). It sums the
+squares in double; the result differs from torch's by rounding only.
+
+Used by models/norm.py for every RMSNorm whose input and weight it takes (fp32, on the CPU, rows
+with unit stride, no autograd); everything else, and a machine without a C compiler, runs torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import native
+
+_fn = None  # the kernel once built or found missing (False)
+
+
+def _kernel():
+    global _fn
+    if _fn is None:
+        _fn = native.function("rms_norm", "afd_rms_norm_f32", pointers=3, sizes=3, doubles=1, threads=False) or False
+    return _fn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2 over the last dim) + eps), or None where the kernel does not
+    take these inputs (the caller runs torch)."""
+    if (
+        x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.device.type != "cpu"
+        or weight.device.type != "cpu"
+        or not weight.is_contiguous()
+        or x.numel() == 0
+        or x.stride(-1) != 1
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return None
+    dim = x.shape[-1]
+    if x.is_contiguous():
+        stride = dim
+    elif x.dim() == 2:
+        stride = x.stride(0)
+    else:
+        return None
+    fn = _kernel()
+    if not fn or weight.numel() != dim:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, stride, eps) != 0:
+        raise ValueError(f"rms_norm: sizes the kernel cannot take: {tuple(x.shape)}, stride {stride}")
+    return out
