@@ -35,6 +35,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         or x.device.type != "cpu"
         or weight.device.type != "cpu"
         or not weight.is_contiguous()
+        or weight.numel() != x.shape[-1]
         or x.numel() == 0
         or x.stride(-1) != 1
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -48,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     else:
         return None
     fn = _kernel()
-    if not fn or weight.numel() != dim:
+    if not fn:
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     if fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, stride, eps) != 0:

@@ -130,9 +130,8 @@ class EngineClient:
                 await sock.send(data, zmq.NOBLOCK)
                 break
             except zmq.Again:  # no rank connected yet: nothing queued, wait for one
-                pass
-            if not await sock.poll(HEARTBEAT_S * 2000, zmq.POLLOUT) and not self.healthy:
-                raise EngineUnavailable("the engine process stopped answering")
+                if not await sock.poll(HEARTBEAT_S * 2000, zmq.POLLOUT) and not self.healthy:
+                    raise EngineUnavailable("the engine process stopped answering") from None
         self.sockets.wake_ranks()
 
     async def _next(self, queue: asyncio.Queue):
