@@ -46,6 +46,7 @@ class AttentionEndpoint(Endpoint, ABC):
     def __init__(self, topo: Topology, sender: int, transport: Transport, config: CommConfig = CommConfig()) -> None:
         super().__init__(topo, topo.sender_endpoint(sender), transport, config)
         self.sender = sender
+        self._ranges: dict[int, torch.Tensor] = {}  # see TwoStageAttentionEndpoint._rows
 
     def dispatch(
         self,
@@ -100,13 +101,20 @@ class TwoStageAttentionEndpoint(AttentionEndpoint):
 
     def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
         if self.topo.num_nodes == 1:  # the one node takes every token whole: nothing to select
-            rows = torch.arange(hidden.shape[0], dtype=torch.int32)
+            rows = self._rows(hidden.shape[0])
             self._send_node(0, hidden, rows, topk_ids.to(torch.int32), topk_weights.float(), handle, whole=True)
             return
         node_of = self.topo.node_of_expert[topk_ids]  # [T, K]
         for node in range(self.topo.num_nodes):
             rows, ids, weights = masked_rows(node_of == node, topk_ids, topk_weights)
             self._send_node(node, hidden[rows], rows, ids, weights, handle, whole=False)
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """[n] int32 0..n-1, one tensor per n, made once (a range is read, never written)."""
+        rows = self._ranges.get(n)
+        if rows is None:
+            rows = self._ranges[n] = torch.arange(n, dtype=torch.int32)
+        return rows
 
     def _send_node(self, node, hidden, rows, ids, weights, handle: DispatchHandle, whole: bool) -> None:
         """hidden [n, H]: the rows of the sender's tokens that go to `node`, with their node-local

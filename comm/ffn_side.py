@@ -76,6 +76,8 @@ class FfnEndpoint(Endpoint, ABC):
         self.rank, self.node = rank, topo.node_of_rank(rank)
         self.local_index = topo.local_index(rank)  # [E]
         self._local_of = torch.cat([self.local_index, torch.tensor([-1])])  # [E + 1]: id -1 -> -1
+        # every expert here, in order (one FFN rank): a local index is the id itself, -1 included
+        self._ids_are_local = bool(torch.equal(self.local_index, torch.arange(len(self.local_index))))
 
     def post_dispatch(self, key: MsgKey, senders: Collection[int] | None = None) -> None:
         """Starts receiving `key` in the background where the mode has background work (idempotent);
@@ -107,14 +109,17 @@ class FfnEndpoint(Endpoint, ABC):
             weights.append(f["weights"] if "weights" in f else torch.ones(ids[-1].shape))
             returns.append((m.src, m.meta["sender"], len(f["rows"])))
         cat = torch.cat if len(msgs) > 1 else lambda ts: ts[0]
-        local = self._local_of[cat(ids)]  # an id of -1 (another node's slot) reads the last entry, -1
+        ids = cat(ids)
+        # an id of -1 (another node's slot) reads the last entry of _local_of, -1
+        local = ids if self._ids_are_local else self._local_of[ids]
         return ExpertBatch(key, cat(hidden), local, cat(weights).float(), returns)
 
     def send_combine(self, batch: ExpertBatch, outputs: torch.Tensor) -> None:
         """outputs [M, H]: per received row, the weighted sum over this rank's experts
         (in direct mode, the one expert's raw output). Sends without waiting."""
-        dtype = self.config.wire.combine_dtype
-        for (peer, sender, n), y in zip(batch._returns, outputs.split([r[2] for r in batch._returns])):
+        dtype, returns = self.config.wire.combine_dtype, batch._returns
+        parts = outputs.split([r[2] for r in returns]) if len(returns) > 1 else (outputs,)
+        for (peer, sender, n), y in zip(returns, parts):
             msg = self.return_layout.pack(batch.key, self.endpoint, {"sender": sender}, out=y.to(dtype).contiguous())
             self.send(peer, "combine", msg, n)
 

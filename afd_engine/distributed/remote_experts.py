@@ -36,13 +36,14 @@ class RemoteExpertExecutor(ExpertExecutor):
     def dispatch(
         self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchHandle:
-        if self.recorder is not None:
-            self.recorder.record(layer_id, topk_ids)
         key = MsgKey(self.step, layer_id, micro_batch)
         salt = self.step + micro_batch + self.endpoint.sender  # which copy takes a batch's odd pairs
         slots = self.expert_map.to_physical(layer_id, topk_ids, salt)
         expected = self.expected and not (self.skip_empty and hidden.shape[0] == 0)
-        return self.endpoint.dispatch(hidden.cpu(), slots.cpu(), topk_weights.cpu(), key, expected)
+        handle = self.endpoint.dispatch(hidden.cpu(), slots.cpu(), topk_weights.cpu(), key, expected)
+        if self.recorder is not None:  # once the tokens are on their way: off the FFN side's critical path
+            self.recorder.record(layer_id, topk_ids)
+        return handle
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
         return self.endpoint.combine(handle).to(self.device)

@@ -161,7 +161,7 @@ class ShmTransport(Transport):
         out = self._outboxes.get(dst)
         if out is None:
             raise CommError(f"endpoint {self.endpoint}: endpoint {dst} is not a shared-memory peer ({self.peers})")
-        out.send(encode_frame(msg))
+        out.send(msg)
 
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
         return self.recv_any([src], kind, key, timeout)
@@ -278,16 +278,20 @@ class _Outbox:
         self.flusher: threading.Thread | None = None
         self.stopped = False
 
-    def send(self, parts: deque[memoryview]) -> None:
+    def send(self, msg: Message) -> None:
         with self.lock:
             if self.stopped:
                 raise CommError(f"send to endpoint {self.dst} after close()")
             if self.ring.flag(CLOSED):  # the peer has closed: dropped, as a closed socket's would be
                 return
-            if not self.pending:  # else behind what waits already
-                self.ring.write(parts)
-            if parts:
-                self._queue(parts)
+            # Straight into the ring when it has room and nothing waits before it (the common case);
+            # else as parts, written as far as they fit now and the rest queued.
+            if self.pending or not self.ring.write_frame(msg):
+                parts = encode_frame(msg)
+                if not self.pending:
+                    self.ring.write(parts)
+                if parts:
+                    self._queue(parts)
         self.wake.signal_if_asleep(self.ring)
 
     def _queue(self, parts: deque[memoryview]) -> None:

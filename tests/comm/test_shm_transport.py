@@ -85,6 +85,31 @@ def test_frames_round_trip_exactly_through_a_small_ring_across_many_reads(tmp_pa
     assert ring.write(deque([memoryview(bytes(1001))])) == 1000  # full: the rest waits
 
 
+def test_frames_written_straight_from_tensors_read_back_exactly_across_the_ring_end(tmp_path):
+    ring = Ring(str(tmp_path / "r"), 4096)
+    reader = FrameReader(Ring(str(tmp_path / "r"), 0))
+    small = w.sample_tensors()[:-1]  # every dtype, empty ones included; the 80 KiB one would not fit
+    odd = [torch.arange(12.0).view(3, 4).t(), torch.tensor([True, False, True])]  # strided; bool
+    for i in range(40):  # about 450 bytes each: the copies straddle the ring's end again and again
+        msg = Message("x", MsgKey(i, 1, 2), 3, small + odd, {"i": i})
+        assert ring.write_frame(msg)
+        (got,) = reader.read()
+        assert (got.kind, got.key, got.src, got.meta) == ("x", MsgKey(i, 1, 2), 3, {"i": i})
+        _assert_same(w.wire(got.tensors), small + odd)
+
+
+def test_a_frame_that_does_not_fit_is_not_written_straight(tmp_path):
+    ring = Ring(str(tmp_path / "r"), 1000)
+    reader = FrameReader(Ring(str(tmp_path / "r"), 0))
+    assert ring.write_frame(Message("a", K, 0, [torch.zeros(100)]))  # 400 bytes of values
+    published = reader.ring.readable()
+    assert not ring.write_frame(Message("b", K, 0, [torch.zeros(150)]))  # 600 more do not fit
+    assert reader.ring.readable() == published  # nothing of it was published
+    assert [m.kind for m in reader.read()] == ["a"]
+    assert ring.write_frame(Message("b", K, 0, [torch.zeros(150)]))  # the reader made room
+    assert [(m.kind, m.tensors[0].shape) for m in reader.read()] == [("b", (150,))]
+
+
 # -- one process ---------------------------------------------------------------------------
 
 
