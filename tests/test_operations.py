@@ -319,6 +319,15 @@ def _all_splits(counts, n):
         yield [sum(counts[a:b]) for a, b in pairwise(bounds)]
 
 
+def test_split_repeats_give_fresh_lists_and_errors():
+    first = split_micro_batches([1, 1, 1, 1], 3)
+    first.append(range(9))  # the caller's own list: the next caller does not see this
+    assert split_micro_batches([1, 1, 1, 1], 3) == [range(0, 1), range(1, 3), range(3, 4)]
+    for _ in range(2):  # a remembered input is not a remembered error, nor the reverse
+        with pytest.raises(ValueError, match=">= 0"):
+            split_micro_batches([1, -1], 2)
+
+
 def test_split_rejects_bad_arguments():
     with pytest.raises(ValueError, match=">= 1"):
         split_micro_batches([1], 0)

@@ -12,6 +12,7 @@ there are fewer sequences than micro-batches or no tokens at all.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -19,7 +20,16 @@ import numpy as np
 
 
 def split_micro_batches(token_counts: Sequence[int], n: int) -> list[range]:
-    """Exactly `n` ranges of sequence indices, in order, covering 0..len-1; some may be empty."""
+    """Exactly `n` ranges of sequence indices, in order, covering 0..len-1; some may be empty.
+
+    Remembers the splits of recent inputs: consecutive decode steps ask for the same one (every
+    sequence one token), and finding it costs 80 us for one micro-batch, 470 us for 32 sequences
+    in three, per step, on the attention rank's critical path."""
+    return list(_split(tuple(token_counts), n))
+
+
+@functools.lru_cache(maxsize=256)
+def _split(token_counts: tuple[int, ...], n: int) -> tuple[range, ...]:
     if n < 1:
         raise ValueError(f"the number of micro-batches must be >= 1, got {n}")
     counts = np.asarray(token_counts, dtype=np.int64).reshape(-1)
@@ -29,7 +39,7 @@ def split_micro_batches(token_counts: Sequence[int], n: int) -> list[range]:
     cap = _smallest(int(counts.max(initial=0)), int(prefix[-1]), lambda c: _reach(prefix, n, 0, c) is not None)
     floor = cap - _smallest(0, cap, lambda slack: _reach(prefix, n, cap - slack, cap) is not None)
     cuts = _trace_back(prefix, _reach(prefix, n, floor, cap), floor, cap)
-    return [range(a, b) for a, b in itertools.pairwise(cuts)]
+    return tuple(range(a, b) for a, b in itertools.pairwise(cuts))
 
 
 def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
