@@ -58,6 +58,7 @@ class ExpertMap:
     def __init__(self, layout: ExpertLayout, placements: dict[int, Placement], version: int = 0) -> None:
         self.layout, self.placements, self.version = layout, placements, version
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._in_order: set[int] = set()  # layers whose slot s holds expert s: slots are the ids
         for layer, p in placements.items():
             replicas = p.replicas(layout.num_experts)
             missing = [e for e, r in enumerate(replicas) if not r]
@@ -69,6 +70,8 @@ class ExpertMap:
             width = max(len(r) for r in replicas)
             table = torch.tensor([r + [r[0]] * (width - len(r)) for r in replicas], dtype=torch.int64)  # [E, width]
             self._tables[layer] = (table, torch.tensor([len(r) for r in replicas], dtype=torch.int64))
+            if p.slot_expert == list(range(layout.num_experts)):
+                self._in_order.add(layer)
 
     @staticmethod
     def initial(layout: ExpertLayout, moe_layers) -> ExpertMap:
@@ -83,7 +86,10 @@ class ExpertMap:
     def to_physical(self, layer: int, topk_ids: torch.Tensor, salt: int = 0) -> torch.Tensor:
         """topk_ids [T, K] logical -> [T, K] physical slots. The i-th pair (in row-major order)
         routed to an expert with c copies goes to copy (i + salt) mod c: copies split each batch's
-        pairs evenly, and `salt` rotates which copy takes the odd ones."""
+        pairs evenly, and `salt` rotates which copy takes the odd ones. Where every expert has one
+        slot, its own id, these are topk_ids themselves."""
+        if layer in self._in_order:
+            return topk_ids
         table, copies = self._tables[layer]
         if table.device != topk_ids.device:
             table, copies = table.to(topk_ids.device), copies.to(topk_ids.device)

@@ -34,6 +34,14 @@ def test_copies_share_an_experts_tokens_evenly_and_every_slot_holds_its_expert()
         ExpertMap(layout, {3: Placement([0, 1, 2, 3, 4, 0, 6, 7, 0, 1, 2, 3], 3)})
 
 
+def test_single_copies_route_to_their_slot_in_order_or_not():
+    layout = ExpertLayout(num_experts=4, num_redundant=0, num_nodes=1, ranks_per_node=2)
+    ids = torch.tensor([[0, 3], [2, 1]])
+    emap = ExpertMap(layout, {1: Placement([0, 1, 2, 3], 2), 2: Placement([2, 0, 3, 1], 2)})
+    assert torch.equal(emap.to_physical(1, ids), ids)
+    assert torch.equal(emap.to_physical(2, ids), torch.tensor([[1, 2], [0, 3]]))  # slot of each expert
+
+
 def test_initial_placement_is_in_order_without_copies_and_complete_with_them():
     plain = ExpertLayout(16, 0, 2, 2, num_groups=4)
     assert ExpertMap.initial(plain, [1, 2]).rank_slots(1) == {1: [4, 5, 6, 7], 2: [4, 5, 6, 7]}
