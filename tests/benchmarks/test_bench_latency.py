@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.process_helpers import bench_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_latency  # noqa: E402
 
 
 @pytest.mark.timeout(300)
@@ -26,11 +31,24 @@ def test_quick_run_reports_every_deployment_against_the_faster_single_run_of_eac
         assert r["tpot_p50_ms"] == statistics.median(r["repeats_ms"])
         assert r["ratios"] == [t / b for t, b in zip(r["repeats_ms"], base_by_round)]
         assert r["vs_single"] == statistics.median(r["ratios"])
+        lo, hi = r["vs_single_95"]
+        assert min(r["ratios"]) <= lo <= r["vs_single"] <= hi <= max(r["ratios"])
     medians = {n: rows[n]["tpot_p50_ms"] for n in singles}
     assert data["baseline"] == min(medians, key=medians.get)
     assert data["baseline_tpot_ms"] == min(medians.values())
     assert res.stdout.splitlines()[0].split()[:3] == ["deployment", "TPOT", "p50"]
     assert res.stdout.count("(baseline)") == 1 and len(res.stdout.splitlines()) == 5
+
+
+def test_the_interval_of_a_median_narrows_with_rounds_and_is_reproducible():
+    few = [1.0, 2.0, 3.0]
+    assert bench_latency.median_interval(few) == [1.0, 3.0]  # resamplings of 3 give every median
+    many = [1.0 + (i * 37 % 200) / 2000 for i in range(200)]  # 1.0000-1.0995, shuffled
+    lo, hi = bench_latency.median_interval(many)
+    assert 1.035 <= lo < statistics.median(many) < hi <= 1.065
+    assert bench_latency.median_interval(many) == [lo, hi]  # seeded: the same report for the same rounds
+    assert bench_latency.median_interval(many, seed=1) != [lo, hi]
+    assert bench_latency.median_interval([1.4] * 5) == [1.4, 1.4]
 
 
 def test_a_run_without_a_single_mode_baseline_is_refused():
