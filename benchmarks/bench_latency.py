@@ -19,7 +19,8 @@ deployment: the median TPOT p50 over the rounds, the median of its per-round rat
 bootstrap interval of that median (2,000 resamplings of the rounds, seeded). By default a round
 is one request per server (40 rounds): on this project's 2-core machine single mode's TPOT moved
 over 2.1-4.1 ms between rounds of 4 requests, and an 8-round and a 12-round run of 4 requests
-put AFD 1A+1F at 1.51x and 1.72x; rounds of one request keep the servers' turns seconds apart, not tens.
+put AFD 1A+1F at 1.51x and 1.72x; rounds of one request keep the servers' turns seconds apart,
+not tens.
 
     python benchmarks/bench_latency.py [--quick] [--json out.json]
 """

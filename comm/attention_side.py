@@ -46,7 +46,7 @@ class AttentionEndpoint(Endpoint, ABC):
     def __init__(self, topo: Topology, sender: int, transport: Transport, config: CommConfig = CommConfig()) -> None:
         super().__init__(topo, topo.sender_endpoint(sender), transport, config)
         self.sender = sender
-        self._ranges: dict[int, torch.Tensor] = {}  # see TwoStageAttentionEndpoint._rows
+        self._ranges: dict[int, torch.Tensor] = {}  # see _rows
 
     def dispatch(
         self,
@@ -92,6 +92,13 @@ class AttentionEndpoint(Endpoint, ABC):
         y = self.combine_layout.unpack(self.recv(peer, self.combine_layout.kind, handle.key))["out"].float()
         return y if weights is None else y * weights[:, None]
 
+    def _rows(self, n: int) -> torch.Tensor:
+        """[n] int32 0..n-1, one tensor per n, made once (a range is read, never written)."""
+        rows = self._ranges.get(n)
+        if rows is None:
+            rows = self._ranges[n] = torch.arange(n, dtype=torch.int32)
+        return rows
+
     def _meta(self, hidden: torch.Tensor) -> dict:
         return {"sender": self.sender, "dtype": dtype_name(hidden.dtype)}
 
@@ -108,13 +115,6 @@ class TwoStageAttentionEndpoint(AttentionEndpoint):
         for node in range(self.topo.num_nodes):
             rows, ids, weights = masked_rows(node_of == node, topk_ids, topk_weights)
             self._send_node(node, hidden[rows], rows, ids, weights, handle, whole=False)
-
-    def _rows(self, n: int) -> torch.Tensor:
-        """[n] int32 0..n-1, one tensor per n, made once (a range is read, never written)."""
-        rows = self._ranges.get(n)
-        if rows is None:
-            rows = self._ranges[n] = torch.arange(n, dtype=torch.int32)
-        return rows
 
     def _send_node(self, node, hidden, rows, ids, weights, handle: DispatchHandle, whole: bool) -> None:
         """hidden [n, H]: the rows of the sender's tokens that go to `node`, with their node-local

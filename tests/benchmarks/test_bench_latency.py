@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.process_helpers import bench_run
+from tests.process_helpers import bench_run, load_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_latency  # noqa: E402
+bench_latency = load_bench("bench_latency.py")
 
 
 @pytest.mark.timeout(300)
