@@ -6,7 +6,9 @@ two-stage: token t goes once to each FFN node that holds any of its experts, to 
 rank (sender mod R), carrying the node's share of its top-k; each node returns one already
 weighted and reduced vector per token, and the sender adds the node results.
 direct: one copy per (token, selected expert) to the FFN rank holding it; that rank returns the
-expert's raw output per copy and the sender applies the top-k weights.
+expert's raw output per copy and the sender applies the top-k weights. A colocated sender may keep
+its own rank's copies (`keep_own`): it then computes that share itself, without a message to itself,
+and hands it to `combine` as `partial`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class AttentionEndpoint(Endpoint, ABC):
         super().__init__(topo, topo.sender_endpoint(sender), transport, config)
         self.sender = sender
         self._ranges: dict[int, torch.Tensor] = {}  # see _rows
+        # the FFN rank sharing this endpoint (colocated), or None
+        self.own_rank = next((r for r in range(topo.num_ffn_ranks) if topo.ffn_endpoint(r) == self.endpoint), None)
 
     def dispatch(
         self,
@@ -55,6 +59,7 @@ class AttentionEndpoint(Endpoint, ABC):
         topk_weights: torch.Tensor,
         key: MsgKey,
         expected: bool = True,
+        keep_own: bool = False,
     ) -> DispatchHandle:
         """Sends tokens to their experts without waiting for anyone.
 
@@ -62,27 +67,35 @@ class AttentionEndpoint(Endpoint, ABC):
         T may be 0: every peer still gets a (empty) message, so it never waits in vain, unless
         not `expected`: the FFN side was told that this sender has no tokens for key (the
         `senders` of FfnEndpoint.recv_dispatch leave it out), and nothing is sent.
+        `keep_own` (direct mode, colocated): nothing goes to this rank's own experts, and its own
+        FFN endpoint must not wait for this sender; the caller computes that share itself and
+        passes it to `combine`.
         """
+        if keep_own and self.own_rank is None:
+            raise CommError(f"sender {self.sender} holds no experts: it has no share to keep")
         handle = DispatchHandle(key, hidden.shape[0], hidden.shape[1], hidden.dtype)
         if not expected:
             if hidden.shape[0]:
                 raise CommError(f"sender {self.sender}: {hidden.shape[0]} tokens for {key}, which no FFN rank expects")
             return handle  # no routes: combine gives [0, H] without waiting
-        self._send_tokens(hidden, topk_ids, topk_weights, handle)
+        self._send_tokens(hidden, topk_ids, topk_weights, handle, keep_own)
         handle.dispatch_stats = self.call_stats.get(("dispatch", key), CommStats())
         return handle
 
     @abstractmethod
-    def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
-        """Sends one message per peer and records its route in `handle`."""
+    def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle, keep_own: bool) -> None:
+        """Sends one message per peer (but this rank's own with `keep_own`) and records its route
+        in `handle`."""
 
-    def combine(self, handle: DispatchHandle) -> torch.Tensor:
+    def combine(self, handle: DispatchHandle, partial: torch.Tensor | None = None) -> torch.Tensor:
         """Waits for every peer's results and returns [T, H] in the dispatched dtype: per token,
-        the top-k-weighted sum of its experts' outputs."""
+        the top-k-weighted sum of its experts' outputs. `partial` [T, H]: the share of the experts
+        kept by dispatch(keep_own=True), already weighted, which the peers' results are added to
+        (in place where it is fp32)."""
         routes = handle.routes
-        if len(routes) == 1 and routes[0][1] is None:  # one route, every token in order: no scatter
+        if partial is None and len(routes) == 1 and routes[0][1] is None:  # every token in order: no scatter
             return self._results(handle, routes[0][0], routes[0][2]).to(handle.dtype)
-        out = torch.zeros(handle.num_tokens, handle.hidden_size)
+        out = torch.zeros(handle.num_tokens, handle.hidden_size) if partial is None else partial.float()
         for peer, rows, weights in routes:
             out.index_add_(0, rows, self._results(handle, peer, weights))
         return out.to(handle.dtype)
@@ -106,7 +119,9 @@ class AttentionEndpoint(Endpoint, ABC):
 class TwoStageAttentionEndpoint(AttentionEndpoint):
     combine_layout = COMBINE
 
-    def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
+    def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle, keep_own: bool) -> None:
+        if keep_own:
+            raise CommError("two-stage dispatch sends every token to its node's relay: it keeps no share")
         if self.topo.num_nodes == 1:  # the one node takes every token whole: nothing to select
             rows = self._rows(hidden.shape[0])
             self._send_node(0, hidden, rows, topk_ids.to(torch.int32), topk_weights.float(), handle, whole=True)
@@ -144,10 +159,10 @@ class DirectAttentionEndpoint(AttentionEndpoint):
         (the routes, and so the order in which combine adds the results, stay in rank order)."""
         return sorted(range(self.topo.num_ffn_ranks), key=lambda r: self.topo.ffn_endpoint(r) == self.endpoint)
 
-    def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle) -> None:
+    def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle, keep_own: bool) -> None:
         ffn_rank = self.topo.ffn_rank_of[topk_ids]  # [T, K]
         routes = {}
-        for rank in self._send_order:
+        for rank in self._send_order[:-1] if keep_own else self._send_order:  # the own rank is last
             rows, slot = (ffn_rank == rank).nonzero(as_tuple=True)  # one copy per (token, expert)
             values, scales = self.config.wire.encode(hidden[rows])
             peer = self.topo.ffn_endpoint(rank)

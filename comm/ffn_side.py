@@ -109,10 +109,12 @@ class FfnEndpoint(Endpoint, ABC):
             weights.append(f["weights"] if "weights" in f else torch.ones(ids[-1].shape))
             returns.append((m.src, m.meta["sender"], len(f["rows"])))
         cat = torch.cat if len(msgs) > 1 else lambda ts: ts[0]
-        ids = cat(ids)
-        # an id of -1 (another node's slot) reads the last entry of _local_of, -1
-        local = ids if self._ids_are_local else self._local_of[ids]
-        return ExpertBatch(key, cat(hidden), local, cat(weights).float(), returns)
+        return ExpertBatch(key, cat(hidden), self.to_local(cat(ids)), cat(weights).float(), returns)
+
+    def to_local(self, ids: torch.Tensor) -> torch.Tensor:
+        """Physical expert slots (int64, -1 allowed) -> this rank's local slot index, -1 where the
+        slot is another rank's (an id of -1 reads the last entry of _local_of, -1)."""
+        return ids if self._ids_are_local else self._local_of[ids]
 
     def send_combine(self, batch: ExpertBatch, outputs: torch.Tensor) -> None:
         """outputs [M, H]: per received row, the weighted sum over this rank's experts

@@ -18,7 +18,8 @@ sends nothing where its receivers know it is empty: in AFD mode each step descri
 ranks every micro-batch's token count, so an empty micro-batch sends no dispatch messages (and one
 that no attention rank fills is served without any); in colocated mode the agreement round gives
 every rank the others' token counts, so a rank without tokens sends none, its peers wait for none
-from it and send it no results (at concurrency 1 the idle rank only serves its experts).
+from it and send it no results (at concurrency 1 the idle rank only serves its experts, and the busy
+one computes its own experts' share in place, without messages to itself: remote_experts.py).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class PipelineRunner(StepRunner):
             stager = ExpertStager(load, rank, model.routed_experts())
         every = spec.args.eplb_rebalance_num_iterations if spec.args.enable_eplb else None
         self.rebalancer = Rebalancer(spec.initial_map(), model.load_recorder, every, transport, self.ffn, stager)
-        self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder)
+        own = (model.routed_experts(), self.server.endpoint.to_local) if self.server is not None else (None, None)
+        self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder, *own)
         self.executor.skip_empty = not topo.colocated  # AFD: the FFN ranks know each micro-batch's count
         self.n = spec.args.num_micro_batches
         self.step_id = self.sync_id = self.keepalive_id = 0
@@ -113,7 +115,11 @@ class PipelineRunner(StepRunner):
         if self.server is not None:  # colocated: a rank without tokens sends nothing, and nobody waits for it
             tokens = {self.rank: mine, **{ep: m["tokens"] for ep, m in zip(self.peers, metas)}}
             self.executor.expected = mine > 0
-            self.server.senders = [[i for i in range(self.spec.topology.num_senders) if tokens[i] > 0]] * self.n
+            # the only rank with tokens computes its own share in place (remote_experts.py)
+            alone = mine > 0 and not any(m["tokens"] for m in metas)
+            self.executor.keep_own = alone
+            senders = [i for i, n in sorted(tokens.items()) if n > 0 and not (alone and i == self.rank)]
+            self.server.senders = [senders] * self.n
         return self.ran
 
     @property

@@ -8,9 +8,9 @@ import torch
 from comm import volume
 from comm.attention_side import attention_endpoint
 from comm.endpoint import CommConfig
-from comm.ffn_side import ffn_endpoint
+from comm.ffn_side import ExpertBatch, ffn_endpoint
 from comm.messages import CommError, CommTimeout, KeyMismatchError, MsgKey
-from comm.reference import reference_combine
+from comm.reference import reference_combine, run_experts
 from comm.stats import CommStats
 from comm.topology import INTER_NODE, Topology, TopologyError
 from comm.transport.inproc import InProcessFabric
@@ -96,6 +96,44 @@ def test_a_colocated_rank_sends_to_its_peers_before_itself():
     assert [peer for peer, _, _ in handle.routes] == [0, 1, 2]  # combine still adds in rank order
 
 
+def test_a_colocated_sender_alone_keeps_its_own_share():
+    """keep_own: no message to itself (its own FFN endpoint gets none); the peers compute theirs,
+    and combine adds them to the share the sender computed itself, giving the exact result."""
+    topo = Topology(3, 1, 3, 6, colocated=True)
+    fabric = InProcessFabric()
+    transports = [fabric.endpoint(ep) for ep in range(3)]
+    sent = []
+    send = transports[1].send
+    transports[1].send = lambda dst, msg: (sent.append(dst), send(dst, msg))
+    x, ids, w = (t[0] for t in routing(topo, [6], 3, seed=4))
+    config = CommConfig("direct", FP32, timeout=10)
+    sender = attention_endpoint(topo, 1, transports[1], config)
+    own = ffn_endpoint(topo, 1, transports[1], config)
+    handle = sender.dispatch(x, ids, w, KEY, keep_own=True)
+    assert sent == [0, 2] and [peer for peer, _, _ in handle.routes] == [0, 2]
+    for rank in (0, 2):
+        ffn = ffn_endpoint(topo, rank, transports[rank], config)
+        batch = ffn.recv_dispatch(KEY, senders=[1])
+        ffn.send_combine(batch, run_experts(batch, topo.experts_of(rank), exact_expert))
+    kept = ExpertBatch(KEY, x, own.to_local(ids), w, [])
+    partial = run_experts(kept, topo.experts_of(1), exact_expert)
+    assert partial.abs().sum() > 0  # the sender's own experts have a share of these tokens
+    assert torch.equal(sender.combine(handle, partial), reference_combine([x], [ids], [w], exact_expert)[0])
+    assert fabric.inboxes[1].pending(1, "dispatch_direct") == 0
+
+
+def test_only_a_colocated_direct_sender_keeps_a_share():
+    fabric = InProcessFabric()
+    x, ids, w = (t[0] for t in routing(Topology(1, 1, 2, 4), [2], 2, seed=5))
+    afd = attention_endpoint(Topology(1, 1, 2, 4), 0, fabric.endpoint(0), CommConfig("direct", FP32))
+    with pytest.raises(CommError, match="sender 0 holds no experts"):
+        afd.dispatch(x, ids, w, KEY, keep_own=True)
+    colocated = Topology(2, 1, 2, 4, colocated=True)
+    two_stage = attention_endpoint(colocated, 0, fabric.endpoint(5), CommConfig("two-stage", FP32))
+    with pytest.raises(CommError, match="two-stage dispatch .* keeps no share"):
+        two_stage.dispatch(x, ids, w, KEY, keep_own=True)
+
+
 def test_colocated_direct_with_several_micro_batches():
     topo = Topology(4, 2, 2, 8, colocated=True)
     xs, ids, ws = routing(topo, [5, 3, 0, 6], 3, seed=3)
@@ -155,7 +193,7 @@ def test_mismatched_key_is_a_clear_error():
     topo = Topology(1, 1, 1, 4)
     xs, ids, ws = routing(topo, [3], 2, seed=0)
     from comm.attention_side import attention_endpoint
-    from comm.ffn_side import ffn_endpoint
+    from comm.ffn_side import ExpertBatch, ffn_endpoint
     from comm.transport.inproc import InProcessFabric
 
     fabric = InProcessFabric()
@@ -213,7 +251,7 @@ def test_relay_forwards_one_senders_tokens_before_the_others_arrive():
     import time
 
     from comm.attention_side import attention_endpoint
-    from comm.ffn_side import ffn_endpoint
+    from comm.ffn_side import ExpertBatch, ffn_endpoint
     from comm.transport.inproc import InProcessFabric
 
     topo = Topology(3, 1, 2, 4)  # relay rank 0 serves senders 0 and 2; rank 1 owns experts 2, 3

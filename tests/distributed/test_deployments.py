@@ -64,7 +64,8 @@ def test_deployment_matches_single_engine_and_transformers(name, tiny_v3, refere
 @pytest.mark.timeout(120)
 def test_a_colocated_rank_without_requests_serves_its_experts_and_sends_nothing_else(tiny_v3, reference):
     """One request on colocated dp2: the other rank has no tokens in any step. It sends no dispatch
-    messages and nobody waits for any from it (a wait would time out after comm_timeout)."""
+    messages and nobody waits for any from it (a wait would time out after comm_timeout); the busy
+    rank computes its own experts' share in place (tokens wrong without it)."""
     batch, single, _ = reference
     with make_engine(model_path=tiny_v3, mode="colocated", dp_size=2, comm_timeout=10, dispatch_dtype="fp32") as engine:
         outs = engine.generate(prompt_token_ids=batch[4:5], sampling_params=GREEDY)
