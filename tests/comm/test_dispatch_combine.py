@@ -193,7 +193,7 @@ def test_mismatched_key_is_a_clear_error():
     topo = Topology(1, 1, 1, 4)
     xs, ids, ws = routing(topo, [3], 2, seed=0)
     from comm.attention_side import attention_endpoint
-    from comm.ffn_side import ExpertBatch, ffn_endpoint
+    from comm.ffn_side import ffn_endpoint
     from comm.transport.inproc import InProcessFabric
 
     fabric = InProcessFabric()
@@ -251,7 +251,7 @@ def test_relay_forwards_one_senders_tokens_before_the_others_arrive():
     import time
 
     from comm.attention_side import attention_endpoint
-    from comm.ffn_side import ExpertBatch, ffn_endpoint
+    from comm.ffn_side import ffn_endpoint
     from comm.transport.inproc import InProcessFabric
 
     topo = Topology(3, 1, 2, 4)  # relay rank 0 serves senders 0 and 2; rank 1 owns experts 2, 3
