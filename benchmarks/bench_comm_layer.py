@@ -3,13 +3,18 @@
 in this process exchange one layer's messages (dispatch, receive, send the results back, combine)
 for a micro-batch of a few tokens, over the in-process and the shared-memory transports.
 
+`--layout afd` (default): AFD 1A+1F, two-stage dispatch, every token whole to the one FFN rank.
+`--layout colocated`: colocated dp2 with one rank holding tokens, as at concurrency 1: direct
+dispatch of the copies routed to the peer's experts, the own share kept (`keep_own`), the peer's
+results added to it at combine.
+
 Both endpoints run in one thread, one after the other, so the figure is the library's CPU time
 (routing, framing, copies, the rings and the wake-up bytes), without any process wake-up or
 expert compute. The FFN side returns its tokens' activations as the "experts' output", so every
 combine must give back exactly what was dispatched (checked, fp32 on the wire). Reported per
 transport: the minimum and the median over `--chunks` chunks of `--layers` layers, in us per layer.
 
-    python benchmarks/bench_comm_layer.py [--tokens 1] [--hidden 192] [--json out.json]
+    python benchmarks/bench_comm_layer.py [--layout afd|colocated] [--tokens 1] [--hidden 192] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,34 +33,54 @@ from comm.transport.inproc import InProcessFabric
 from comm.transport.shm_transport import ShmTransport, remove_namespace
 
 
-def transports(kind: str):
+def transports(kind: str, peer: int):
+    """The sender's transport (endpoint 0) and the FFN rank's (endpoint `peer`)."""
     if kind == "inproc":
         fabric = InProcessFabric()
-        return fabric.endpoint(0), fabric.endpoint(1)
+        return fabric.endpoint(0), fabric.endpoint(peer)
     ns = f"bench{os.getpid()}"
-    return ShmTransport(0, [1], namespace=ns), ShmTransport(1, [0], namespace=ns)
+    return ShmTransport(0, [peer], namespace=ns), ShmTransport(peer, [0], namespace=ns)
+
+
+def expected_output(layout: str, hidden: torch.Tensor, on_peer: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """What combine must give when the FFN side returns its rows as the experts' output: afd, the
+    tokens themselves (the one node weighs nothing: its rank returns them as they came);
+    colocated, the zero own share plus each peer copy weighted, added in token order."""
+    if layout == "afd":
+        return hidden
+    out = torch.zeros_like(hidden)
+    rows, slot = on_peer.nonzero(as_tuple=True)
+    return out.index_add_(0, rows, hidden[rows] * weights[rows, slot][:, None])
 
 
 def measure(kind: str, args: argparse.Namespace) -> dict:
-    topo = Topology(num_senders=1, num_nodes=1, ranks_per_node=1, num_experts=args.experts)
-    config = CommConfig("two-stage", WireFormat("fp32", "fp32"), timeout=10)
-    ta, tf = transports(kind)
-    a, f = attention_endpoint(topo, 0, ta, config), ffn_endpoint(topo, 0, tf, config)
+    colocated = args.layout == "colocated"
+    if colocated:  # rank 0 sends and keeps its own share; rank 1 serves the copies for its experts
+        topo = Topology(num_senders=2, num_nodes=1, ranks_per_node=2, num_experts=args.experts, colocated=True)
+        config = CommConfig("direct", WireFormat("fp32", "fp32"), timeout=10)
+    else:
+        topo = Topology(num_senders=1, num_nodes=1, ranks_per_node=1, num_experts=args.experts)
+        config = CommConfig("two-stage", WireFormat("fp32", "fp32"), timeout=10)
+    peer = topo.ffn_endpoint(1 if colocated else 0)
+    ta, tf = transports(kind, peer)
+    a, f = attention_endpoint(topo, 0, ta, config), ffn_endpoint(topo, 1 if colocated else 0, tf, config)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.tokens, args.hidden, generator=g)
     ids = torch.stack([torch.randperm(args.experts, generator=g)[: args.topk] for _ in range(args.tokens)])
     weights = torch.rand(args.tokens, args.topk, generator=g)
+    own_share = torch.zeros(args.tokens, args.hidden)  # the kept share's output (experts not run here)
     step = iter(range(1 << 62))
 
     def layer() -> torch.Tensor:
         key = MsgKey(next(step), 1, 0)
-        handle = a.dispatch(hidden, ids, weights, key)
-        batch = f.recv_dispatch(key)
+        handle = a.dispatch(hidden, ids, weights, key, keep_own=colocated)
+        batch = f.recv_dispatch(key, senders=[0] if colocated else None)
         f.send_combine(batch, batch.hidden)
-        return a.combine(handle)
+        return a.combine(handle, own_share.clone() if colocated else None)
 
     try:
-        if not torch.equal(layer(), hidden):
+        want = expected_output(args.layout, hidden, topo.ffn_rank_of[ids] == 1, weights)
+        if not torch.equal(layer(), want):
             raise RuntimeError(f"{kind}: combine did not return what was dispatched")
         for _ in range(args.layers):  # warm-up
             layer()
@@ -74,6 +99,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layout", choices=("afd", "colocated"), default="afd", help="see the module docstring")
     p.add_argument("--tokens", type=int, default=1, help="tokens in the micro-batch")
     p.add_argument("--hidden", type=int, default=192, help="hidden size (the embedded model's)")
     p.add_argument("--experts", type=int, default=8)

@@ -90,7 +90,8 @@ class CommExpertServer(ExpertServer):
 
     def __init__(self, endpoint: FfnEndpoint, cfg, device: torch.device | str = "cpu", dtype=torch.float32) -> None:
         self.endpoint, self.device = endpoint, torch.device(device)
-        self.empty_shape = (cfg.hidden_size, cfg.num_experts_per_tok, dtype)
+        empty = ExpertBatch.empty(MsgKey(0, 0, 0), cfg.hidden_size, cfg.num_experts_per_tok, dtype)
+        self._empty = (empty.hidden, empty.local_ids, empty.weights)  # no elements: shared by every empty batch
         self.step = 0
         self.senders: list[list[int]] | None = None
 
@@ -104,9 +105,7 @@ class CommExpertServer(ExpertServer):
 
     def receive(self, layer_id: int, micro_batch: int) -> ExpertBatch:
         key, senders = MsgKey(self.step, layer_id, micro_batch), self._senders(micro_batch)
-        batch = (
-            ExpertBatch.empty(key, *self.empty_shape) if senders == [] else self.endpoint.recv_dispatch(key, senders)
-        )
+        batch = ExpertBatch(key, *self._empty, []) if senders == [] else self.endpoint.recv_dispatch(key, senders)
         if self.device.type != "cpu":
             batch.hidden, batch.local_ids = batch.hidden.to(self.device), batch.local_ids.to(self.device)
             batch.weights = batch.weights.to(self.device)

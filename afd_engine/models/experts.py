@@ -103,6 +103,9 @@ def expert_operations(layer_id: int, experts: Experts, server: ExpertServer) -> 
 
     def run_experts(st) -> None:
         tokens = st.get("received")
+        if tokens.hidden.shape[0] == 0:  # nothing to serve (a colocated rank alone with tokens: every step)
+            st.set("expert_out", tokens.hidden)
+            return
         st.set("expert_out", experts(tokens.hidden, tokens.local_ids, tokens.weights))
 
     def send_combine(st) -> None:
