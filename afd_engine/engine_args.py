@@ -133,6 +133,12 @@ class EngineArgs:
         "sleeps, while most of its recent waits were that short (0: always sleep at once; default: "
         f"{AUTO_SPIN_US} where this machine's ranks x threads fit its cores, else 0)",
     )
+    comm_spin_priority: str = opt(
+        "idle",
+        "scheduling priority of a rank looking for a message (--comm-spin-us): idle (Linux SCHED_IDLE, so that "
+        "any other work of the machine goes first; normal where the OS refuses it) or normal",
+        choices=("idle", "normal"),
+    )
     transport: str = opt(
         "auto",
         "data plane between ranks on one machine: auto (shared memory where /dev/shm has room for the rings, "

@@ -8,7 +8,8 @@ micro-batch, Python per message). This measures that overhead as a ratio to sing
 run, with every server started by `afd serve` and driven by the serving load generator
 (bench_serving, streaming completions, one request at a time). "pinned" runs add --pin-cores,
 "no spin" runs --comm-spin-us 0 (a waiting rank sleeps at once; by default, with a core per rank,
-it looks for up to 2 ms first while a quarter of its recent waits were that short).
+it looks for up to 2 ms first while a quarter of its recent waits were that short), "normal
+priority" --comm-spin-priority normal (by default a rank looks at Linux's idle priority).
 
 Single mode runs twice, with 1 and with 2 torch threads (a deployment's ranks get 1 each). The
 speed of a shared machine drifts by tens of percent within minutes, so every server is started
@@ -49,8 +50,11 @@ DEPLOYMENTS = {  # name -> afd serve flags (--num-threads 1 is start_server's; t
     "afd 1A+1F mb3 zmq": "--mode afd --dp-size 1 --micro-batches 3 --transport zmq",
     "afd 1A+1F mb3 shm pinned": "--mode afd --dp-size 1 --micro-batches 3 --transport shm --pin-cores",
     "afd 1A+1F mb3 shm no spin": "--mode afd --dp-size 1 --micro-batches 3 --transport shm --comm-spin-us 0",
+    "afd 1A+1F mb3 shm normal priority": "--mode afd --dp-size 1 --micro-batches 3 --transport shm "
+    "--comm-spin-priority normal",
     "colocated dp2 shm": "--mode colocated --dp-size 2 --transport shm",
     "colocated dp2 shm no spin": "--mode colocated --dp-size 2 --transport shm --comm-spin-us 0",
+    "colocated dp2 shm normal priority": "--mode colocated --dp-size 2 --transport shm --comm-spin-priority normal",
     "colocated dp2 shm pinned": "--mode colocated --dp-size 2 --transport shm --pin-cores",
     "colocated dp2 zmq": "--mode colocated --dp-size 2 --transport zmq",
 }

@@ -45,10 +45,10 @@ class PeerTable:
     hosts: dict[int, str] = field(default_factory=dict)
     namespace: str = ""
 
-    def transport(self, endpoint: int, link_delay_s: float = 0.0, spin_s: float = 0.0):
+    def transport(self, endpoint: int, link_delay_s: float = 0.0, spin_s: float = 0.0, spin_idle: bool = False):
         from comm.transport.factory import peer_transport
 
-        return peer_transport(endpoint, self.addresses, self.hosts, self.namespace, link_delay_s, spin_s)
+        return peer_transport(endpoint, self.addresses, self.hosts, self.namespace, link_delay_s, spin_s, spin_idle)
 
 
 def new_namespace() -> str:

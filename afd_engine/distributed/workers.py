@@ -28,7 +28,10 @@ def _transport(endpoint: int, comm: PeerTable | RendezvousSpec, spec: Deployment
     if isinstance(comm, RendezvousSpec):
         n = spec.topology.num_endpoints
         comm = register(comm, endpoint, n, shm_host(spec.args.transport, 2 * n))
-    return comm.transport(endpoint, spec.args.inject_link_delay_ms / 1000, spec.args.comm_spin_us / 1e6)
+    args = spec.args
+    return comm.transport(
+        endpoint, args.inject_link_delay_ms / 1000, args.comm_spin_us / 1e6, args.comm_spin_priority == "idle"
+    )
 
 
 def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:

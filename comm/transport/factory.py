@@ -72,18 +72,25 @@ def peer_transport(
     namespace: str,
     link_delay_s: float = 0.0,
     spin_s: float = 0.0,
+    spin_idle: bool = False,
 ) -> Transport:
     """The transport of `endpoint` among peers: shared memory to those with its host id
     (`shm_transport.host_id()`; "" for none), ZeroMQ at `addresses` to the others. Every endpoint
-    decides from the same tables, so both ends of each pair agree on the path. `spin_s`: see
-    ShmTransport (the shared-memory path only)."""
+    decides from the same tables, so both ends of each pair agree on the path. `spin_s` and
+    `spin_idle`: see ShmTransport (the shared-memory path only)."""
     mine = hosts.get(endpoint, "")
     if not mine:
         return make_transport("zmq", endpoint, addresses=addresses, link_delay_s=link_delay_s)
     local = {e for e, h in hosts.items() if h == mine}
     if not (set(addresses) | set(hosts)) - local:
         return make_transport(
-            "shm", endpoint, peers=local, namespace=namespace, link_delay_s=link_delay_s, spin_s=spin_s
+            "shm",
+            endpoint,
+            peers=local,
+            namespace=namespace,
+            link_delay_s=link_delay_s,
+            spin_s=spin_s,
+            spin_idle=spin_idle,
         )
     return make_transport(
         "hybrid",
@@ -93,4 +100,5 @@ def peer_transport(
         namespace=namespace,
         link_delay_s=link_delay_s,
         spin_s=spin_s,
+        spin_idle=spin_idle,
     )

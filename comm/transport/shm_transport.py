@@ -37,6 +37,8 @@ byte only while the reader's ring says it may be asleep (shm_ring.py), so a look
 its writers no system call either. On this project's 2-core machine, in paired bench_latency
 rounds at concurrency 1, 1 ms of looking took AFD 1A+1F from 1.62-1.77x single mode's TPOT to
 1.41-1.47x; 2 ms while a quarter of the recent waits were short, 1.37-1.42x (1.61-1.71x without).
+With `spin_idle` (deployments' default) a thread looks at idle priority: other work of the machine
+goes first, and runs on the looking rank's core rather than on a computing one's (spin.py).
 
 Same semantics as the other transports (base.py):
   * send never blocks on the peer: what does not fit in the ring waits in this process and a
@@ -96,7 +98,8 @@ class ShmTransport(Transport):
     name shared by the endpoints of one deployment and no other (its files' prefix);
     pump_in_waiter: the waiting thread reads the rings (default), else a receiver thread does (see
     the module docstring); spin_s: before it blocks in poll(), the reading thread looks at the rings
-    for up to this long, yielding the core between looks (see "Spinning" above)."""
+    for up to this long, yielding the core between looks (see "Spinning" above); spin_idle: it
+    looks at idle priority where the OS allows (spin.py)."""
 
     def __init__(
         self,
@@ -112,6 +115,7 @@ class ShmTransport(Transport):
         linger_s: float = 1.0,
         pump_in_waiter: bool = True,
         spin_s: float = 0.0,
+        spin_idle: bool = False,
     ) -> None:
         if not platform_supported():
             raise CommError("the shared-memory transport needs x86-64 (ordered stores); use the zmq transport")
@@ -119,7 +123,7 @@ class ShmTransport(Transport):
             raise CommError(f"shared-memory namespace {namespace!r}: use 1-64 letters, digits or _")
         if spin_s < 0:
             raise CommError(f"spin_s must be >= 0, got {spin_s}")
-        self._spin = SpinPolicy(spin_s)
+        self._spin = SpinPolicy(spin_s, idle=spin_idle)
         self.endpoint, self.peers = endpoint, sorted(set(peers) - {endpoint})
         self._linger_s = linger_s
         self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)
@@ -244,11 +248,12 @@ class ShmTransport(Transport):
     def _look(self, seconds: float) -> bool:
         """Whether a ring got bytes within `seconds` of looking (no wake-up byte needed)."""
         end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            for reader, _ in self._readers:
-                if reader.ring.readable():
-                    return True
-            os.sched_yield()  # another runnable thread or process on this core goes first (GIL released)
+        with self._spin.looking():  # at idle priority with spin_idle (spin.py)
+            while time.perf_counter() < end:
+                for reader, _ in self._readers:
+                    if reader.ring.readable():
+                        return True
+                os.sched_yield()  # another runnable thread or process on this core goes first (GIL released)
         return False
 
     def _read_rings(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -11,7 +12,7 @@ import pytest
 from comm.messages import Message, MsgKey
 from comm.transport.shm_ring import encode_frame
 from comm.transport.shm_transport import ShmTransport
-from comm.transport.spin import SpinPolicy
+from comm.transport.spin import SpinPolicy, idle_priority_supported
 
 K = MsgKey(0, 0, 0)
 
@@ -64,5 +65,72 @@ def test_a_reader_whose_waits_were_long_stops_looking_and_sleeps(tmp_path):
         start = time.monotonic()
         b.recv(0, "quiet", K, 1.0)
         assert time.monotonic() - start >= 0.9  # slept: read once poll() gave up
+    finally:
+        a.close(), b.close()
+
+
+needs_idle = pytest.mark.skipif(
+    not idle_priority_supported(), reason="this OS refuses a thread SCHED_IDLE and back (Linux without CAP_SYS_NICE)"
+)
+
+
+@needs_idle
+def test_an_idle_policy_looks_under_sched_idle_and_comes_back_even_on_error():
+    policy = SpinPolicy(0.001, idle=True)
+    with policy.looking():
+        assert os.sched_getscheduler(0) == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    with pytest.raises(RuntimeError, match="inside"), policy.looking():
+        raise RuntimeError("inside")
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_a_normal_policy_leaves_the_thread_as_it_is():
+    with SpinPolicy(0.001).looking():
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+@needs_idle
+def test_a_thread_under_another_policy_keeps_it():
+    def run() -> None:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        with SpinPolicy(0.001, idle=True).looking():
+            seen.append(os.sched_getscheduler(0))
+        seen.append(os.sched_getscheduler(0))
+
+    seen: list[int] = []
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [os.SCHED_BATCH, os.SCHED_BATCH]
+
+
+@needs_idle
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_transport_reader_looks_at_the_priority_asked_for_and_reads_at_normal(tmp_path, idle):
+    """While its reader looks at the rings (its policy read from another thread by its thread id for
+    0.2 s of a look of up to 5 s), the policy is SCHED_IDLE with spin_idle and SCHED_OTHER
+    without; the receive returns under SCHED_OTHER."""
+    ns = uuid.uuid4().hex[:12]
+    a = ShmTransport(0, [0, 1], namespace=ns, directory=str(tmp_path))
+    b = ShmTransport(1, [0, 1], namespace=ns, directory=str(tmp_path), spin_s=5.0, spin_idle=idle)
+    got: list = []
+
+    def receive() -> None:
+        got.append(b.recv(0, "late", K, 10.0))
+        got.append(os.sched_getscheduler(0))
+
+    reader = threading.Thread(target=receive)
+    try:
+        reader.start()
+        seen = set()
+        end = time.monotonic() + 0.2
+        while time.monotonic() < end:
+            seen.add(os.sched_getscheduler(reader.native_id))
+            time.sleep(0.001)
+        a.send(1, Message("late", K, 0))
+        reader.join(10)
+        assert os.SCHED_IDLE in seen if idle else seen == {os.SCHED_OTHER}
+        assert got[0].kind == "late" and got[1] == os.SCHED_OTHER
     finally:
         a.close(), b.close()

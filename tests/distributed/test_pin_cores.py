@@ -1,16 +1,22 @@
 """How a deployment's ranks share this machine's cores: --pin-cores (each rank process runs on its
-own share of them) and the default of --comm-spin-us (spinning only where each rank has cores of
-its own)."""
+own share of them), the default of --comm-spin-us (spinning only where each rank has cores of
+its own) and --comm-spin-priority."""
 
 from __future__ import annotations
 
 import os
+import uuid
 
 import pytest
 
 from afd_engine import SamplingParams, make_engine
-from afd_engine.distributed import launcher
+from afd_engine.distributed import launcher, workers
+from afd_engine.distributed.rendezvous import PeerTable
+from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import EngineArgs, core_shares, usable_core_ids
+from afd_engine.model_config import ModelConfig
+from comm.transport.shm_transport import ShmTransport, host_id
+from comm.transport.spin import idle_priority_supported
 
 
 def test_core_shares_split_the_cores_evenly_in_order():
@@ -53,3 +59,20 @@ def test_ranks_spin_by_default_only_where_each_has_cores_of_its_own(flags, cores
         assert deployment.args.comm_spin_us == spin_us
     finally:
         deployment.stop()
+
+
+@pytest.mark.parametrize("priority, idle", [(None, True), ("idle", True), ("normal", False)])
+def test_a_rank_looks_for_its_messages_at_the_priority_asked_for(priority, idle, tiny_v3):
+    """--comm-spin-priority (default idle) reaches a rank's shared-memory transport, beside
+    --comm-spin-us; the OS may refuse idle priority (comm/transport/spin.py), and then it is normal."""
+    flags = {} if priority is None else {"comm_spin_priority": priority}
+    args = EngineArgs(model_path=tiny_v3, mode="afd", dp_size=1, comm_spin_us=1500, **flags)
+    spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(tiny_v3))
+    table = PeerTable(hosts={0: host_id(), 1: host_id()}, namespace=uuid.uuid4().hex[:12])
+    transport = workers._transport(0, table, spec)
+    try:
+        assert isinstance(transport, ShmTransport)
+        assert transport._spin.max_s == 0.0015
+        assert transport._spin.idle == (idle and idle_priority_supported())
+    finally:
+        transport.close()
