@@ -125,14 +125,17 @@ def median_interval(values: list[float], level: float = 0.95, draws: int = 2000,
 
 
 def report(results: dict[str, dict], baseline: str) -> str:
-    head = f"{'deployment':<26} {'TPOT p50 ms':>11} {'x single':>9} {'95% interval':>12} {'round ratios':>12}"
+    width = max(len("deployment"), *map(len, results))
+    head = f"{'deployment':<{width}} {'TPOT p50 ms':>11} {'x single':>9} {'95% interval':>12} {'round ratios':>12}"
     lines = [f"{head}  TPOT per round (ms)"]
     for name, r in results.items():
         reps = " ".join(f"{t:.2f}" for t in r["repeats_ms"])
         spread = f"{min(r['ratios']):.2f}-{max(r['ratios']):.2f}"
         lo, hi = r["vs_single_95"]
         mark = "  (baseline)" if name == baseline else ""
-        row = f"{name:<26} {r['tpot_p50_ms']:>11.2f} {r['vs_single']:>9.2f} {f'{lo:.2f}-{hi:.2f}':>12} {spread:>12}"
+        row = (
+            f"{name:<{width}} {r['tpot_p50_ms']:>11.2f} {r['vs_single']:>9.2f} {f'{lo:.2f}-{hi:.2f}':>12} {spread:>12}"
+        )
         lines.append(f"{row}  {reps}{mark}")
     return "\n".join(lines)
 

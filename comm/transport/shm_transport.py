@@ -248,7 +248,7 @@ class ShmTransport(Transport):
     def _look(self, seconds: float) -> bool:
         """Whether a ring got bytes within `seconds` of looking (no wake-up byte needed)."""
         end = time.perf_counter() + seconds
-        with self._spin.looking():  # at idle priority with spin_idle (spin.py)
+        with self._spin.looking(seconds):  # at idle priority with spin_idle (spin.py)
             while time.perf_counter() < end:
                 for reader, _ in self._readers:
                     if reader.ring.readable():

@@ -18,32 +18,46 @@ SCHED_OTHER before it reads what it found. A looking rank then gives way at once
 of the machine, and the kernel counts its core as free when it places a woken thread: the front end
 and the clients that a stream of tokens wakes run beside it instead of preempting a rank that
 computes. On this project's 2-core machine, paired per round in bench_latency at concurrency 1
-(two runs of 24 and 40 rounds), looking at idle priority took 0.905x and 0.940x the TPOT of
-looking at normal priority for AFD 1A+1F (faster in 19 of 24 and 28 of 40 rounds), 0.956x and
-0.967x for colocated dp2 (15 of 24, 26 of 40). Changing the policy costs two system calls per
-look (about 4 us here); where the kernel refuses the way back (no CAP_SYS_NICE and an RLIMIT_NICE
-under 20), threads look at normal priority.
+(runs of 24 and 40 rounds), looking at idle priority took 0.905x and 0.940x the TPOT of looking at
+normal priority for AFD 1A+1F (faster in 19 of 24 and 28 of 40 rounds), 0.956x and 0.967x for
+colocated dp2 (15 of 24, 26 of 40). Changing the policy costs two system calls per look (about
+4 us here); where the kernel refuses the way back (no CAP_SYS_NICE and an RLIMIT_NICE under 20),
+threads look at normal priority.
+
+The price: a thread under SCHED_IDLE runs only when nothing else wants its core, so beside a
+process that keeps that core busy it sees its message late (here 115-430 ms, against 0.2-4 ms at
+normal priority, with a busy loop pinned to its core). A look that overruns its window by
+STARVED_S was kept off the CPU that way; after MAX_STARVED such looks the policy looks at normal
+priority for good, and says so in the log.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+log = logging.getLogger("afd.comm")
+STARVED_S = 0.02  # a look at idle priority this much past its window was kept off the CPU
+MAX_STARVED = 3  # such looks before a policy looks at normal priority for good
 
 
 class SpinPolicy:
     """max_s: the longest look (0: never spin); history: the waits the decision looks back on;
     idle: look at idle priority where the OS allows (module docstring)."""
 
-    def __init__(self, max_s: float, history: int = 8, idle: bool = False) -> None:
+    def __init__(self, max_s: float, history: int = 8, idle: bool = False, clock=time.perf_counter) -> None:
         if max_s < 0:
             raise ValueError(f"max_s must be >= 0, got {max_s}")
         self.max_s = max_s
         self.idle = idle and idle_priority_supported()
+        self.starved = 0  # looks at idle priority that overran their window by STARVED_S
+        self._clock = clock
         self._short: deque[bool] = deque([True] * history, maxlen=history)
         self._count = history  # how many of _short are True
 
@@ -62,17 +76,27 @@ class SpinPolicy:
         self._short.append(short)
 
     @contextmanager
-    def looking(self) -> Iterator[None]:
-        """The calling thread's look: under SCHED_IDLE inside the block with `idle` (a thread under
-        another policy than SCHED_OTHER, set by its owner, keeps it)."""
-        lowered = self.idle and os.sched_getscheduler(0) == os.SCHED_OTHER
+    def looking(self, window_s: float) -> Iterator[None]:
+        """The calling thread's look of up to `window_s`: under SCHED_IDLE inside the block with
+        `idle` (a thread under another policy than SCHED_OTHER, set by its owner, keeps it), until
+        MAX_STARVED looks have overrun their window by STARVED_S (module docstring)."""
+        lowered = self.idle and self.starved < MAX_STARVED and os.sched_getscheduler(0) == os.SCHED_OTHER
         if lowered:
             os.sched_setscheduler(0, os.SCHED_IDLE, _PARAM)
+            start = self._clock()
         try:
             yield
         finally:
             if lowered:
                 os.sched_setscheduler(0, os.SCHED_OTHER, _PARAM)
+                if self._clock() - start > window_s + STARVED_S:
+                    self.starved += 1
+                    if self.starved == MAX_STARVED:
+                        log.warning(
+                            "a thread looking for messages at idle priority was kept off the CPU %d times "
+                            "(other work on its core); it looks at normal priority from now on",
+                            MAX_STARVED,
+                        )
 
 
 _PARAM = os.sched_param(0) if hasattr(os, "sched_param") else None

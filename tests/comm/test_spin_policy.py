@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -12,7 +14,7 @@ import pytest
 from comm.messages import Message, MsgKey
 from comm.transport.shm_ring import encode_frame
 from comm.transport.shm_transport import ShmTransport
-from comm.transport.spin import SpinPolicy, idle_priority_supported
+from comm.transport.spin import MAX_STARVED, STARVED_S, SpinPolicy, idle_priority_supported
 
 K = MsgKey(0, 0, 0)
 
@@ -77,16 +79,16 @@ needs_idle = pytest.mark.skipif(
 @needs_idle
 def test_an_idle_policy_looks_under_sched_idle_and_comes_back_even_on_error():
     policy = SpinPolicy(0.001, idle=True)
-    with policy.looking():
+    with policy.looking(0.001):
         assert os.sched_getscheduler(0) == os.SCHED_IDLE
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
-    with pytest.raises(RuntimeError, match="inside"), policy.looking():
+    with pytest.raises(RuntimeError, match="inside"), policy.looking(0.001):
         raise RuntimeError("inside")
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 def test_a_normal_policy_leaves_the_thread_as_it_is():
-    with SpinPolicy(0.001).looking():
+    with SpinPolicy(0.001).looking(0.001):
         assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
@@ -94,7 +96,7 @@ def test_a_normal_policy_leaves_the_thread_as_it_is():
 def test_a_thread_under_another_policy_keeps_it():
     def run() -> None:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-        with SpinPolicy(0.001, idle=True).looking():
+        with SpinPolicy(0.001, idle=True).looking(0.001):
             seen.append(os.sched_getscheduler(0))
         seen.append(os.sched_getscheduler(0))
 
@@ -133,4 +135,62 @@ def test_a_transport_reader_looks_at_the_priority_asked_for_and_reads_at_normal(
         assert os.SCHED_IDLE in seen if idle else seen == {os.SCHED_OTHER}
         assert got[0].kind == "late" and got[1] == os.SCHED_OTHER
     finally:
+        a.close(), b.close()
+
+
+@needs_idle
+def test_looks_kept_off_the_cpu_turn_idle_priority_off_for_good(caplog):
+    now = [0.0]
+    policy = SpinPolicy(0.002, idle=True, clock=lambda: now[0])
+
+    def look(lasted: float) -> int:
+        with policy.looking(0.002):
+            seen = os.sched_getscheduler(0)
+            now[0] += lasted
+        return seen
+
+    assert look(0.002 + STARVED_S) == os.SCHED_IDLE  # at most its window plus STARVED_S: not starved
+    assert policy.starved == 0
+    for i in range(MAX_STARVED):
+        assert look(0.5) == os.SCHED_IDLE
+        assert policy.starved == i + 1
+    assert "looks at normal priority from now on" in caplog.text
+    assert look(0.5) == os.SCHED_OTHER and policy.starved == MAX_STARVED
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+@needs_idle
+@pytest.mark.timeout(60)
+def test_a_reader_beside_a_busy_loop_on_its_core_stops_looking_at_idle_priority(tmp_path):
+    """A process spinning on the reader's core keeps an idle-priority reader off the CPU (its
+    message is seen hundreds of ms late); after MAX_STARVED such receives the reader looks at
+    normal priority and gets its messages within milliseconds again."""
+    core = sorted(os.sched_getaffinity(0))[0]
+    busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    ns = uuid.uuid4().hex[:12]
+    a = ShmTransport(0, [0, 1], namespace=ns, directory=str(tmp_path))
+    b = ShmTransport(1, [0, 1], namespace=ns, directory=str(tmp_path), spin_s=0.02, spin_idle=True)
+    mask = os.sched_getaffinity(0)
+    try:
+        time.sleep(0.2)
+        os.sched_setaffinity(0, {core})  # this thread reads, on the busy loop's core
+        late = []
+        for i in range(40):
+            if b._spin.starved == MAX_STARVED:
+                break
+            threading.Timer(0.005, a.send, (1, Message("m", MsgKey(i, 0, 0), 0))).start()
+            start = time.monotonic()
+            b.recv(0, "m", MsgKey(i, 0, 0), 10.0)
+            late.append(time.monotonic() - start)
+        assert b._spin.starved == MAX_STARVED, late
+        assert max(late) > 0.02 + STARVED_S
+        for i in range(100, 103):  # now at normal priority: a fair share of the core
+            threading.Timer(0.005, a.send, (1, Message("m", MsgKey(i, 0, 0), 0))).start()
+            start = time.monotonic()
+            b.recv(0, "m", MsgKey(i, 0, 0), 10.0)
+            assert time.monotonic() - start < 0.1
+    finally:
+        os.sched_setaffinity(0, mask)
+        busy.kill()
+        busy.wait()
         a.close(), b.close()
