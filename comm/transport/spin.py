@@ -26,9 +26,13 @@ threads look at normal priority.
 
 The price: a thread under SCHED_IDLE runs only when nothing else wants its core, so beside a
 process that keeps that core busy it sees its message late (here 115-430 ms, against 0.2-4 ms at
-normal priority, with a busy loop pinned to its core). A look that overruns its window by
-STARVED_S was kept off the CPU that way; after MAX_STARVED such looks the policy looks at normal
-priority for good, and says so in the log.
+normal priority, with a busy loop pinned to its core), and under bursts of other work (a front end
+taking in 32 requests at once) a look is late by their length. A look that overruns its window by
+STARVED_S was kept off the CPU that way: the next BACKOFF_LOOKS looks run at normal priority, twice
+as many after each further such look (up to MAX_BACKOFF_LOOKS), and back to BACKOFF_LOOKS after
+as many clean looks at idle priority. So a busy neighbour costs a few late looks, spaced further
+and further apart, and a server whose load comes and goes looks at idle priority while it is
+quiet. The first such look is logged as a warning.
 """
 
 from __future__ import annotations
@@ -44,19 +48,31 @@ from contextlib import contextmanager
 
 log = logging.getLogger("afd.comm")
 STARVED_S = 0.02  # a look at idle priority this much past its window was kept off the CPU
-MAX_STARVED = 3  # such looks before a policy looks at normal priority for good
+BACKOFF_LOOKS = 1000  # looks at normal priority after the first such look (doubling per further one)
+MAX_BACKOFF_LOOKS = BACKOFF_LOOKS << 12
 
 
 class SpinPolicy:
     """max_s: the longest look (0: never spin); history: the waits the decision looks back on;
-    idle: look at idle priority where the OS allows (module docstring)."""
+    idle: look at idle priority where the OS allows, backing off for `backoff_looks` looks (twice
+    as many after each further one) after a look kept off the CPU (module docstring)."""
 
-    def __init__(self, max_s: float, history: int = 8, idle: bool = False, clock=time.perf_counter) -> None:
+    def __init__(
+        self,
+        max_s: float,
+        history: int = 8,
+        idle: bool = False,
+        backoff_looks: int = BACKOFF_LOOKS,
+        clock=time.perf_counter,
+    ) -> None:
         if max_s < 0:
             raise ValueError(f"max_s must be >= 0, got {max_s}")
         self.max_s = max_s
         self.idle = idle and idle_priority_supported()
-        self.starved = 0  # looks at idle priority that overran their window by STARVED_S
+        self.starved = 0  # looks at idle priority kept off the CPU (past their window by STARVED_S)
+        self._base = self._backoff = backoff_looks
+        self._normal_left = 0  # looks still to run at normal priority after the last such look
+        self._clean = 0  # looks at idle priority since then
         self._clock = clock
         self._short: deque[bool] = deque([True] * history, maxlen=history)
         self._count = history  # how many of _short are True
@@ -77,26 +93,37 @@ class SpinPolicy:
 
     @contextmanager
     def looking(self, window_s: float) -> Iterator[None]:
-        """The calling thread's look of up to `window_s`: under SCHED_IDLE inside the block with
-        `idle` (a thread under another policy than SCHED_OTHER, set by its owner, keeps it), until
-        MAX_STARVED looks have overrun their window by STARVED_S (module docstring)."""
-        lowered = self.idle and self.starved < MAX_STARVED and os.sched_getscheduler(0) == os.SCHED_OTHER
+        """The calling thread's look of up to `window_s`: with `idle`, under SCHED_IDLE inside the
+        block unless backing off (a thread under another policy than SCHED_OTHER, set by its
+        owner, keeps it)."""
+        lowered = self.idle and not self._normal_left and os.sched_getscheduler(0) == os.SCHED_OTHER
         if lowered:
             os.sched_setscheduler(0, os.SCHED_IDLE, _PARAM)
             start = self._clock()
+        elif self._normal_left:
+            self._normal_left -= 1
         try:
             yield
         finally:
             if lowered:
                 os.sched_setscheduler(0, os.SCHED_OTHER, _PARAM)
-                if self._clock() - start > window_s + STARVED_S:
-                    self.starved += 1
-                    if self.starved == MAX_STARVED:
-                        log.warning(
-                            "a thread looking for messages at idle priority was kept off the CPU %d times "
-                            "(other work on its core); it looks at normal priority from now on",
-                            MAX_STARVED,
-                        )
+                self._after_idle_look(self._clock() - start > window_s + STARVED_S)
+
+    def _after_idle_look(self, starved: bool) -> None:
+        if not starved:
+            self._clean += 1
+            if self._clean >= self._base:  # a clean stretch: the next back-off starts short again
+                self._backoff = self._base
+            return
+        self.starved += 1
+        self._normal_left, self._clean = self._backoff, 0
+        (log.warning if self.starved == 1 else log.debug)(
+            "a thread looking for messages at idle priority was kept off the CPU by other work on its core "
+            "(%d times so far); its next %d looks run at normal priority",
+            self.starved,
+            self._backoff,
+        )
+        self._backoff = min(2 * self._backoff, MAX_BACKOFF_LOOKS)
 
 
 _PARAM = os.sched_param(0) if hasattr(os, "sched_param") else None

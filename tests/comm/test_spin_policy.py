@@ -14,7 +14,7 @@ import pytest
 from comm.messages import Message, MsgKey
 from comm.transport.shm_ring import encode_frame
 from comm.transport.shm_transport import ShmTransport
-from comm.transport.spin import MAX_STARVED, STARVED_S, SpinPolicy, idle_priority_supported
+from comm.transport.spin import STARVED_S, SpinPolicy, idle_priority_supported
 
 K = MsgKey(0, 0, 0)
 
@@ -139,23 +139,26 @@ def test_a_transport_reader_looks_at_the_priority_asked_for_and_reads_at_normal(
 
 
 @needs_idle
-def test_looks_kept_off_the_cpu_turn_idle_priority_off_for_good(caplog):
+def test_a_look_kept_off_the_cpu_backs_off_to_normal_priority_for_longer_each_time(caplog):
     now = [0.0]
-    policy = SpinPolicy(0.002, idle=True, clock=lambda: now[0])
+    policy = SpinPolicy(0.002, idle=True, backoff_looks=2, clock=lambda: now[0])
 
-    def look(lasted: float) -> int:
+    def look(lasted: float = 0.0) -> str:
         with policy.looking(0.002):
             seen = os.sched_getscheduler(0)
             now[0] += lasted
-        return seen
+        return "idle" if seen == os.SCHED_IDLE else "normal"
 
-    assert look(0.002 + STARVED_S) == os.SCHED_IDLE  # at most its window plus STARVED_S: not starved
+    assert look(0.002 + STARVED_S) == "idle"  # within its window plus STARVED_S: not kept off
     assert policy.starved == 0
-    for i in range(MAX_STARVED):
-        assert look(0.5) == os.SCHED_IDLE
-        assert policy.starved == i + 1
-    assert "looks at normal priority from now on" in caplog.text
-    assert look(0.5) == os.SCHED_OTHER and policy.starved == MAX_STARVED
+    assert look(0.5) == "idle" and policy.starved == 1  # kept off: two looks at normal priority
+    assert "kept off the CPU" in caplog.text
+    assert [look(0.5), look(0.5), look()] == ["normal", "normal", "idle"]
+    assert look(0.5) == "idle" and policy.starved == 2  # the next back-off is twice as long
+    assert [look(), look(), look(), look(), look()] == ["normal"] * 4 + ["idle"]
+    assert look() == "idle"  # two clean looks at idle priority: the back-off starts short again
+    assert look(0.5) == "idle" and policy.starved == 3
+    assert [look(), look(), look()] == ["normal", "normal", "idle"]
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
@@ -163,8 +166,8 @@ def test_looks_kept_off_the_cpu_turn_idle_priority_off_for_good(caplog):
 @pytest.mark.timeout(60)
 def test_a_reader_beside_a_busy_loop_on_its_core_stops_looking_at_idle_priority(tmp_path):
     """A process spinning on the reader's core keeps an idle-priority reader off the CPU (its
-    message is seen hundreds of ms late); after MAX_STARVED such receives the reader looks at
-    normal priority and gets its messages within milliseconds again."""
+    message is seen hundreds of ms late); after that the reader looks at normal priority and gets
+    its messages within milliseconds again."""
     core = sorted(os.sched_getaffinity(0))[0]
     busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
     ns = uuid.uuid4().hex[:12]
@@ -176,14 +179,14 @@ def test_a_reader_beside_a_busy_loop_on_its_core_stops_looking_at_idle_priority(
         os.sched_setaffinity(0, {core})  # this thread reads, on the busy loop's core
         late = []
         for i in range(40):
-            if b._spin.starved == MAX_STARVED:
+            if b._spin.starved:
                 break
             threading.Timer(0.005, a.send, (1, Message("m", MsgKey(i, 0, 0), 0))).start()
             start = time.monotonic()
             b.recv(0, "m", MsgKey(i, 0, 0), 10.0)
             late.append(time.monotonic() - start)
-        assert b._spin.starved == MAX_STARVED, late
-        assert max(late) > 0.02 + STARVED_S
+        assert b._spin.starved == 1, late
+        assert late[-1] > 0.02 + STARVED_S
         for i in range(100, 103):  # now at normal priority: a fair share of the core
             threading.Timer(0.005, a.send, (1, Message("m", MsgKey(i, 0, 0), 0))).start()
             start = time.monotonic()
