@@ -119,7 +119,7 @@ class SpinPolicy:
         self._normal_left, self._clean = self._backoff, 0
         (log.warning if self.starved == 1 else log.debug)(
             "a thread looking for messages at idle priority was kept off the CPU by other work on its core "
-            "(%d times so far); its next %d looks run at normal priority",
+            "(%d such looks so far); its next %d looks run at normal priority",
             self.starved,
             self._backoff,
         )
