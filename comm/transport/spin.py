@@ -18,11 +18,11 @@ SCHED_OTHER before it reads what it found. A looking rank then gives way at once
 of the machine, and the kernel counts its core as free when it places a woken thread: the front end
 and the clients that a stream of tokens wakes run beside it instead of preempting a rank that
 computes. On this project's 2-core machine, paired per round in bench_latency at concurrency 1
-(runs of 24 and 40 rounds), looking at idle priority took 0.905x and 0.940x the TPOT of looking at
-normal priority for AFD 1A+1F (faster in 19 of 24 and 28 of 40 rounds), 0.956x and 0.967x for
-colocated dp2 (15 of 24, 26 of 40). Changing the policy costs two system calls per look (about
-4 us here); where the kernel refuses the way back (no CAP_SYS_NICE and an RLIMIT_NICE under 20),
-threads look at normal priority.
+(five runs of 24-60 rounds), looking at idle priority took 0.905-1.052x the TPOT of looking at
+normal priority for AFD 1A+1F (faster in 125 of 204 rounds) and 0.942-0.979x for colocated dp2
+(126 of 204): a small gain, of the size of the machine's noise (benchmarks/README.md). Changing
+the policy costs two system calls per look (about 4 us here); where the kernel refuses the way
+back (no CAP_SYS_NICE and an RLIMIT_NICE under 20), threads look at normal priority.
 
 The price: a thread under SCHED_IDLE runs only when nothing else wants its core, so beside a
 process that keeps that core busy it sees its message late (here 115-430 ms, against 0.2-4 ms at
@@ -142,9 +142,9 @@ def idle_priority_supported() -> bool:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, _PARAM)
             os.sched_setscheduler(0, os.SCHED_OTHER, _PARAM)
-            ok.append(True)
-        except OSError:
-            pass
+        except OSError:  # refused (the thread ends here, whatever its policy)
+            return
+        ok.append(True)
 
     thread = threading.Thread(target=probe, name="sched-idle-probe")
     thread.start()
