@@ -164,7 +164,7 @@ def test_a_look_kept_off_the_cpu_backs_off_to_normal_priority_for_longer_each_ti
 
 @needs_idle
 @pytest.mark.timeout(60)
-def test_a_reader_beside_a_busy_loop_on_its_core_stops_looking_at_idle_priority(tmp_path):
+def test_a_reader_beside_a_busy_loop_on_its_core_backs_off_to_normal_priority(tmp_path):
     """A process spinning on the reader's core keeps an idle-priority reader off the CPU (its
     message is seen hundreds of ms late); after that the reader looks at normal priority and gets
     its messages within milliseconds again."""
