@@ -296,7 +296,14 @@ class DeepseekForCausalLM(nn.Module):
         return run_micro_batches(self._local_ops, [state])[0]
 
     def _embed(self, st) -> None:
+        """An empty micro-batch (a rank stepping in lockstep without tokens) gets x [0, H] and no
+        rotary table, which its layers never read (DecoderLayer._attention)."""
         fb = st.get("fb")
+        if not fb.num_tokens:
+            weight = self.model.embed_tokens.weight
+            st.set("x", weight.new_empty(0, weight.shape[1]))
+            st.set("cos_sin", None)
+            return
         x = self.model.embed_tokens(fb.input_ids)
         st.set("x", x)
         st.set("cos_sin", self.model.rotary.cos_sin(fb.positions, x.dtype))
@@ -305,4 +312,7 @@ class DeepseekForCausalLM(nn.Module):
         for key in ("fb", "kv_cache", "cos_sin"):
             st.pop(key)
         x, rows = st.pop("x"), st.pop("rows")
+        if not len(rows):  # no row wants logits (an empty micro-batch, or prefill chunks only)
+            st.set_output(x.new_empty(0, self.config.vocab_size, dtype=torch.float32))
+            return
         st.set_output(self.lm_head(self.model.norm(x[rows])).float())

@@ -96,8 +96,9 @@ def test_engine_runs_one_process_and_points_to_make_engine(tiny_v3):
 
 
 def test_an_empty_micro_batch_computes_nothing_but_keeps_its_shapes(tiny_v3):
-    """A rank stepping in lockstep without tokens runs its layers on [0, H]: attention, gate, shared
-    expert and dense MLP are not called (each costs ~0.05-0.3 ms of Python even on no rows)."""
+    """A rank stepping in lockstep without tokens runs its layers on [0, H]: embedding, rotary
+    table, attention, gate, shared expert, dense MLP, final norm and lm_head are not called (each
+    costs ~0.02-0.3 ms of Python even on no rows)."""
     from afd_engine.models import load_model
     from afd_engine.runtime.forward_batch import ForwardBatch
 
@@ -111,7 +112,10 @@ def test_an_empty_micro_batch_computes_nothing_but_keeps_its_shapes(tiny_v3):
         for module in (layer.self_attn, mlp, getattr(layer.mlp, "shared_experts", None)):
             if module is not None:
                 module.forward = refuse
+    for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        module.forward = refuse
+    model.model.rotary.cos_sin = refuse
     fb = ForwardBatch.build([], [], torch.zeros(1, 4, dtype=torch.int32), 16)
     kv = torch.zeros(model.config.num_layers, 16, model.config.kv_lora_rank + model.config.rope_dim)
     logits = model(fb, kv, torch.empty(0, dtype=torch.int64))
-    assert logits.shape == (0, model.config.vocab_size)
+    assert logits.shape == (0, model.config.vocab_size) and logits.dtype == torch.float32
