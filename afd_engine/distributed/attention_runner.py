@@ -13,7 +13,7 @@ this rank's expert-serving operations (receive, experts, send_combine) before ea
 
 Lockstep: before each step the attention ranks exchange their token counts, and a rank with no
 work still steps (with empty micro-batches) while any rank has work, so every rank and FFN rank
-runs the same layers and micro-batches. An empty micro-batch computes nothing in the layers, and
+runs the same layers and micro-batches. An empty micro-batch computes nothing (layers, embedding, logits), and
 sends nothing where its receivers know it is empty: in AFD mode each step descriptor gives the FFN
 ranks every micro-batch's token count, so an empty micro-batch sends no dispatch messages (and one
 that no attention rank fills is served without any); in colocated mode the agreement round gives
