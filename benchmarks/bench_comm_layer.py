@@ -61,9 +61,9 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
     else:
         topo = Topology(num_senders=1, num_nodes=1, ranks_per_node=1, num_experts=args.experts)
         config = CommConfig("two-stage", WireFormat("fp32", "fp32"), timeout=10)
-    peer = topo.ffn_endpoint(1 if colocated else 0)
-    ta, tf = transports(kind, peer)
-    a, f = attention_endpoint(topo, 0, ta, config), ffn_endpoint(topo, 1 if colocated else 0, tf, config)
+    ffn_rank = 1 if colocated else 0  # the rank that serves sender 0's copies
+    ta, tf = transports(kind, topo.ffn_endpoint(ffn_rank))
+    a, f = attention_endpoint(topo, 0, ta, config), ffn_endpoint(topo, ffn_rank, tf, config)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.tokens, args.hidden, generator=g)
     ids = torch.stack([torch.randperm(args.experts, generator=g)[: args.topk] for _ in range(args.tokens)])
@@ -79,7 +79,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
         return a.combine(handle, own_share.clone() if colocated else None)
 
     try:
-        want = expected_output(args.layout, hidden, topo.ffn_rank_of[ids] == 1, weights)
+        want = expected_output(args.layout, hidden, topo.ffn_rank_of[ids] == ffn_rank, weights)
         if not torch.equal(layer(), want):
             raise RuntimeError(f"{kind}: combine did not return what was dispatched")
         for _ in range(args.layers):  # warm-up

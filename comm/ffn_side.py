@@ -104,13 +104,9 @@ class FfnEndpoint(Endpoint, ABC):
         for m in msgs:
             f = self.dispatch_layout.unpack(m)
             hidden.append(self.config.wire.decode(f["hidden"], f["scales"], DTYPES[m.meta["dtype"]]))
-            m_ids = f["ids"]  # int32
-            if m_ids.dim() == 1:  # direct: one expert per row, weighted by the sender
-                m_ids = m_ids[:, None]
-                weights.append(torch.ones(m_ids.shape))
-            else:
-                weights.append(f["weights"])
-            ids.append(m_ids)
+            m_ids = f["ids"]  # int32; to_local makes the local ids int64
+            ids.append(m_ids[:, None] if m_ids.dim() == 1 else m_ids)  # direct: one expert per row
+            weights.append(f["weights"] if "weights" in f else torch.ones(ids[-1].shape))
             returns.append((m.src, m.meta["sender"], len(f["rows"])))
         cat = torch.cat if len(msgs) > 1 else lambda ts: ts[0]
         return ExpertBatch(key, cat(hidden), self.to_local(cat(ids)), cat(weights).float(), returns)
