@@ -17,6 +17,7 @@ from afd_engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 from afd_engine.model_config import ModelConfig
 from afd_engine.models import Kernels, load_model
 from afd_engine.offline import OfflineEngine
+from afd_engine.runtime.host_memory import retain_freed_memory
 from afd_engine.runtime.kv_cache import KVPool, pages_for
 from afd_engine.runtime.model_runner import ModelRunner, StepRunner
 from afd_engine.runtime.radix_cache import RadixCache
@@ -59,6 +60,7 @@ class Engine(OfflineEngine):
                 "afd_engine.make_engine(...), which starts the deployment's ranks"
             )
         torch.set_num_threads(args.threads)
+        retain_freed_memory()  # a step's large temporaries are reused, not page-faulted in again
         self.device = device or args.device_for(0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

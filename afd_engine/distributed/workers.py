@@ -18,6 +18,7 @@ from afd_engine.engine import Engine
 from afd_engine.engine_args import EngineArgs
 from afd_engine.eplb.stager import load_shard
 from afd_engine.model_config import ModelConfig
+from afd_engine.runtime.host_memory import retain_freed_memory
 from comm.transport.base import Transport
 
 
@@ -56,6 +57,7 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
     `local_index` is its place among this machine's ranks (which GPU it takes)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
+    retain_freed_memory()
     try:
         cfg = ModelConfig.from_pretrained(args.model_path)
         spec = DeploymentSpec.of(args, cfg)
