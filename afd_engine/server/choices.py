@@ -65,7 +65,19 @@ def make_choices(tokenizer, rid: str, prompts: list[list[int]], params: list[Sam
 async def run_choices(
     client: EngineClient, choices: list[Choice], metrics: ServerMetrics, start: float
 ) -> AsyncIterator[tuple[Choice, str, TokenUpdate]]:
-    """Yields (choice, text delta, update) as updates arrive from the engine."""
+    """Yields (choice, text delta, update) as updates arrive from the engine. One choice (the
+    usual request) reads its engine request's stream directly; several are merged through a
+    queue, one task each."""
+    if len(choices) == 1:
+        choice = choices[0]
+        updates = client.generate(choice.rid, choice.prompt_ids, choice.params)
+        try:
+            async for update in updates:
+                _observe(metrics, choice, update, start)
+                yield choice, choice.absorb(update), update
+        finally:  # closed early (client gone): the engine request is aborted now, not when collected
+            await updates.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:

@@ -55,14 +55,19 @@ async def chat_events(s: ServerState, body, choices: list[Choice], stream) -> As
             choices=[P.ChatCompletionStreamChoice(index=c.index, delta=delta, finish_reason=finish, logprobs=logprobs)],
         )
 
+    plain = P.ChunkWriter("chat", rid, s.model_name)  # the chunks without logprobs
     for c in choices:
-        yield chunk(c, P.DeltaMessage(role="assistant", content=""))
+        yield plain.event(c.index, "", None, role=True)
     async for c, delta, update in stream:
         if delta or update.logprobs:
             lps = _chat_logprobs(s, c, update.token_ids, update.logprobs or [])
-            yield chunk(c, P.DeltaMessage(content=delta), logprobs=lps)
+            yield (
+                plain.event(c.index, delta, None)
+                if lps is None
+                else chunk(c, P.DeltaMessage(content=delta), logprobs=lps)
+            )
         if update.finish_reason is not None:
-            yield chunk(c, P.DeltaMessage(), finish=c.finish_reason)
+            yield plain.event(c.index, None, c.finish_reason)
     if body.include_usage:
         yield P.ChatCompletionChunk(id=rid, model=s.model_name, choices=[], usage=usage(choices))
 
@@ -105,6 +110,7 @@ def completion_response(s: ServerState, body, choices: list[Choice]) -> P.Comple
 
 async def completion_events(s: ServerState, body, choices: list[Choice], stream) -> AsyncIterator:
     rid = P.random_id("cmpl")
+    plain = P.ChunkWriter("completions", rid, s.model_name)  # the chunks without logprobs
     echoed: dict[int, int] = {}  # choice index -> characters of its echoed prompt
     async for c, delta, update in stream:
         if body.echo and c.index not in echoed:  # the prompt goes first, in a chunk of its own
@@ -114,6 +120,10 @@ async def completion_events(s: ServerState, body, choices: list[Choice], stream)
                 id=rid, model=s.model_name, choices=[P.CompletionChoice(index=c.index, text=text, logprobs=lps)]
             )
         if delta or update.finish_reason is not None or update.logprobs:
+            finish = c.finish_reason if update.finish_reason else None
+            if c.params.logprobs is None:
+                yield plain.event(c.index, delta, finish)
+                continue
             offset = echoed.get(c.index, 0) + len(c.text) - len(delta)
             lps = _completion_logprobs(s, c, update.token_ids, update.logprobs or [], offset)
             yield P.CompletionChunk(
@@ -123,7 +133,7 @@ async def completion_events(s: ServerState, body, choices: list[Choice], stream)
                     P.CompletionChoice(
                         index=c.index,
                         text=delta,
-                        finish_reason=c.finish_reason if update.finish_reason else None,
+                        finish_reason=finish,
                         logprobs=lps,
                     )
                 ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Literal
@@ -203,3 +204,32 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse_event(payload: BaseModel) -> str:
     """One server-sent event carrying ``payload`` as JSON, as OpenAI streams do."""
     return f"data: {payload.model_dump_json()}\n\n"
+
+
+_json_text = json.JSONEncoder(ensure_ascii=False).encode  # escapes as pydantic's serializer does
+
+
+class ChunkWriter:
+    """The events of a streamed chat or text completion whose chunks carry no logprobs, written
+    straight as text: byte for byte what ``sse_event`` makes of the ``ChatCompletionChunk`` or
+    ``CompletionChunk`` (with ``usage`` null), without building and serializing a model per token."""
+
+    def __init__(self, kind: Literal["chat", "completions"], rid: str, model: str) -> None:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._head = f'data: {{"id":{_json_text(rid)},"object":"{obj}","created":'
+        self._model = f',"model":{_json_text(model)},"choices":[{{"index":'
+        self._chat = kind == "chat"
+
+    def event(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+        """One chunk of choice `index`: its text (for chat, the delta's content: None leaves it
+        out) and finish reason; `role` (chat only) adds the assistant role to the delta."""
+        if self._chat:
+            fields = ['"role":"assistant"'] if role else []
+            if text is not None:
+                fields.append(f'"content":{_json_text(text)}')
+            body = f'"delta":{{{",".join(fields)}}}'
+        else:
+            body = f'"text":{_json_text(text)}'
+        finish = "null" if finish_reason is None else _json_text(finish_reason)
+        tail = f',"logprobs":null,"finish_reason":{finish}}}],"usage":null}}\n\n'
+        return f"{self._head}{_now()}{self._model}{index},{body}{tail}"

@@ -1,10 +1,12 @@
-"""EngineClient._submit over real ZeroMQ sockets: a request goes to a connected rank at once,
-without polling; to a rank that has not connected yet it waits until the rank connects; an
-engine that is gone is reported instead of waited for."""
+"""EngineClient over real ZeroMQ sockets: a request goes to a connected rank at once, without
+polling; to a rank that has not connected yet it waits until the rank connects; an engine that is
+gone is reported instead of waited for, also to requests already waiting for tokens, while a slow
+live one is waited for."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import zmq
@@ -84,3 +86,70 @@ def test_a_dead_engine_is_reported_not_waited_for(addrs):
             client.sockets.close()
 
     asyncio.run(run())
+
+
+def _step_output(rid: str, token: int, finish: str | None) -> bytes:
+    from afd_engine.runtime.request import TokenUpdate
+
+    update = TokenUpdate(rid, [token], None, finish, None, None, 3, 1)
+    return msgs.encode_output(msgs.StepOutput([update], msgs.EngineStats(), 0))
+
+
+def test_a_waiting_request_fails_once_its_engine_dies(addrs):
+    """The request is with a rank that never answers; the rank's process then dies. The stream
+    raises within about a second of the death, and not before it."""
+
+    async def run():
+        alive = [True]
+        client = EngineClient(addrs, Router.of("round_robin", 1, 16), alive=lambda: alive[0])
+        ctx = zmq.Context()
+        rank = rank_socket(ctx, addrs)
+        client.start()
+        try:
+            stream = client.generate("r", [5, 6, 7], SamplingParams(max_new_tokens=2))
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(2.5)  # over two health checks with a live engine: still waiting
+            assert not first.done()
+            alive[0] = False
+            died = time.monotonic()
+            with pytest.raises(EngineUnavailable, match="stopped answering"):
+                await asyncio.wait_for(first, 5)
+            assert time.monotonic() - died < 1.5
+        finally:
+            await client.shutdown()
+            rank.close(linger=0)
+            ctx.term()
+
+    asyncio.run(run())
+
+
+def test_a_slow_live_engine_is_waited_for(addrs):
+    """Tokens that take longer than a health check to come still reach the request."""
+
+    async def run():
+        client = EngineClient(addrs, Router.of("round_robin", 1, 16))
+        ctx = zmq.Context()
+        rank = rank_socket(ctx, addrs)
+        out = ctx.socket(zmq.PUSH)
+        out.connect(addrs.outputs)
+        client.start()
+        try:
+            got = asyncio.ensure_future(_collect(client.generate("s", [5, 6, 7], SamplingParams(max_new_tokens=2))))
+            await asyncio.sleep(1.5)  # past one health check, with nothing from the engine
+            out.send(_step_output("s", 11, None))
+            await asyncio.sleep(1.2)
+            out.send(_step_output("s", 12, "length"))
+            updates = await asyncio.wait_for(got, 5)
+            assert [u.token_ids for u in updates] == [[11], [12]]
+            assert updates[-1].finish_reason == "length"
+        finally:
+            await client.shutdown()
+            out.close(linger=0)
+            rank.close(linger=0)
+            ctx.term()
+
+    asyncio.run(run())
+
+
+async def _collect(stream) -> list:
+    return [u async for u in stream]
