@@ -7,6 +7,7 @@ import math
 import torch
 
 from afd_engine.model_config import RopeConfig
+from kernels.cpu_rope import apply_rope
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -80,7 +81,11 @@ class RotaryEmbedding:
         return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, dim] (or [T, dim]); cos/sin [T, dim/2]."""
+        """x [T, heads, dim] (or [T, dim]); cos/sin [T, dim/2]. fp32 CPU tensors go to the C kernel
+        (kernels/cpu_rope.py), the same numbers in one pass."""
+        out = apply_rope(x, cos, sin, self.interleave)
+        if out is not None:
+            return out
         if x.dim() == 3:
             cos, sin = cos[:, None, :], sin[:, None, :]
         half = x.shape[-1] // 2
