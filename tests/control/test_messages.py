@@ -1,12 +1,16 @@
-"""The engine's output messages survive the msgpack wire exactly, every field and every kind."""
+"""The control messages survive the wire exactly: the engine's outputs (msgpack), every field and
+every kind, and a request to the engine (JSON) with every sampling field."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import msgpack
 import pytest
 
 from afd_engine.control import messages as msgs
 from afd_engine.runtime.request import TokenLogprob, TokenUpdate
+from afd_engine.sampling_params import SamplingParams
 
 UPDATES = [
     TokenUpdate("plain", [17], None, None, num_prompt_tokens=5, num_output_tokens=1),
@@ -48,3 +52,30 @@ def test_the_other_outputs_round_trip_and_nothing_else_travels_that_way():
 def test_updates_travel_as_arrays_not_maps():
     frame = msgpack.unpackb(msgs.encode_output(msgs.StepOutput(UPDATES[:1])))
     assert frame[0] == "StepOutput" and frame[3] == [["plain", [17], None, None, None, None, 5, 1, 0, None]]
+
+
+def test_an_add_request_round_trips_with_every_sampling_field():
+    params = SamplingParams(
+        max_new_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=3,
+        seed=11,
+        stop=("a", "bc"),
+        stop_token_ids=(4, 5),
+        ignore_eos=True,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        logprobs=2,
+        prompt_logprobs=1,
+        prompt_logprobs_start=1,
+    )
+    default = SamplingParams()
+    unset = [f.name for f in dataclasses.fields(SamplingParams) if getattr(params, f.name) == getattr(default, f.name)]
+    assert not unset, f"give these a value other than their default: {unset}"
+    sent = msgs.AddRequest("r-1", [5, 6, 7], params)
+    got = msgs.decode(msgs.encode(sent))
+    assert got == sent
+    assert [getattr(got.params, f.name) for f in dataclasses.fields(SamplingParams)] == [
+        getattr(params, f.name) for f in dataclasses.fields(SamplingParams)
+    ]
