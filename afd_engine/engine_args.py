@@ -108,7 +108,9 @@ class EngineArgs:
         "(attention and routed experts on separate ranks)",
         choices=("single", "colocated", "afd"),
     )
-    dp_size: int = opt(1, "attention (data-parallel) ranks")
+    dp_size: int = opt(
+        1, "attention (data-parallel) ranks; with --mode single, independent replicas of the whole model"
+    )
     ffn_nodes: int = opt(1, "afd: FFN nodes (machines of FFN ranks)")
     ffn_ranks_per_node: int = opt(1, "afd: FFN ranks per FFN node")
     ep_size: int | None = opt(
@@ -196,11 +198,6 @@ class EngineArgs:
             "use cache_aware, shortest_queue or round_robin",
         )
         need(self.dp_size >= 1, "dp_size", "must be at least 1")
-        need(
-            self.mode != "single" or self.dp_size == 1,
-            "dp_size",
-            "--mode single runs one rank; use --mode colocated or afd for several",
-        )
         need(self.ffn_nodes >= 1 and self.ffn_ranks_per_node >= 1, "ffn_nodes", "needs at least one node of one rank")
         need(self.micro_batches is None or 1 <= self.micro_batches <= 8, "micro_batches", "must be in [1, 8]")
         need(

@@ -13,8 +13,9 @@ from afd_engine.offline import OfflineEngine
 
 
 def make_engine(args: EngineArgs | None = None, **kwargs) -> OfflineEngine:
-    """Keywords are EngineArgs fields and override `args`; `--mode single` runs in this process,
-    the other modes start their ranks as processes on this machine."""
+    """Keywords are EngineArgs fields and override `args`; `--mode single` runs in this process
+    (with --dp-size N, N replicas as processes), the other modes start their ranks as processes
+    on this machine."""
     args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
     args.validate()
-    return Engine(args) if args.mode == "single" else DistributedEngine(args)
+    return Engine(args) if args.mode == "single" and args.dp_size == 1 else DistributedEngine(args)

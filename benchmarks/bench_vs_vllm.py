@@ -6,7 +6,8 @@ DeepSeek-V3 dimensions (vLLM's CPU MLA kernels accept no other head sizes) but f
 hidden size and few experts, so that it runs on a couple of cores. Then, with both servers pinned
 to the same cores (--cores):
 
-  1. starts each server (`afd serve`, single mode, --num-threads = the number of cores; vLLM's
+  1. starts each server (`afd serve`, single mode, --num-threads = the number of cores, or with
+     --afd-replicas N, N copies of the model with the cores' threads split between them; vLLM's
      OpenAI API server from --vllm-python, one OpenMP thread bound to each core, tcmalloc and
      Intel OpenMP preloaded as vLLM's CPU guide asks), sends it a few prompts (token ids)
      greedily and keeps the generated token ids;
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="runs per level; the fastest is reported")
     p.add_argument("--agreement-prompts", type=int, default=8, help="greedy prompts sent to both servers")
     p.add_argument("--agreement-output-len", type=int, default=32, help="tokens generated per greedy prompt")
+    p.add_argument(
+        "--afd-replicas",
+        type=int,
+        default=1,
+        help="afd serve --dp-size: copies of the model in single mode, the cores' threads split between them "
+        "(default 1: one engine with a thread per core)",
+    )
     p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument(
         "--vllm-preload",
@@ -126,7 +134,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.core_list = parse_cores(args.cores)
     except ValueError as exc:
         p.error(str(exc))
-    for name in ("input_len", "output_len", "prompts_per_slot", "min_prompts", "agreement_output_len", "repeats"):
+    for name in (
+        "input_len",
+        "output_len",
+        "prompts_per_slot",
+        "min_prompts",
+        "agreement_output_len",
+        "repeats",
+        "afd_replicas",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.agreement_prompts < 0:
@@ -149,7 +165,7 @@ def start_engine(
     """Start one server and take its greedy outputs: (its record, its process; None if it failed)."""
     port = free_port("127.0.0.1")
     if engine == "afd":
-        spec = afd_spec(sys.executable, model, port, args.core_list)
+        spec = afd_spec(sys.executable, model, port, args.core_list, args.afd_replicas)
     else:
         spec = vllm_spec(
             args.vllm_python,

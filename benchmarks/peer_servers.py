@@ -73,10 +73,14 @@ class ServerSpec:
     health: str = "/health"
 
 
-def afd_spec(python: str, model: Path, port: int, cores: list[int]) -> ServerSpec:
+def afd_spec(python: str, model: Path, port: int, cores: list[int], replicas: int = 1) -> ServerSpec:
+    """`afd serve` in single mode: one engine with a thread per core, or `replicas` copies of the
+    model (--dp-size) sharing the cores' threads between them."""
     cmd = [python, "-m", "afd_engine.cli", "serve", "--model-path", str(model), "--port", str(port)]
     cmd += ["--served-model-name", SERVED_NAME, "--mode", "single", "--dtype", "float32"]
-    cmd += ["--num-threads", str(len(cores))]
+    cmd += ["--num-threads", str(max(1, len(cores) // replicas))]
+    if replicas > 1:
+        cmd += ["--dp-size", str(replicas)]
     return ServerSpec("afd", cmd)
 
 

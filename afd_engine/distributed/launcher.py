@@ -63,7 +63,7 @@ class Deployment:
     def _local_processes(self, args: EngineArgs) -> int:
         """Rank processes this role starts on this machine (they share its cores)."""
         if args.mode == "single":
-            return 1
+            return args.dp_size
         ffn = args.ffn_nodes * args.ffn_ranks_per_node if args.mode == "afd" else 0
         return {"attention": args.dp_size, "ffn": args.ffn_ranks_per_node}.get(self.role, args.dp_size + ffn)
 
@@ -75,7 +75,7 @@ class Deployment:
 
     @property
     def num_attention_ranks(self) -> int:
-        return self.args.dp_size if self.args.mode != "single" else 1
+        return self.args.dp_size
 
     def start(self) -> dict:
         """Starts all ranks; returns rank 0's info (model path, context length). The control
@@ -102,8 +102,11 @@ class Deployment:
 
     def _ranks(self):
         """(process entry point, its keyword arguments but `ready`) per rank; FFN ranks first."""
-        if self.args.mode == "single":
-            return [(run_engine_process, {"args": self.args, "addrs": self.addrs})]
+        if self.args.mode == "single":  # replicas of the whole model: nothing passes between them
+            return [
+                (run_engine_process, {"args": self.args, "addrs": self.addrs, "rank": i})
+                for i in range(self.args.dp_size)
+            ]
         from afd_engine.distributed.workers import run_attention_worker, run_ffn_worker
 
         topo = self.spec.topology

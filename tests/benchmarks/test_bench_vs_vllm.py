@@ -89,6 +89,17 @@ def test_both_servers_get_the_same_cores_and_model():
         assert spec.cmd[spec.cmd.index("--served-model-name") + 1] == peers.SERVED_NAME
 
 
+def test_afd_replicas_split_the_cores_threads(bvv):
+    spec = peers.afd_spec("/py", Path("/m"), 1234, [0, 1, 2, 3], replicas=2)
+    assert spec.cmd[spec.cmd.index("--dp-size") + 1] == "2"
+    assert spec.cmd[spec.cmd.index("--num-threads") + 1] == "2"
+    assert spec.cmd[spec.cmd.index("--mode") + 1] == "single"
+    assert "--dp-size" not in peers.afd_spec("/py", Path("/m"), 1234, [0, 1]).cmd
+    assert bvv.parse_args(["--afd-replicas", "2", "--cores", "0-1"]).afd_replicas == 2
+    with pytest.raises(SystemExit):
+        bvv.parse_args(["--afd-replicas", "0"])
+
+
 def test_load_is_greedy_fixed_length_and_seeded():
     import bench_serving  # on sys.path, as for the script
 

@@ -1,6 +1,6 @@
-"""AFD and colocated deployments (real OS processes, ZeroMQ between them) compute what the single
-process engine and transformers compute: token for token, with prefill and decode mixed, with
-and without overlapped scheduling."""
+"""AFD and colocated deployments, and replicas of the single engine (real OS processes, ZeroMQ
+between them) compute what the single process engine and transformers compute: token for token,
+with prefill and decode mixed, with and without overlapped scheduling."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ GREEDY = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
 PROMPT_LENS = (1, 3, 9, 17, 30, 45, 64, 100)
 
 DEPLOYMENTS = {
+    "single dp2 replicas": dict(mode="single", dp_size=2, load_balance_method="round_robin"),
     "colocated dp2 mb1 zmq": dict(mode="colocated", dp_size=2, micro_batches=1, transport="zmq"),
     "colocated dp2 mb2 overlap": dict(mode="colocated", dp_size=2, micro_batches=2, overlap_schedule="on"),
     "afd 1A 1x1 mb1 two-stage": dict(mode="afd", dp_size=1, micro_batches=1),

@@ -92,3 +92,35 @@ def test_killing_an_expert_rank_fails_the_stream_quickly_and_the_server_exits(ti
         assert exited_after < 10, f"the server exited {exited_after:.1f} s after the kill"
     finally:
         srv.stop()
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.timeout(300)
+def test_single_mode_replicas_each_serve_and_match_one_engine(tiny_v3):
+    """`--mode single --dp-size 2`: two independent copies of the model, one process each; the
+    front end spreads the requests over them and every answer is the single engine's."""
+    prompts = [f"replica prompt {i}" for i in range(8)]
+    with Engine(model_path=tiny_v3, num_threads=1) as single:
+        ref = single.generate(
+            prompts=prompts, sampling_params=SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+        )
+    srv = Server(tiny_v3, "--mode", "single", "--dp-size", "2", "--load-balance-method", "round_robin")
+    try:
+        ranks = [
+            p for p in children(srv.proc.pid) if "spawn_main" in cmdline(p) and "resource_tracker" not in cmdline(p)
+        ]
+        assert len(ranks) == 2, [cmdline(p) for p in ranks]
+        before = [_cpu_ticks(p) for p in ranks]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        out = client.completions.create(
+            model="tiny", prompt=prompts, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert [c.text for c in out.choices] == [r.text for r in ref]
+        worked = [_cpu_ticks(p) - b for p, b in zip(ranks, before)]
+        assert min(worked) > 0.25 * max(worked), f"CPU ticks per replica: {worked}"
+    finally:
+        srv.stop()
