@@ -47,8 +47,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     if not fn:
         return None
     T, D = x.shape[0], x.shape[-1]
-    H, stride_h = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, D)
-    if H > 1 and stride_h < D:
+    H = x.shape[1] if x.dim() == 3 else 1
+    stride_h = x.stride(1) if H > 1 else D  # one head's stride is never followed: any will do
+    if stride_h < D:
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     rc = fn(

@@ -57,6 +57,15 @@ def test_a_slice_of_the_query_is_read_in_place(kernel, interleave):
         assert torch.equal(cpu_rope.apply_rope(k_pe, cos, sin, interleave), reference(k_pe, cos, sin, interleave))
 
 
+def test_one_head_whatever_its_stride(kernel):
+    """A single head's stride (here 0, as as_strided may leave it) is never followed."""
+    base = torch.randn(3, 16)
+    x = base.as_strided((3, 1, 16), (16, 0, 1))
+    cos, sin = tables(3, 16, 6)
+    with torch.inference_mode():
+        assert torch.equal(cpu_rope.apply_rope(x, cos, sin, True), reference(x, cos, sin, True))
+
+
 def test_what_it_does_not_take_is_left_to_torch(kernel):
     x = torch.randn(4, 2, 16)
     cos, sin = tables(4, 16, 5)
