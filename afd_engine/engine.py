@@ -16,6 +16,7 @@ from afd_engine.eplb.report import merge_reports, rank_report
 from afd_engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 from afd_engine.model_config import ModelConfig
 from afd_engine.models import Kernels, load_model
+from afd_engine.models.checkpoint import inspect_checkpoint
 from afd_engine.offline import OfflineEngine
 from afd_engine.runtime.host_memory import retain_freed_memory
 from afd_engine.runtime.kv_cache import KVPool, pages_for
@@ -66,7 +67,9 @@ class Engine(OfflineEngine):
             torch.cuda.set_device(self.device)
         self.model_path = resolve_model_path(args.model_path)
         self.args = args
-        self.config = ModelConfig.from_pretrained(self.model_path)
+        # a deployment's rank runs on a checkpoint its launcher has inspected already
+        inspect = ModelConfig.from_pretrained if rank_runner is not None else inspect_checkpoint
+        self.config = inspect(self.model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
         self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_slots, kernels, self.device)

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from afd_engine.errors import ModelLoadError
-
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3MoeForCausalLM")
+from afd_engine.hf_config import SPELLINGS, check_supported, pick, require, rope_settings
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(raw: dict) -> ModelConfig:
-        arch = _architecture(raw)
+        arch = check_supported(raw)
         if arch == "Qwen3MoeForCausalLM":
             return _qwen3_moe(raw)
         is_v3 = arch == "DeepseekV3ForCausalLM"
@@ -135,18 +134,18 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         cfg = ModelConfig(
             architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
+            vocab_size=require(raw, "vocab_size"),
+            hidden_size=require(raw, "hidden_size"),
+            intermediate_size=require(raw, "intermediate_size"),
             moe_intermediate_size=raw.get("moe_intermediate_size", 0),
-            num_layers=raw["num_hidden_layers"],
-            num_heads=raw["num_attention_heads"],
+            num_layers=require(raw, "num_hidden_layers"),
+            num_heads=require(raw, "num_attention_heads"),
             q_lora_rank=raw.get("q_lora_rank"),
-            kv_lora_rank=raw["kv_lora_rank"],
-            qk_nope_head_dim=raw["qk_nope_head_dim"],
-            qk_rope_head_dim=raw["qk_rope_head_dim"],
-            v_head_dim=raw["v_head_dim"],
-            n_routed_experts=raw.get("n_routed_experts") or 0,
+            kv_lora_rank=require(raw, "kv_lora_rank"),
+            qk_nope_head_dim=require(raw, "qk_nope_head_dim"),
+            qk_rope_head_dim=require(raw, "qk_rope_head_dim"),
+            v_head_dim=require(raw, "v_head_dim"),
+            n_routed_experts=pick(raw, SPELLINGS["deepseek_experts"], 0),
             n_shared_experts=raw.get("n_shared_experts") or 0,
             num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
             n_group=n_group,
@@ -185,22 +184,12 @@ class ModelConfig:
             raise ModelLoadError(f"unsupported rope scaling type {self.rope.kind!r} (supported: default, yarn)")
 
 
-def _architecture(raw: dict) -> str:
-    archs = raw.get("architectures") or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    named = ", ".join(archs) if archs else f"model_type={raw.get('model_type')!r}"
-    raise ModelLoadError(
-        f"unsupported architecture {named}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
 def _rope(raw: dict) -> RopeConfig:
-    """Rope settings from `rope_scaling` (real checkpoints) or `rope_parameters` (newer transformers)."""
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    kind = params.get("rope_type") or params.get("type") or "default"
-    theta = float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    """Rope settings from `rope_scaling` + `rope_theta` (published checkpoints, transformers 4.x) or
+    `rope_parameters` (transformers 5.x)."""
+    params = rope_settings(raw)
+    kind = params["rope_type"]
+    theta = float(params.get("rope_theta") or 10000.0)
     interleave = bool(raw.get("rope_interleave", True))
     if kind == "default":
         return RopeConfig(theta=theta, interleave=interleave)
@@ -224,10 +213,7 @@ def _rope(raw: dict) -> RopeConfig:
 
 def _qwen3_moe(raw: dict) -> ModelConfig:
     """Qwen3-MoE: GQA with per-head q/k norm, softmax top-k routing, no shared expert."""
-    for key, why in (("attention_bias", "attention biases"), ("use_sliding_window", "sliding-window attention")):
-        if raw.get(key):
-            raise ModelLoadError(f"Qwen3-MoE with {why} ({key}=true) is not supported")
-    heads = raw["num_attention_heads"]
+    heads = require(raw, "num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise ModelLoadError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
@@ -235,18 +221,18 @@ def _qwen3_moe(raw: dict) -> ModelConfig:
     eos = raw.get("eos_token_id")
     cfg = ModelConfig(
         architecture="Qwen3MoeForCausalLM",
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
+        vocab_size=require(raw, "vocab_size"),
+        hidden_size=require(raw, "hidden_size"),
+        intermediate_size=require(raw, "intermediate_size"),
         moe_intermediate_size=raw.get("moe_intermediate_size", 0),
-        num_layers=raw["num_hidden_layers"],
+        num_layers=require(raw, "num_hidden_layers"),
         num_heads=heads,
         q_lora_rank=None,
         kv_lora_rank=0,
         qk_nope_head_dim=0,
         qk_rope_head_dim=0,
         v_head_dim=0,
-        n_routed_experts=raw.get("num_experts") or 0,
+        n_routed_experts=pick(raw, SPELLINGS["qwen3_experts"], 0),
         n_shared_experts=0,
         num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
         n_group=1,
@@ -266,7 +252,7 @@ def _qwen3_moe(raw: dict) -> ModelConfig:
         fp8_block=tuple(quant.get("weight_block_size", (128, 128))) if quant.get("quant_method") == "fp8" else None,
         attention="gqa",
         num_kv_heads=kv_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        head_dim=raw.get("head_dim") or require(raw, "hidden_size") // heads,
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
         decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
         raw=raw,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,13 +60,31 @@ TINY_CONFIGS = {
 }
 
 
+# name -> a TINY_CONFIGS checkpoint loaded and saved again by the installed transformers, which
+# writes today's spellings (5.x: rope_parameters, Qwen3-MoE's num_local_experts)
+RESAVED_CONFIGS = {"v3-resaved": "v3-yarn-qlora", "v2-resaved": "v2-lite", "qwen3-resaved": "qwen3-gqa4"}
+
+
+def resave_with_transformers(src: str, dst: Path) -> str:
+    """`src` through transformers' from_pretrained and save_pretrained, tokenizer files copied."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("config.json", "*.safetensors*"), dirs_exist_ok=True)
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(dst)
+    return str(dst)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     made: dict[tuple, str] = {}
 
     def make(name: str, **kwargs) -> str:
         key = (name, tuple(sorted(kwargs.items())))
-        if key not in made:
+        if key in made:
+            return made[key]
+        if name in RESAVED_CONFIGS:
+            made[key] = resave_with_transformers(make(RESAVED_CONFIGS[name], **kwargs), tmp_path_factory.mktemp(name))
+        else:
             arch, overrides = TINY_CONFIGS[name]
             out = tmp_path_factory.mktemp(name)
             made[key] = str(make_tiny_model(out, arch=arch, seed=kwargs.pop("seed", 0), overrides=overrides, **kwargs))

@@ -25,7 +25,7 @@ from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, host_re
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import AUTO_SPIN_US, EngineArgs, core_shares, usable_core_ids, usable_cpus
 from afd_engine.errors import ConfigError
-from afd_engine.model_config import ModelConfig
+from afd_engine.models.checkpoint import inspect_checkpoint
 
 log = logging.getLogger("afd.launcher")
 
@@ -45,7 +45,7 @@ class Deployment:
             raise ConfigError("launching by role needs --mode afd and --dist-init-addr")
         self.role, self.node_rank, self.rendezvous = role, node_rank, rendezvous
         path = resolve_model_path(args.model_path)
-        cfg = ModelConfig.from_pretrained(path)
+        cfg = inspect_checkpoint(path)  # a broken checkpoint stops here, before any process starts
         ranks, cores = self._local_processes(args), usable_cpus()
         threads = args.num_threads or max(1, cores // ranks)
         spin = args.comm_spin_us

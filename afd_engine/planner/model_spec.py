@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from afd_engine.errors import ConfigError
+from afd_engine.hf_config import SPELLINGS, pick
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ def _deepseek(cfg: dict, name: str) -> ModelSpec:
         attention=attn,
         dense_layers=cfg.get("first_k_dense_replace", 0),
         dense_width=cfg["intermediate_size"],
-        experts=cfg["n_routed_experts"],
+        experts=_experts(cfg, "deepseek_experts"),
         topk=cfg["num_experts_per_tok"],
         expert_width=cfg["moe_intermediate_size"],
         shared_experts=cfg.get("n_shared_experts") or 0,
@@ -249,12 +250,20 @@ def _qwen3_moe(cfg: dict, name: str) -> ModelSpec:
         attention=attn,
         dense_layers=dense,
         dense_width=cfg.get("intermediate_size", 0),
-        experts=cfg["num_experts"],
+        experts=_experts(cfg, "qwen3_experts"),
         topk=cfg["num_experts_per_tok"],
         expert_width=cfg["moe_intermediate_size"],
         shared_experts=0,
         shared_width=0,
     )
+
+
+def _experts(cfg: dict, field: str) -> int:
+    """The routed expert count under any of its spellings (transformers 5.x: num_local_experts)."""
+    count = pick(cfg, SPELLINGS[field])
+    if count is None:
+        raise KeyError(SPELLINGS[field][0])
+    return count
 
 
 def _step3(cfg: dict, name: str) -> ModelSpec:
