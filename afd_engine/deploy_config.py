@@ -12,8 +12,14 @@ from pathlib import Path
 
 import yaml
 
-from afd_engine.engine_args import EngineArgs
+from afd_engine.engine_args import EngineArgs, setting_error
 from afd_engine.errors import ConfigError
+
+
+def _settings_classes() -> tuple:
+    from afd_engine.server.launch import ServerArgs
+
+    return (EngineArgs, ServerArgs)
 
 
 def load_config(path: str | Path, allowed: set[str]) -> dict:
@@ -27,6 +33,11 @@ def load_config(path: str | Path, allowed: set[str]) -> dict:
     unknown = sorted(set(values) - allowed)
     if unknown:
         raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}")
+    for key, value in values.items():
+        cls = next((c for c in _settings_classes() if key in {f.name for f in fields(c)}), None)
+        error = cls and setting_error(cls, key, value)
+        if error:
+            raise ConfigError(f"{path}: {key}: {value!r} {error}")
     return values
 
 

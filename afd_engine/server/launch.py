@@ -18,7 +18,7 @@ from pathlib import Path
 
 from afd_engine.control.router import Router
 from afd_engine.distributed.launcher import Deployment
-from afd_engine.engine_args import EngineArgs, add_flags, opt
+from afd_engine.engine_args import EngineArgs, add_flags, check_fields, opt
 
 log = logging.getLogger("afd.serve")
 # after a rank dies, requests in flight get this long to fail (each within about a second) before the
@@ -58,6 +58,7 @@ class ServerArgs:
     def validate(self) -> None:
         from afd_engine.errors import ConfigError
 
+        check_fields(self)
         for flag, value in (
             ("--max-request-bytes", self.max_request_bytes),
             ("--max-prompt-chars", self.max_prompt_chars),
