@@ -173,3 +173,37 @@ def test_unserved_checkpoints_are_refused_before_any_weight(tiny_model_factory, 
         Engine(model_path=str(ckpt), num_threads=1)
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"n_group": 3}, "n_routed_experts=16 is not divisible by n_group=3"),
+        ({"num_experts_per_tok": 17}, "num_experts_per_tok=17 must be in [1, n_routed_experts]"),
+        ({"topk_method": "sinkhorn"}, "unsupported topk_method 'sinkhorn'"),
+        ({"scoring_func": "tanh"}, "unsupported scoring_func 'tanh'"),
+    ],
+)
+def test_routing_settings_out_of_range_are_named(tiny_model_factory, changes, message):
+    with pytest.raises(ModelLoadError) as err:
+        ModelConfig.from_dict(tiny_config(tiny_model_factory("v3-yarn-qlora")) | changes)
+    assert str(err.value) == message
+
+
+def test_kv_heads_that_do_not_divide_the_heads_are_named(tiny_model_factory):
+    raw = tiny_config(tiny_model_factory("qwen3-gqa4"))
+    with pytest.raises(ModelLoadError) as err:
+        ModelConfig.from_dict(raw | {"num_key_value_heads": 3})
+    assert (
+        str(err.value) == f"num_attention_heads={raw['num_attention_heads']} is not a multiple of num_key_value_heads=3"
+    )
+
+
+def test_a_config_without_weights_is_named(tiny_model_factory, tmp_path):
+    shutil.copy(Path(tiny_model_factory("v3-yarn-qlora")) / "config.json", tmp_path / "config.json")
+    with pytest.raises(ModelLoadError) as err:
+        Engine(model_path=str(tmp_path), num_threads=1)
+    assert (
+        str(err.value)
+        == f"no safetensors weights in '{tmp_path}' (no *.safetensors file, no model.safetensors.index.json)"
+    )

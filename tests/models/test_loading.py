@@ -106,3 +106,28 @@ def test_missing_expert_is_detected(tmp_path, tiny_v3):
         ModelLoadError, match=r"lacks weights the model needs: model\.layers\.3\.mlp\.experts\.5\.up_proj"
     ):
         Engine(model_path=broken)
+
+
+def test_block_scales_beside_weights_that_are_not_fp8_are_named(tmp_path, tiny_v3):
+    name = "model.layers.2.self_attn.kv_b_proj.weight"
+    ckpt = Path(shutil.copytree(tiny_v3, tmp_path / "scaled"))
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    tensors[name + "_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ModelLoadError) as err:
+        Engine(model_path=str(ckpt), num_threads=1)
+    assert str(err.value) == f"{name} has a scale_inv but config.json declares no fp8 quantization_config"
+
+
+def test_an_fp8_expert_stored_in_another_dtype_is_named(tmp_path):
+    # experts kept fp8 at load: whole 128-row blocks and a backend that computes on fp8 weights
+    ckpt = make_tiny_model(tmp_path / "fp8", fp8=True, overrides={"moe_intermediate_size": 128})
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    tensors[name] = tensors[name].float()
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ModelLoadError) as err:
+        Engine(model_path=str(ckpt), num_threads=1, moe_backend="triton")
+    assert str(err.value) == f"{name} has a scale_inv but is torch.float32, not float8_e4m3fn"
