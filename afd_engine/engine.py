@@ -46,12 +46,13 @@ class Engine(OfflineEngine):
         *,
         rank_runner: RankRunnerFactory | None = None,
         expert_slots: dict[int, list[int]] | None = None,
-        device: torch.device | None = None,
+        rank_device: torch.device | None = None,
         **kwargs,
     ) -> None:
         """`rank_runner(model, pool)` makes the runner of one rank of a deployment (lockstep with its
         peers); `expert_slots` is which routed experts that rank holds (per MoE layer, the expert of
-        each slot); `device` that rank's device.
+        each slot); `rank_device` that rank's device (`device`, like every other keyword, is the
+        EngineArgs setting).
         Without them this process runs the whole model on `args.device_for(0)`."""
         args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
         args.validate()
@@ -62,7 +63,7 @@ class Engine(OfflineEngine):
             )
         torch.set_num_threads(args.threads)
         retain_freed_memory()  # a step's large temporaries are reused, not page-faulted in again
-        self.device = device or args.device_for(0)
+        self.device = rank_device or args.device_for(0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_path = resolve_model_path(args.model_path)

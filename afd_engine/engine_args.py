@@ -122,7 +122,11 @@ class EngineArgs:
         "where weights, KV cache and activations live: cpu, cuda, or auto (cuda when a GPU is present)",
         choices=("auto", "cpu", "cuda"),
     )
-    base_gpu_id: int = opt(0, "cuda: the first GPU; rank i of a deployment takes GPU base + i")
+    base_gpu_id: int = opt(0, "cuda: the first GPU; rank i of a deployment takes GPU base + i x step")
+    gpu_id_step: int = opt(
+        1,
+        "cuda: GPUs between consecutive ranks of this machine (0: every rank on the base GPU, e.g. 1A+1F on one)",
+    )
     attention_backend: str = opt(
         "cpu",
         "attention kernels of attention ranks, by name (kernels/registry.py); cpu: the torch reference with "
@@ -243,6 +247,7 @@ class EngineArgs:
         need(self.eplb_rebalance_num_iterations >= 1, "eplb_rebalance_num_iterations", "must be at least 1")
         need(self.eplb_window_steps is None or self.eplb_window_steps >= 1, "eplb_window_steps", "must be >= 1")
         need(self.base_gpu_id >= 0, "base_gpu_id", "must be >= 0")
+        need(self.gpu_id_step >= 0, "gpu_id_step", "must be >= 0")
         need(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
@@ -272,7 +277,7 @@ class EngineArgs:
 
     def device_for(self, rank: int = 0) -> torch.device:
         """The device of rank `rank` (a process index within this machine's deployment): cuda:(base
-        + rank) on GPUs, else the CPU. Reads torch.cuda only when asked for (never at import)."""
+        + rank x step) on GPUs, else the CPU. Reads torch.cuda only when asked for (never at import)."""
         kind = self.device
         if kind == "auto":
             kind = "cuda" if torch.cuda.is_available() else "cpu"
@@ -280,11 +285,12 @@ class EngineArgs:
             return torch.device("cpu")
         if not torch.cuda.is_available():
             raise ConfigError("--device=cuda but torch sees no CUDA GPU; use --device cpu")
-        index = self.base_gpu_id + rank
+        index = self.base_gpu_id + rank * self.gpu_id_step
         if index >= torch.cuda.device_count():
             raise ConfigError(
-                f"rank {rank} needs GPU {index} (--base-gpu-id={self.base_gpu_id} + rank) but only "
-                f"{torch.cuda.device_count()} GPUs are visible; lower --base-gpu-id or the rank count"
+                f"rank {rank} needs GPU {index} (--base-gpu-id={self.base_gpu_id} + rank x --gpu-id-step="
+                f"{self.gpu_id_step}) but only {torch.cuda.device_count()} GPUs are visible; lower --base-gpu-id, "
+                "the rank count, or --gpu-id-step (0 puts every rank on one GPU)"
             )
         return torch.device("cuda", index)
 

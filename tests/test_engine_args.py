@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from afd_engine import EngineArgs, make_engine
 from afd_engine.deploy_config import load_config
@@ -93,3 +94,19 @@ def test_yaml_with_a_bad_choice_exits_2_before_any_rank_starts(tmp_path, tiny_v3
     assert res.returncode == 2
     assert res.stderr.strip() == f"afd serve: error: {path}: dispatch: 'sideways' choose one of two-stage, direct"
     assert time.monotonic() - start < 30
+
+
+def test_engine_takes_device_as_the_setting_it_is(tiny_v3):
+    from afd_engine import Engine
+
+    with Engine(model_path=tiny_v3, device="cpu", num_threads=1) as eng:
+        assert eng.device == torch.device("cpu") and eng.args.device == "cpu"
+
+
+def test_gpu_id_step_places_ranks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert [EngineArgs(device="cuda", base_gpu_id=1, gpu_id_step=2).device_for(r).index for r in range(3)] == [1, 3, 5]
+    assert {EngineArgs(device="cuda", gpu_id_step=0).device_for(r).index for r in range(4)} == {0}
+    with pytest.raises(ConfigError, match=r"^--gpu-id-step=-1: must be >= 0$"):
+        EngineArgs(gpu_id_step=-1).validate()

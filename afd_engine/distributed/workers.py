@@ -44,7 +44,7 @@ def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     def runner(model, pool):
         return PipelineRunner(model, pool, spec, rank, transport)
 
-    return Engine(args, expert_slots=experts, rank_runner=runner, device=args.device_for(rank))
+    return Engine(args, expert_slots=experts, rank_runner=runner, rank_device=args.device_for(rank))
 
 
 def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int, comm_addresses) -> None:

@@ -184,7 +184,7 @@ def get_model(name_or_path: str) -> ModelSpec:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    return model_from_hf_config(cfg, name=path.parent.name or path.stem)
+    return model_from_hf_config(cfg, name=path.parent.name if path.name == "config.json" else path.stem)
 
 
 def model_from_hf_config(cfg: dict, name: str) -> ModelSpec:

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from afd_engine import Engine, SamplingParams
-from afd_engine.errors import ModelLoadError
+from afd_engine.errors import ConfigError, ModelLoadError
 from afd_engine.model_config import ModelConfig
 from afd_engine.models.checkpoint import parameter_counts
 from afd_engine.planner.model_spec import get_model
@@ -124,3 +124,12 @@ def test_deepseek_v32_is_refused_before_any_weight_is_read(tmp_path):
     with pytest.raises(ModelLoadError) as err:
         Engine(model_path=str(tmp_path))
     assert str(err.value) == message
+
+
+def test_deepseek_v32_is_refused_by_the_planner_too():
+    with pytest.raises(ConfigError) as err:
+        get_model(str(REAL / "deepseek_v3.2.json"))
+    assert str(err.value) == (
+        "model deepseek_v3.2: model_type 'deepseek_v32' is not supported by the planner "
+        "(deepseek_v2, deepseek_v3, qwen3_moe, step3)"
+    )
