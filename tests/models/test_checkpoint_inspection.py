@@ -159,7 +159,9 @@ def test_fp8_scale_of_the_wrong_shape_is_named(tmp_path):
     )
 
 
-@pytest.mark.parametrize("breakage", [wrong_shape, shard_missing, no_config], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "breakage", [wrong_shape, wrong_dtype, shard_missing, no_config, config_not_json], ids=lambda f: f.__name__
+)
 def test_serve_stops_with_one_line_and_exit_2_before_binding(sharded, tmp_path, breakage):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(sharded, ckpt)
