@@ -178,9 +178,11 @@ class EngineArgs:
     )
     transport: str = opt(
         "auto",
-        "data plane between ranks on one machine: auto (shared memory where /dev/shm has room for the rings, "
-        "else ZeroMQ over TCP), shm (shared memory or an error), zmq; ranks on other machines always use ZeroMQ",
-        choices=("auto", "shm", "zmq"),
+        "data plane between ranks: auto (shared memory on one machine where /dev/shm has room for the rings, "
+        "else ZeroMQ over TCP), shm (shared memory or an error), zmq (ranks on other machines use ZeroMQ with "
+        "these three), or torch (torch.distributed point to point everywhere: NCCL between GPU ranks, so "
+        "payloads never leave the device, gloo between CPU ranks)",
+        choices=("auto", "shm", "zmq", "torch"),
     )
     ep_num_redundant_experts: int = opt(
         0,
@@ -236,6 +238,11 @@ class EngineArgs:
         need(self.comm_timeout > 0, "comm_timeout", "must be positive")
         spin_ok = self.comm_spin_us is None or 0 <= self.comm_spin_us <= 1_000_000
         need(spin_ok, "comm_spin_us", "must be between 0 and 1000000 (1 s)")
+        need(
+            not (self.transport == "torch" and self.inject_link_delay_ms),
+            "inject_link_delay_ms",
+            "the added link delay exists on the shm and zmq transports only, not with --transport torch",
+        )
         need(self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0")
         need(
             self.mode != "single"

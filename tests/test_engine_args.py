@@ -16,7 +16,7 @@ from afd_engine.server.launch import ServerArgs
 from tests.process_helpers import afd_run
 
 BAD = [
-    ({"transport": "bogus"}, "--transport='bogus': choose one of auto, shm, zmq"),
+    ({"transport": "bogus"}, "--transport='bogus': choose one of auto, shm, zmq, torch"),
     ({"dispatch": "sideways"}, "--dispatch='sideways': choose one of two-stage, direct"),
     ({"dispatch_dtype": "int4"}, "--dispatch-dtype='int4': choose one of auto, fp32, bf16, fp8"),
     ({"combine_dtype": "fp8"}, "--combine-dtype='fp8': choose one of auto, fp32, bf16"),
@@ -32,6 +32,11 @@ BAD = [
     ({"model_path": 7}, "--model-path=7: must be a string"),
     ({"dp_size": 0}, "--dp-size=0: must be at least 1"),
     ({"micro_batches": 9}, "--micro-batches=9: must be in [1, 8]"),
+    (
+        {"transport": "torch", "inject_link_delay_ms": 2.0},
+        "--inject-link-delay-ms=2.0: the added link delay exists on the shm and zmq transports only, not with "
+        "--transport torch",
+    ),
 ]
 
 
@@ -70,7 +75,7 @@ def test_server_settings_are_checked_too():
     "yaml, message",
     [
         ("dispatch: sideways\n", "dispatch: 'sideways' choose one of two-stage, direct"),
-        ("transport: bogus\n", "transport: 'bogus' choose one of auto, shm, zmq"),
+        ("transport: bogus\n", "transport: 'bogus' choose one of auto, shm, zmq, torch"),
         ("dp-size: two\n", "dp_size: 'two' must be an integer"),
         ("enable_eplb: 'yes'\n", "enable_eplb: 'yes' must be true or false"),
         ("port: 30000.5\n", "port: 30000.5 must be an integer"),

@@ -21,7 +21,15 @@ import tempfile
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
-from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, host_rendezvous, new_namespace, shm_host
+from afd_engine.distributed.rendezvous import (
+    PeerTable,
+    RendezvousSpec,
+    TorchGroup,
+    host_local_store,
+    host_rendezvous,
+    new_namespace,
+    shm_host,
+)
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import AUTO_SPIN_US, EngineArgs, core_shares, usable_core_ids, usable_cpus
 from afd_engine.errors import ConfigError
@@ -131,6 +139,9 @@ class Deployment:
         """Every endpoint on this machine: shared memory unless --transport says otherwise."""
         from comm.transport.zmq_transport import free_tcp_addresses
 
+        if self.args.transport == "torch":
+            self._store = host_local_store()
+            return PeerTable(torch=TorchGroup(n, f"127.0.0.1:{self._store.port}", f"afd/torch/{new_namespace()}/"))
         host = shm_host(self.args.transport, n * (n - 1))
         if host:
             self._namespace = new_namespace()

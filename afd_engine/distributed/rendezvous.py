@@ -1,7 +1,8 @@
 """Rank discovery across machines: every rank publishes its data-plane address (and which host it is
 on) at `--dist-init-addr` and reads every other rank's, using torch.distributed's TCPStore. Ranks
 that turn out to share a host talk through shared memory, the others over ZeroMQ/TCP
-(`comm.transport.factory.peer_transport`).
+(`comm.transport.factory.peer_transport`); with --transport torch every rank joins one
+torch.distributed group through the same store instead (`TorchGroup`).
 
 The attention role's launcher hosts the store (the master) for the deployment's lifetime. Ranks
 may start in any order, before or after it: a TCPStore client keeps retrying the connection until
@@ -34,18 +35,55 @@ class RendezvousSpec:
 
 
 @dataclass(frozen=True)
+class TorchGroup:
+    """How the ranks of a `--transport torch` deployment form one torch.distributed process group
+    (picklable): every endpoint joins as its own rank through the TCPStore at `store_address`
+    (the rendezvous, or on one machine a store its launcher hosts), under `prefix`.
+
+    Backend: gloo between CPU ranks; "cpu:gloo,cuda:nccl" where the rank is on a GPU, so that the
+    transport's headers travel over gloo and its payloads over NCCL, device to device."""
+
+    world_size: int
+    store_address: str
+    prefix: str
+    timeout: float = 300.0
+
+    def transport(self, endpoint: int, device):
+        import torch.distributed as dist
+
+        from comm.transport.factory import make_transport
+
+        host, port = self.store_address.rsplit(":", 1)
+        timeout = timedelta(seconds=self.timeout)
+        store = dist.PrefixStore(self.prefix, dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(backend, store=store, rank=endpoint, world_size=self.world_size, timeout=timeout)
+        except (RuntimeError, OSError, ValueError) as exc:
+            raise ConfigError(
+                f"rank (endpoint {endpoint}) could not form the torch.distributed group of {self.world_size} ranks "
+                f"at {self.store_address} within {self.timeout:.0f} s: {exc}"
+            ) from None
+        return make_transport("torch_dist", endpoint, device=device)
+
+
+@dataclass(frozen=True)
 class PeerTable:
     """Where every endpoint of a deployment is (picklable, passed to rank processes).
 
     addresses: endpoint -> ZeroMQ address (needed for endpoints on other hosts only); hosts:
     endpoint -> host id (`shm_transport.host_id()`, "" where shared memory is not offered);
-    namespace: the prefix of this deployment's shared-memory files."""
+    namespace: the prefix of this deployment's shared-memory files; torch: with --transport
+    torch, the process group every endpoint joins instead."""
 
     addresses: dict[int, str] = field(default_factory=dict)
     hosts: dict[int, str] = field(default_factory=dict)
     namespace: str = ""
+    torch: TorchGroup | None = None
 
-    def transport(self, endpoint: int, link_delay_s: float = 0.0, spin_s: float = 0.0, spin_idle: bool = False):
+    def transport(self, endpoint: int, device, link_delay_s: float = 0.0, spin_s: float = 0.0, spin_idle: bool = False):
+        if self.torch is not None:
+            return self.torch.transport(endpoint, device)
         from comm.transport.factory import peer_transport
 
         return peer_transport(endpoint, self.addresses, self.hosts, self.namespace, link_delay_s, spin_s, spin_idle)
@@ -60,7 +98,7 @@ def shm_host(transport: str, num_rings: int) -> str:
     auto, only where /dev/shm has room for `num_rings` rings; with shm, that or a ConfigError."""
     from comm.transport.shm_transport import SHM_DIR, fits, host_id
 
-    if transport == "zmq":
+    if transport in ("zmq", "torch"):
         return ""
     host = host_id()
     if host and fits(num_rings):
@@ -103,9 +141,20 @@ def host_rendezvous(spec: RendezvousSpec):
     return store
 
 
-def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int, host_id: str = "") -> PeerTable:
+def host_local_store():
+    """A TCPStore on a free port of this machine, for the ranks of a one-machine deployment over
+    --transport torch; keep the returned object alive as long as they run."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def register(
+    spec: RendezvousSpec, endpoint: int, num_endpoints: int, host_id: str = "", torch_group: bool = False
+) -> PeerTable:
     """Announces `endpoint` at a fresh port of this machine and on `host_id` (its host for shared
-    memory, see `shm_host`; "" for none); returns where all `num_endpoints` endpoints are."""
+    memory, see `shm_host`; "" for none); returns where all `num_endpoints` endpoints are. With
+    `torch_group`, the table says how to form the deployment's torch.distributed group instead."""
     from torch.distributed import TCPStore
 
     host, port = spec.address.rsplit(":", 1)
@@ -130,7 +179,10 @@ def register(spec: RendezvousSpec, endpoint: int, num_endpoints: int, host_id: s
             f"registered at {spec.address} within {spec.timeout:.0f} s (missing endpoints: "
             f"{missing}); start every role with the same topology flags"
         ) from None
-    return _peers(store, num_endpoints)
+    table = _peers(store, num_endpoints)
+    if torch_group:
+        return PeerTable(torch=TorchGroup(num_endpoints, spec.address, f"afd/torch/{table.namespace}/", spec.timeout))
+    return table
 
 
 def _peers(store, num_endpoints: int) -> PeerTable:

@@ -22,23 +22,24 @@ from afd_engine.runtime.host_memory import retain_freed_memory
 from comm.transport.base import Transport
 
 
-def _transport(endpoint: int, comm: PeerTable | RendezvousSpec, spec: DeploymentSpec) -> Transport:
+def _transport(endpoint: int, comm: PeerTable | RendezvousSpec, spec: DeploymentSpec, device) -> Transport:
     """The data-plane transport: peers given (every rank on this machine) or found at the
     rendezvous; shared memory to the ranks on this host, ZeroMQ/TCP to the others. A rank offers
-    shared memory only where /dev/shm has room for its rings (one each way per possible peer)."""
+    shared memory only where /dev/shm has room for its rings (one each way per possible peer).
+    With --transport torch: torch.distributed between every pair, payloads on `device`."""
+    args = spec.args
     if isinstance(comm, RendezvousSpec):
         n = spec.topology.num_endpoints
-        comm = register(comm, endpoint, n, shm_host(spec.args.transport, 2 * n))
-    args = spec.args
+        comm = register(comm, endpoint, n, shm_host(args.transport, 2 * n), torch_group=args.transport == "torch")
     return comm.transport(
-        endpoint, args.inject_link_delay_ms / 1000, args.comm_spin_us / 1e6, args.comm_spin_priority == "idle"
+        endpoint, device, args.inject_link_delay_ms / 1000, args.comm_spin_us / 1e6, args.comm_spin_priority == "idle"
     )
 
 
 def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(args.model_path))
     topo = spec.topology
-    transport = _transport(topo.sender_endpoint(rank), comm_addresses, spec)
+    transport = _transport(topo.sender_endpoint(rank), comm_addresses, spec, args.device_for(rank))
     experts = spec.expert_slots(rank) if topo.colocated else {}  # AFD: no routed experts here
 
     def runner(model, pool):
@@ -65,7 +66,7 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
         if device.type == "cuda":
             torch.cuda.set_device(device)
         shard = load_shard(args, cfg, device, spec.expert_slots(rank))
-        transport = _transport(spec.topology.ffn_endpoint(rank), comm_addresses, spec)
+        transport = _transport(spec.topology.ffn_endpoint(rank), comm_addresses, spec, device)
     except Exception as exc:  # reported to the launcher, which stops the deployment
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

@@ -26,9 +26,10 @@ def one_by_one(rdv: str, model: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_roles_started_in_any_order_serve_together(tiny_v3):
+@pytest.mark.parametrize("transport", ["auto", "torch"])
+def test_roles_started_in_any_order_serve_together(tiny_v3, transport):
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
-    common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, *TOPO]
+    common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, *TOPO, "--transport", transport]
     procs = [afd("launch", "--role", "ffn", "--node-rank", "1", *common)]
     time.sleep(2)  # an FFN node first, the attention role later, the last FFN node last
     procs.append(afd("launch", "--role", "attention", "--port", str(port), *common))

@@ -63,8 +63,10 @@ def test_openai_client_against_a_deployment(tiny_v3, flags):
 
 
 @pytest.mark.timeout(300)
-def test_killing_an_expert_rank_fails_the_stream_quickly_and_the_server_exits(tiny_v3):
-    srv = Server(tiny_v3, *"--mode afd --dp-size 1 --ffn-nodes 1 --ffn-ranks-per-node 2 --micro-batches 2".split())
+@pytest.mark.parametrize("transport", ["auto", "torch"])
+def test_killing_an_expert_rank_fails_the_stream_quickly_and_the_server_exits(tiny_v3, transport):
+    topology = "--mode afd --dp-size 1 --ffn-nodes 1 --ffn-ranks-per-node 2 --micro-batches 2"
+    srv = Server(tiny_v3, *topology.split(), "--transport", transport)
     try:
         ffn = [p for p in children(srv.proc.pid) if "spawn" in cmdline(p)]
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
