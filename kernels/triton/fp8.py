@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from comm.wire import FP8_GROUP, FP8_MAX
+from kernels.triton.launch import Launch
 
 _MIN_SCALE = 1e-12  # comm.wire's clamp: an all-zero group keeps a finite scale
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -101,26 +102,22 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if x.dim() != 2 or x.dtype not in _TL_DTYPES:
         raise ValueError(f"quantize_fp8 takes x [T, H] fp32/bf16/fp16, got {tuple(x.shape)} {x.dtype}")
+    q, scales, launch = quantize_launch(x)
+    if x.numel():
+        launch()
+    return q, scales
+
+
+def quantize_launch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Launch]:
+    """q [T, H] and scales [T, ceil(H/128)] (allocated, not yet written) and the launch that fills
+    them: one program per (row, 128-group), grid [T, ceil(H/128)] (x as in `quantize_fp8`)."""
     T, H = x.shape
     groups = triton.cdiv(H, FP8_GROUP)
     q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(T, groups, dtype=torch.float32, device=x.device)
-    if T == 0 or H == 0:
-        return q, scales
-    _quantize_kernel[(T, groups)](
-        x,
-        q,
-        scales,
-        H,
-        x.stride(0),
-        x.stride(1),
-        q.stride(0),
-        scales.stride(0),
-        GROUP=FP8_GROUP,
-        FP8_MAX=FP8_MAX,
-        MIN_SCALE=_MIN_SCALE,
-    )
-    return q, scales
+    args = (x, q, scales, H, x.stride(0), x.stride(1), q.stride(0), scales.stride(0))
+    launch = Launch(_quantize_kernel, (T, groups), args, dict(GROUP=FP8_GROUP, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE))
+    return q, scales, launch
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -138,10 +135,16 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
         raise ValueError(
             f"scales must be [{T}, {groups}] fp32 with unit group stride, got {tuple(scales.shape)} {scales.dtype}"
         )
-    out = torch.empty(T, H, dtype=dtype, device=q.device)
-    if T == 0 or H == 0:
-        return out
-    _dequantize_kernel[(T, groups)](
-        q, scales, out, H, q.stride(0), q.stride(1), scales.stride(0), out.stride(0), GROUP=FP8_GROUP
-    )
+    out, launch = dequantize_launch(q, scales, dtype)
+    if q.numel():
+        launch()
     return out
+
+
+def dequantize_launch(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Launch]:
+    """out [T, H] in dtype (allocated, not yet written) and the launch that fills it, grid
+    [T, ceil(H/128)] (arguments as in `dequantize_fp8`)."""
+    T, H = q.shape
+    out = torch.empty(T, H, dtype=dtype, device=q.device)
+    args = (q, scales, out, H, q.stride(0), q.stride(1), scales.stride(0), out.stride(0))
+    return out, Launch(_dequantize_kernel, (T, triton.cdiv(H, FP8_GROUP)), args, dict(GROUP=FP8_GROUP))

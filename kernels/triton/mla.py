@@ -1,16 +1,16 @@
 """MLA attention backend `triton`: absorbed decode with a split-KV (flash-decoding) kernel that reads
 the paged latent cache through the page table.
 
-Decode is one query token per sequence against its whole cached latent, so it is bound by reading
-the cache; a sequence alone would occupy one program per head block. Splitting each sequence's
-tokens into NUM_SPLITS chunks gives the GPU B * head_blocks * NUM_SPLITS programs, each reading a
-slice of the cache; a second small kernel merges the slices with the log-sum-exp trick:
+One program serves BLOCK_H heads of one sequence over one split of its tokens: per step of BLOCK_N
+cached tokens it loads their latents [BLOCK_N, C] and rotated keys [BLOCK_N, R] once and uses the
+latents twice, as keys (scores = q_latent . latent + q_pe . k_pe) and as values (acc += p . latent).
+The splits are merged by `split_kv._merge_splits_kernel`; see kernels/triton/split_kv.py for the
+split and the log-sum-exp merge. Tiles per shape and dtype come from `split_kv_tiles`.
 
-    split s of sequence b:  m_s = max_j score_j,  l_s = sum_j exp(score_j - m_s),
-                            o_s = sum_j exp(score_j - m_s) latent_j / l_s,  lse_s = m_s + log l_s
-    merge:                  out = sum_s exp(lse_s - max lse) o_s / sum_s exp(lse_s - max lse)
+    grid (head block hb, sequence b, split s):
+        q_latent[b, hb*BLOCK_H : (hb+1)*BLOCK_H] x tokens [lo_s, hi_s) of sequence b
+        -> o_part[b, hb*BLOCK_H : (hb+1)*BLOCK_H, s] (normalised), lse_part[b, ..., s]
 
-Scores are kept in base 2 (scale * log2(e) folded into the query scale) so the kernels use exp2.
 Extend (prefill) stays on the torch reference; see `TritonMLA.extend` for why.
 """
 
@@ -27,79 +27,44 @@ from kernels.mla import (
     mla_extend_attention,
     unabsorb_output,
 )
-
-BLOCK_H = 16  # heads per program; tl.dot needs M >= 16, so fewer heads are masked, not a smaller block
-BLOCK_N = 32  # cached tokens per inner-loop step
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves in parallelism
-MAX_SPLITS = 16
-LOG2E = 1.4426950408889634
+from kernels.triton import split_kv
+from kernels.triton.launch import Launch, is_interpreted
+from kernels.triton.split_kv import MAX_SPLITS, SplitKVTiles, num_splits_for  # noqa: F401 (MAX_SPLITS: this backend's API)
 
 
-def num_splits_for(max_kv_len: int) -> int:
-    """Splits per sequence: one per MIN_SPLIT_TOKENS of the longest sequence, 1..MAX_SPLITS.
+def split_kv_tiles(num_heads: int, dtype: torch.dtype) -> SplitKVTiles:
+    """Tiles of the split-KV kernel: a roofline estimate, checked by `python -m kernels.aot` (no
+    spill at sm_90/sm_100) and timed once on an H200 (Triton 3.6; 64 sequences of 4096 tokens).
 
-    The bound comes from the page table's width (pages.shape[1] * page_size), not kv_lens, so
-    choosing it needs no device-to-host copy. Each sequence divides its own tokens evenly among the
-    splits (rounded up to BLOCK_N), so a short sequence in a long batch leaves trailing splits empty.
+    Per cached token a head block reads (C + R) * 2 B = 1152 B of bf16 cache (DeepSeek-V3: C = 512,
+    R = 64) and does 2 * heads * (2C + R) FLOPs: at 128 heads 242 FLOP/B, near an H100's ridge
+    (989 TFLOP/s / 3.35 TB/s = 295), so V3's decode is bound by the tensor cores as much as by
+    memory; V2-Lite's 16 heads make 30 FLOP/B, bound by memory. The heads / BLOCK_H head blocks of
+    one (sequence, split) read the same tokens; head blocks are the grid's fastest axis, so they
+    run together and re-read from L2.
+    Registers per thread: tl.dot with M = BLOCK_H < 64 is mma.sync with the warps side by side
+    along N, each holding the query block [16, C] as its A operand (16 * 512 * 2 B / 32 lanes = 128
+    registers in bf16); the fp32 accumulator [BLOCK_H, C] adds BLOCK_H * 512 * 4 B / (32 *
+    num_warps): 64 at 32 heads and 8 warps. V3 (32 heads, 64 tokens a step, 8 warps, 3 stages):
+    179 of 255 registers at sm_90; on the H200 0.77-0.80 ms at page sizes 1, 16 and 64, against
+    1.07-1.10 ms at 32 tokens a step, 1.18 ms at page size 1 with 2 stages, and 1.23-1.27 ms for
+    the earlier kernel (16 heads, tf32 on upcast tiles). 64 heads (Hopper's wgmma, query from shared
+    memory) timed 0.64 ms with Triton 3.6 but spill 60-160 B a thread at sm_90 with 3.9.
+    V2-Lite (16 heads, 32 tokens, 4 warps): 184 registers, 0.147 ms = 2.1 TB/s, the fastest of
+    six tried. Shared memory: the cache tiles in flight plus the query, 113 KB (V3) and 56 KB
+    (V2-Lite) of 227 KB.
+    fp32 (the accuracy path) multiplies in "ieee" fp32 on the FMA units, where each thread holds its
+    outputs' operands along K: 16 tokens a step at 8 warps stays near 100 registers (32 tokens at
+    4 warps spilled 2-25 KB a thread and ran 4.4x slower).
     """
-    return max(1, min(MAX_SPLITS, triton.cdiv(max_kv_len, MIN_SPLIT_TOKENS)))
+    if dtype == torch.float32:
+        return SplitKVTiles(block_m=16, block_n=16, num_warps=8, num_stages=2)
+    if num_heads >= 32:
+        return SplitKVTiles(block_m=32, block_n=64, num_warps=8, num_stages=3)
+    return SplitKVTiles(block_m=16, block_n=32, num_warps=4, num_stages=3)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """The kernel upcasts every tile to fp32 before tl.dot. A bf16 (or fp16) value is exact in tf32,
-    so tf32 tensor cores lose nothing there; fp32 inputs need "ieee" to match the fp32 reference.
-    (Upcasting also sidesteps Triton 3.9's interpreter, whose tl.dot multiplies bf16 tiles as their
-    raw uint16 bits.)"""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-# -- pieces both split-KV kernels (MLA here, GQA in gqa.py) are made of --------------------------
-
-
-@triton.jit
-def split_start(
-    kv_lens_ptr, b, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr
-):
-    """Split s of sequence b: its tokens [lo, hi) (the sequence divided evenly, chunks aligned to
-    BLOCK_N) and the empty online-softmax state of BLOCK_M query rows: (lo, hi, m, l, acc [M, X])."""
-    kv_len = tl.load(kv_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = s * split_len
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    return lo, tl.minimum(lo + split_len, kv_len), m_i, l_i, tl.zeros([BLOCK_M, BLOCK_X], tl.float32)
-
-
-@triton.jit
-def page_rows(pages_ptr, b, stride_pages_b, offs_n, n_mask, PAGE_SIZE: tl.constexpr, stride_cache):
-    """Cache row offsets [BLOCK_N] of tokens offs_n of sequence b, through the page table; padding
-    pages past kv_len are never loaded (masked)."""
-    page = tl.load(pages_ptr + b * stride_pages_b + offs_n // PAGE_SIZE, mask=n_mask, other=0)
-    return (page * PAGE_SIZE + offs_n % PAGE_SIZE) * stride_cache
-
-
-@triton.jit
-def softmax_step(scores, n_mask, m_i, l_i, acc, values, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step (base 2): scores [M, BLOCK_N], values [BLOCK_N, X] -> (m, l, acc [M, X])."""
-    scores = tl.where(n_mask[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p, values, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, o_mask, h_mask):
-    """The split's normalised output and log-sum-exp; an empty split (a short sequence) writes
-    o = 0, lse = -inf: zero weight in the merge."""
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(o_ptrs, acc / l_safe[:, None], mask=o_mask)
-    tl.store(lse_ptrs, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=h_mask)
-
-
-@triton.jit
+@triton.jit(do_not_specialize=split_kv.VARYING)
 def _split_kv_kernel(
     q_latent_ptr,
     q_pe_ptr,
@@ -110,6 +75,7 @@ def _split_kv_kernel(
     lse_part_ptr,
     qk_scale,
     num_heads,
+    num_splits,
     stride_ql_b,
     stride_ql_h,
     stride_qp_b,
@@ -124,86 +90,50 @@ def _split_kv_kernel(
     C: tl.constexpr,
     R: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """One program: sequence b, heads [h0, h0 + BLOCK_H), split s -> o_part [BLOCK_H, C], lse_part."""
-    b, s = tl.program_id(0), tl.program_id(2)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """One program: heads [hb * BLOCK_H, (hb + 1) * BLOCK_H) of sequence b, split s -> o_part
+    [BLOCK_H, C] and lse_part [BLOCK_H]. UPCAST (the interpreter only): tiles in fp32."""
+    hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
     h_mask, c_mask, r_mask = offs_h < num_heads, offs_c < C, offs_r < R
 
-    q_lat = tl.load(
+    q_lat = split_kv.load_tile(
         q_latent_ptr + b * stride_ql_b + offs_h[:, None] * stride_ql_h + offs_c[None, :],
-        mask=h_mask[:, None] & c_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)  # [BLOCK_H, BLOCK_C]
-    q_pe = tl.load(
+        h_mask[:, None] & c_mask[None, :],
+        UPCAST,
+    )  # [BLOCK_H, BLOCK_C]
+    q_pe = split_kv.load_tile(
         q_pe_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_r[None, :],
-        mask=h_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)  # [BLOCK_H, BLOCK_R]
+        h_mask[:, None] & r_mask[None, :],
+        UPCAST,
+    )  # [BLOCK_H, BLOCK_R]
 
-    lo, hi, m_i, l_i, acc = split_start(kv_lens_ptr, b, s, NUM_SPLITS, BLOCK_N, BLOCK_H, BLOCK_C)
+    lo, hi, m_i, l_i, acc = split_kv.split_start(kv_lens_ptr, b, s, num_splits, BLOCK_N, BLOCK_H, BLOCK_C)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        row = page_rows(pages_ptr, b, stride_pages_b, offs_n, n_mask, PAGE_SIZE, stride_cache)  # [BLOCK_N]
-        latent = tl.load(
-            cache_ptr + row[:, None] + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_C]
-        k_pe = tl.load(
-            cache_ptr + row[:, None] + C + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+        row = split_kv.page_rows(pages_ptr, b, stride_pages_b, offs_n, n_mask, PAGE_SIZE, stride_cache)  # [BLOCK_N]
+        lat_ptrs, pe_ptrs = cache_ptr + row[:, None] + offs_c[None, :], cache_ptr + row[:, None] + C + offs_r[None, :]
+        latent = split_kv.load_tile(lat_ptrs, n_mask[:, None] & c_mask[None, :], UPCAST)  # [BLOCK_N, BLOCK_C]
+        k_pe = split_kv.load_tile(pe_ptrs, n_mask[:, None] & r_mask[None, :], UPCAST)  # [BLOCK_N, BLOCK_R]
 
-        scores = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        m_i, l_i, acc = softmax_step(scores, n_mask, m_i, l_i, acc, latent, DOT_PRECISION)
+        scores = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] fp32
+        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * qk_scale
+        m_i, l_i, acc = split_kv.softmax_step(scores, n_mask, m_i, l_i, acc, latent, DOT_PRECISION)
 
     o_ptrs = o_part_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + s * stride_o_s + offs_c[None, :]
     lse_ptrs = lse_part_ptr + b * stride_lse_b + offs_h * stride_lse_h + s
-    store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, h_mask[:, None] & c_mask[None, :], h_mask)
+    split_kv.store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, h_mask[:, None] & c_mask[None, :], h_mask)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    o_part_ptr,
-    lse_part_ptr,
-    out_ptr,
-    stride_o_b,
-    stride_o_h,
-    stride_o_s,
-    stride_lse_b,
-    stride_lse_h,
-    stride_out_b,
-    stride_out_h,
-    C: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """One program: sequence b, head h -> out [C], the splits weighted by exp2(lse_s - max lse)."""
-    b, h = tl.program_id(0), tl.program_id(1)
-    offs_s, offs_c = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_C)
-    s_mask, c_mask = offs_s < NUM_SPLITS, offs_c < C
-
-    lse = tl.load(
-        lse_part_ptr + b * stride_lse_b + h * stride_lse_h + offs_s, mask=s_mask, other=float("-inf")
-    )  # [BLOCK_S]
-    o = tl.load(
-        o_part_ptr + b * stride_o_b + h * stride_o_h + offs_s[:, None] * stride_o_s + offs_c[None, :],
-        mask=s_mask[:, None] & c_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_C]
-    lse_max = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # all-empty: weights 0
-    total = tl.sum(weight, 0)
-    out = tl.sum(o * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
+_INTERPRETED = is_interpreted(_split_kv_kernel)
 
 
 def mla_decode_core_triton(
@@ -229,58 +159,50 @@ def mla_decode_core_triton(
     Returns out_latent [B, H, C] in q_latent's dtype; softmax statistics and the output accumulate
     in fp32. Partial results take B * H * num_splits * (C + 1) fp32 of scratch.
     """
+    if q_latent.shape[0] == 0:
+        return q_latent.new_empty(q_latent.shape)
+    out, launches = decode_launches(q_latent, q_pe, cache, kv, scale, num_splits)
+    for launch in launches:
+        launch()
+    return out
+
+
+def decode_launches(
+    q_latent, q_pe, cache, kv: PagedKV, scale: float, num_splits: int | None = None, interpreted: bool = _INTERPRETED
+) -> tuple[torch.Tensor, list[Launch]]:
+    """The output [B, H, C] (allocated, not yet written) and the two launches that fill it: the
+    split-KV kernel and the merge (arguments as in `mla_decode_core_triton`, B >= 1). `interpreted`:
+    build them for Triton's interpreter (default: whether this process runs it)."""
     B, H, C = q_latent.shape
     R = q_pe.shape[-1]
-    out = q_latent.new_empty(B, H, C)
-    if B == 0:
-        return out
     assert cache.shape[-1] == C + R and cache.stride(-1) == 1, "cache rows must be [C + R], contiguous"
     assert q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1, "query head dims must be contiguous"
     splits = num_splits or num_splits_for(kv.pages.shape[1] * kv.page_size)
-    o_part = torch.empty(B, H, splits, C, dtype=torch.float32, device=q_latent.device)
-    lse_part = torch.empty(B, H, splits, dtype=torch.float32, device=q_latent.device)
-    block_c = triton.next_power_of_2(max(C, 16))
-    _split_kv_kernel[(B, triton.cdiv(H, BLOCK_H), splits)](
-        q_latent,
-        q_pe,
-        cache,
-        kv.pages,
-        kv.kv_lens,
-        o_part,
-        lse_part,
-        scale * LOG2E,
-        H,
-        q_latent.stride(0),
-        q_latent.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        cache.stride(0),
-        kv.pages.stride(0),
-        *o_part.stride()[:3],
-        *lse_part.stride()[:2],
+    o_part, lse_part = split_kv.split_buffers(B, H, splits, C, q_latent.device)
+    out = q_latent.new_empty(B, H, C)
+    tiles = split_kv_tiles(H, q_latent.dtype)
+    args = (q_latent, q_pe, cache, kv.pages, kv.kv_lens, o_part, lse_part, scale * split_kv.LOG2E, H, splits)
+    strides = (*q_latent.stride()[:2], *q_pe.stride()[:2], cache.stride(0), kv.pages.stride(0))
+    constexprs = dict(
         C=C,
         R=R,
         PAGE_SIZE=kv.page_size,
-        NUM_SPLITS=splits,
-        DOT_PRECISION=_dot_precision(q_latent.dtype),
-        BLOCK_H=BLOCK_H,
-        BLOCK_N=BLOCK_N,
-        BLOCK_C=block_c,
+        UPCAST=interpreted and q_latent.dtype != torch.float32,
+        DOT_PRECISION=split_kv.dot_precision(q_latent.dtype),
+        BLOCK_H=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_C=triton.next_power_of_2(max(C, 16)),
         BLOCK_R=triton.next_power_of_2(max(R, 16)),
     )
-    _merge_splits_kernel[(B, H)](
-        o_part,
-        lse_part,
-        out,
-        *o_part.stride()[:3],
-        *lse_part.stride()[:2],
-        *out.stride()[:2],
-        C=C,
-        NUM_SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_C=block_c,
+    split = Launch(
+        _split_kv_kernel,
+        (triton.cdiv(H, tiles.block_m), B, splits),
+        (*args, *strides, *o_part.stride()[:3], *lse_part.stride()[:2]),
+        constexprs,
+        tiles.num_warps,
+        tiles.num_stages,
     )
-    return out
+    return out, [split, split_kv.merge_launch(o_part, lse_part, out)]
 
 
 class TritonMLA:
@@ -288,8 +210,9 @@ class TritonMLA:
 
     Inputs fp32 or bf16 (cache, queries and weights of one dtype). Page size: any. Head dims: any
     (DeepSeek-V3: H = 128, C = kv_lora_rank = 512, R = qk_rope_head_dim = 64, Dn = 128, Dv = 128).
-    Tiles are upcast to fp32 in the kernel: fp32 inputs multiply in full fp32 (no tf32), bf16 in tf32
-    (exact for bf16 values), so both match the torch reference to their dtype's rounding.
+    fp32 inputs multiply in full fp32 (no tf32); bf16 inputs in bf16 on the tensor cores with fp32
+    accumulation (upcast to fp32 only under the interpreter), so both match the torch reference
+    to their dtype's rounding.
     """
 
     name = "triton"

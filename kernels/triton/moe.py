@@ -37,10 +37,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from comm.wire import FP8_GROUP, FP8_MAX
 from kernels.triton.fp8 import cast_rtne, quantize_fp8, round_to_e4m3
+from kernels.triton.launch import Launch, is_interpreted
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -48,11 +48,15 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 @dataclass(frozen=True)
 class MoEBlocks:
     """Tile sizes of both grouped GEMMs: rows (BLOCK_M, also the per-expert padding), output
-    columns (BLOCK_N) and reduction (BLOCK_K). Powers of two >= 16 (tl.dot's minimum)."""
+    columns (BLOCK_N) and reduction (BLOCK_K), powers of two >= 16 (tl.dot's minimum); and both
+    launches' warps and pipeline stages. The defaults are the bf16/fp32 tiles, FP8_BLOCKS the fp8
+    ones; see the comment above FP8_BLOCKS for how they were chosen."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         for name, v in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
@@ -67,6 +71,19 @@ class MoEBlocks:
             )
 
 
+# Tiles from a roofline estimate until a GPU can tune them; the same tiles serve DeepSeek-V3
+# (H 7168, I 2048), V2-Lite (2048, 1408) and Qwen3-30B-A3B (2048, 768). A decode step routes few
+# pairs to each expert (V3 at 64 tokens: 512 pairs over 256 experts, ~2 each), so a 16-row block
+# is mostly padding and the kernels are bound by reading the weights: each active expert's
+# 3 * H * I weights pass once per row block at 2 FLOPs per weight per row, far below any GPU's
+# ridge. What the tiles must do is keep weight bytes in flight: num_stages - 1 tiles of
+# 2 (gate, up) * BLOCK_K * BLOCK_N weights per program (bf16 64 x 64: 16 KB a stage; fp8 128 x 128,
+# which its fused act quantization needs: 32 KB), with (R / BLOCK_M) * (I / BLOCK_N) programs
+# (V3 decode: thousands) to fill the GPU. Registers per thread (`python -m kernels.aot`, sm_90):
+# mma.sync with M = 16 puts the warps side by side along N, each holding its slice of both weight
+# tiles and the whole activation tile, plus the two fp32 accumulators 2 * 16 * BLOCK_N * 4 B /
+# 128 threads (16 registers in bf16, 32 in fp8): 78 (bf16) and 178 (fp8) of 255, no spill;
+# shared memory 36 KB and 69 KB. Prefill (hundreds of rows per expert) would want BLOCK_M >= 64.
 FP8_BLOCKS = MoEBlocks(block_m=16, block_n=128, block_k=128)
 
 
@@ -110,7 +127,11 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     return ExpertBlocks(sorted_pairs, block_expert)
 
 
-@triton.jit
+# the pair count changes every step: no 16-divisibility specialisation, one compiled kernel for all
+VARYING = ("num_pairs",)
+
+
+@triton.jit(do_not_specialize=VARYING)
 def _gate_up_kernel(
     x_ptr,
     xs_ptr,
@@ -187,7 +208,7 @@ def _gate_up_kernel(
         tl.store(out_ptrs, cast_rtne(act, act_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING)
 def _down_kernel(
     act_ptr,
     as_ptr,
@@ -252,7 +273,7 @@ def _down_kernel(
 # Triton's interpreter stores bf16 as uint16 and its tl.dot multiplies those bit patterns as
 # integers; there the bf16 GEMMs feed tl.dot fp32 copies (exact products). Known at import:
 # triton.jit makes an InterpretedFunction iff TRITON_INTERPRET=1 was set before triton's import.
-_INTERPRETED = isinstance(_down_kernel, InterpretedFunction)
+_INTERPRETED = is_interpreted(_down_kernel)
 
 
 def fused_moe(
@@ -342,69 +363,68 @@ def _check_routing(x, w13, w2, topk_ids, topk_weights) -> None:
 def _moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, blocks: MoEBlocks) -> torch.Tensor:
     """Align, gate_up kernel, down kernel, sum over slots (see the module docstring)."""
     T, K = topk_ids.shape
-    E, two_i, H = w13.shape
-    I = two_i // 2
     if T == 0:
         return x.new_zeros(x.shape)
-    aligned = align_by_expert(topk_ids, E, blocks.block_m)
+    aligned = align_by_expert(topk_ids, w13.shape[0], blocks.block_m)
     if aligned.num_rows == 0:  # every slot is another rank's
         return x.new_zeros(x.shape)
-    fp8 = w13_scale is not None
-    upcast = _INTERPRETED and x.dtype == torch.bfloat16
-    R, bm, bn, bk = aligned.num_rows, blocks.block_m, blocks.block_n, blocks.block_k
-    tiles = dict(FP8=fp8, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=FP8_GROUP)  # both kernels'
-    if fp8:
-        a, a_scale = quantize_fp8(x)  # [T, H] fp8, [T, ceil(H/128)] fp32
-        act = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=x.device)
-        act_scale = torch.empty(R, triton.cdiv(I, FP8_GROUP), dtype=torch.float32, device=x.device)
+    if w13_scale is None:
+        a, a_scale = (x if x.stride(1) == 1 else x.contiguous()), None
     else:
-        a = x if x.stride(1) == 1 else x.contiguous()
-        a_scale = act_scale = w13_scale = w2_scale = torch.zeros(1, 1, 1, device=x.device)  # unused
-        act = torch.empty(R, I, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(R // bm, triton.cdiv(I, bn))](
-        a,
-        a_scale,
-        w13,
-        w13_scale,
-        act,
-        act_scale,
-        aligned.sorted_pairs,
-        aligned.block_expert,
-        T * K,
-        H,
-        I,
-        K,
-        a.stride(0),
-        a_scale.stride(0),
-        *w13.stride(),
-        *w13_scale.stride(),
-        act.stride(0),
-        act_scale.stride(0),
-        FP8_MAX=FP8_MAX,
-        **tiles,
+        a, a_scale = quantize_fp8(x)  # [T, H] fp8, [T, ceil(H/128)] fp32
+    contrib, launches = expert_launches(a, a_scale, w13, w13_scale, w2, w2_scale, aligned, topk_weights, blocks)
+    for launch in launches:
+        launch()
+    return contrib.view(T, K, -1).sum(1).to(x.dtype)
+
+
+def expert_launches(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    aligned: ExpertBlocks,
+    topk_weights: torch.Tensor,
+    blocks: MoEBlocks,
+    interpreted: bool = _INTERPRETED,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """contrib [T * K, H] fp32 (zeros; rows of -1 slots stay so) and the gate_up and down launches
+    that fill it. a [T, H]: x with unit stride along H (bf16/fp32), or its fp8 quantization with
+    a_scale [T, ceil(H/128)] fp32 (then w13_scale and w2_scale are given; else all three are None).
+    Weights, aligned and topk_weights [T, K] as in `fused_moe`/`fused_moe_fp8`. `interpreted`: build
+    the launches for Triton's interpreter (default: whether this process runs it)."""
+    T, K = topk_weights.shape
+    _, two_i, H = w13.shape
+    I = two_i // 2
+    fp8 = a_scale is not None
+    R, bm, bn = aligned.num_rows, blocks.block_m, blocks.block_n
+    if fp8:
+        act = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=a.device)
+        act_scale = torch.empty(R, triton.cdiv(I, FP8_GROUP), dtype=torch.float32, device=a.device)
+    else:
+        a_scale = act_scale = w13_scale = w2_scale = torch.zeros(1, 1, 1, device=a.device)  # unused
+        act = torch.empty(R, I, dtype=a.dtype, device=a.device)
+    tiles = dict(
+        FP8=fp8,
+        UPCAST=interpreted and a.dtype == torch.bfloat16,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=blocks.block_k,
+        GROUP=FP8_GROUP,
     )
-    contrib = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)  # [T * K, H], rows of -1 slots stay 0
+    options = dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    gate_up_args = (a, a_scale, w13, w13_scale, act, act_scale, *aligned, T * K, H, I, K, a.stride(0))
+    gate_up_args += (a_scale.stride(0), *w13.stride(), *w13_scale.stride(), act.stride(0), act_scale.stride(0))
+    gate_up_grid = (R // bm, triton.cdiv(I, bn))
+    gate_up = Launch(_gate_up_kernel, gate_up_grid, gate_up_args, dict(FP8_MAX=FP8_MAX, **tiles), **options)
+    contrib = torch.zeros(T * K, H, dtype=torch.float32, device=a.device)  # [T * K, H]
     weights = topk_weights.reshape(-1).contiguous()  # [T * K]
-    _down_kernel[(R // bm, triton.cdiv(H, bn))](
-        act,
-        act_scale,
-        w2,
-        w2_scale,
-        contrib,
-        aligned.sorted_pairs,
-        aligned.block_expert,
-        weights,
-        T * K,
-        H,
-        I,
-        act.stride(0),
-        act_scale.stride(0),
-        *w2.stride(),
-        *w2_scale.stride(),
-        contrib.stride(0),
-        **tiles,
-    )
-    return contrib.view(T, K, H).sum(1).to(x.dtype)
+    down_args = (act, act_scale, w2, w2_scale, contrib, *aligned, weights, T * K, H, I, act.stride(0))
+    down_args += (act_scale.stride(0), *w2.stride(), *w2_scale.stride(), contrib.stride(0))
+    down = Launch(_down_kernel, (R // bm, triton.cdiv(H, bn)), down_args, tiles, **options)
+    return contrib, [gate_up, down]
 
 
 class TritonMoE:
