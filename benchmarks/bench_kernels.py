@@ -64,20 +64,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def mla_case(shape, dtype, device, page_size: int = 64):
     B, L, H, C, R, Dn, Dv = shape
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device).manual_seed(0)
     pages_per_seq = -(-L // page_size)
-    pages = torch.randperm(B * pages_per_seq, generator=g).view(B, pages_per_seq)  # scattered pages
-    cache = torch.randn(B * pages_per_seq * page_size, C + R, generator=g).to(dtype)
-    pos = torch.arange(L)
+    pages = torch.randperm(B * pages_per_seq, generator=g, device=device).view(B, pages_per_seq)  # scattered pages
+    cache = randn(g, (B * pages_per_seq * page_size, C + R), dtype)
+    pos = torch.arange(L, device=device)
     slots = pages.gather(1, (pos // page_size).expand(B, L)) * page_size + pos % page_size
-    kv = PagedKV(slots, torch.zeros(B, 1, L), pages, torch.full((B,), L), page_size)
-    kv = PagedKV(*(t.to(device) for t in kv[:4]), page_size)
-    q_nope, q_pe = torch.randn(B, H, Dn, generator=g).to(dtype), torch.randn(B, H, R, generator=g).to(dtype)
-    w_uk, w_uv = (
-        (torch.randn(H, Dn, C, generator=g) / C**0.5).to(dtype),
-        (torch.randn(H, Dv, C, generator=g) / C**0.5).to(dtype),
-    )
-    args = [t.to(device) for t in (q_nope, q_pe, cache)] + [kv, w_uk.to(device), w_uv.to(device), 1 / (Dn + R) ** 0.5]
+    kv = PagedKV(slots, torch.zeros(B, 1, L, device=device), pages, torch.full((B,), L, device=device), page_size)
+    q_nope, q_pe = randn(g, (B, H, Dn), dtype), randn(g, (B, H, R), dtype)
+    w_uk, w_uv = randn(g, (H, Dn, C), dtype, C**-0.5), randn(g, (H, Dv, C), dtype, C**-0.5)
+    args = [q_nope, q_pe, cache, kv, w_uk, w_uv, 1 / (Dn + R) ** 0.5]
     size = dtype.itemsize
     nbytes = (B * L * (C + R) + B * H * (Dn + R + Dv) + H * (Dn + Dv) * C) * size
     flops = 2 * B * H * L * (2 * C + R) + 2 * B * H * C * (Dn + Dv)
@@ -86,16 +82,26 @@ def mla_case(shape, dtype, device, page_size: int = 64):
 
 def moe_case(shape, dtype, device):
     T, E, H, I, K = shape
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(T, H, generator=g).to(dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
-    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
-    weights = torch.rand(T, K, generator=g)
+    g = torch.Generator(device).manual_seed(0)
+    x = randn(g, (T, H), dtype)
+    w13, w2 = randn(g, (E, 2 * I, H), dtype, H**-0.5), randn(g, (E, H, I), dtype, I**-0.5)
+    ids = torch.rand(T, E, generator=g, device=device).argsort(dim=1)[:, :K]
+    weights = torch.rand(T, K, generator=g, device=device)
     active = int(ids.unique().numel())
     nbytes = (active * 3 * H * I + 2 * T * H) * dtype.itemsize + T * K * 12
     flops = 2 * T * K * 3 * H * I
-    return [t.to(device) for t in (x, w13, w2, ids, weights)], nbytes, flops
+    return [x, w13, w2, ids, weights], nbytes, flops
+
+
+def randn(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Normal values times `scale`, drawn in `dtype` on the generator's device: DeepSeek-V3's experts
+    are 22 GB in bf16, too many to draw on the host or through an fp32 copy."""
+    return torch.randn(shape, generator=g, device=g.device, dtype=dtype).mul_(scale)
+
+
+def rates(seconds: float, nbytes: int, flops: int) -> dict:
+    """A timing as microseconds, achieved GB/s and TFLOP/s."""
+    return {"us": seconds * 1e6, "gb_s": nbytes / seconds / 1e9, "tflop_s": flops / seconds / 1e12}
 
 
 def run_rows(backends: list[str], quick: bool, dtype: torch.dtype, device: torch.device, reps: int) -> list[dict]:
@@ -133,14 +139,7 @@ def run_rows(backends: list[str], quick: bool, dtype: torch.dtype, device: torch
                 refs[name].view(torch.uint8).float() if name == "fp8_quantize" else refs[name],
             )
             rows.append(
-                {
-                    "kernel": name,
-                    "backend": backend,
-                    "us": seconds * 1e6,
-                    "gb_s": nbytes / seconds / 1e9,
-                    "tflop_s": flops / seconds / 1e12,
-                    "max_rel_err_vs_torch": err,
-                }
+                {"kernel": name, "backend": backend, **rates(seconds, nbytes, flops), "max_rel_err_vs_torch": err}
             )
     return rows
 
@@ -152,6 +151,15 @@ def device_peak(device: torch.device):
     name = torch.cuda.get_device_name(device)
     hw = next((h for key, h in HARDWARE.items() if key in name), None)
     return name, (hw.mem_bw_tbs if hw else None), (hw.bf16_tflops if hw else None)
+
+
+def add_peak_fractions(rows: list[dict], bw: float | None, peak: float | None) -> list[dict]:
+    """Adds each row's fraction of the HBM bandwidth `bw` (TB/s) and bf16 `peak` (TFLOP/s); None
+    where the peak is unknown."""
+    for r in rows:
+        r["hbm_fraction"] = r["gb_s"] / (bw * 1000) if bw else None
+        r["bf16_peak_fraction"] = r["tflop_s"] / peak if peak else None
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,10 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         print("full DeepSeek-V3 shapes need a GPU; use --quick on a CPU", file=sys.stderr)
         return 2
     name, bw, peak = device_peak(device)
-    rows = run_rows(ns.backends.split(","), ns.quick, dtype, device, ns.reps or (2 if ns.quick else 20))
-    for r in rows:
-        r["hbm_fraction"] = r["gb_s"] / (bw * 1000) if bw else None
-        r["bf16_peak_fraction"] = r["tflop_s"] / peak if peak else None
+    rows = add_peak_fractions(
+        run_rows(ns.backends.split(","), ns.quick, dtype, device, ns.reps or (2 if ns.quick else 20)), bw, peak
+    )
     print(
         f"device: {name}, dtype {dtype}, {'quick' if ns.quick else 'DeepSeek-V3'} shapes"
         + (" (triton rows run under the interpreter: not a speed figure)" if device.type == "cpu" else "")

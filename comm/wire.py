@@ -21,7 +21,10 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     T, H = x.shape
     groups = -(-H // FP8_GROUP)
     padded = torch.nn.functional.pad(x.float(), (0, groups * FP8_GROUP - H)).view(T, groups, FP8_GROUP)
-    scales = (padded.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)  # [T, G]
+    # divided by a tensor on x's device, not by the Python number: CUDA divides by a host scalar as
+    # a multiplication by its reciprocal, which rounds differently from the CPU and the Triton kernel
+    fp8_max = torch.full((), FP8_MAX, device=x.device)
+    scales = (padded.abs().amax(-1) / fp8_max).clamp(min=1e-12)  # [T, G]
     q = (padded / scales[..., None]).to(torch.float8_e4m3fn).view(T, groups * FP8_GROUP)[:, :H]
     return q.contiguous(), scales
 

@@ -55,6 +55,7 @@ class Deployment:
         path = resolve_model_path(args.model_path)
         cfg = inspect_checkpoint(path)  # a broken checkpoint stops here, before any process starts
         ranks, cores = self._local_processes(args), usable_cpus()
+        _check_nccl_placement(args, ranks)
         threads = args.num_threads or max(1, cores // ranks)
         spin = args.comm_spin_us
         if spin is None:  # spinning takes a core: only where no other rank of this machine needs it
@@ -176,6 +177,18 @@ class Deployment:
             from comm.transport.shm_transport import remove_namespace
 
             remove_namespace(self._namespace)
+
+
+def _check_nccl_placement(args: EngineArgs, local_ranks: int) -> None:
+    """NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected", at the
+    first message): --transport torch on GPUs needs a GPU per rank of this machine."""
+    if args.transport != "torch" or args.mode == "single" or local_ranks < 2 or args.gpu_id_step:
+        return
+    if args.device_for(0).type == "cuda":
+        raise ConfigError(
+            f"--transport torch with --gpu-id-step=0 puts {local_ranks} ranks on one GPU, which NCCL refuses; "
+            "give each rank its own GPU (--gpu-id-step 1) or use --transport auto"
+        )
 
 
 def _wait_ready(conn, proc) -> dict:

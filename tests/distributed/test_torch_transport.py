@@ -6,6 +6,7 @@ test_serve_deployments.py and test_launch_roles.py, which run over both transpor
 from __future__ import annotations
 
 import pytest
+import torch
 
 from afd_engine import Engine, SamplingParams, make_engine
 from tests.engine_helpers import random_prompts, run_staggered
@@ -63,3 +64,17 @@ def test_fp8_and_bf16_wires_carry_the_same_bytes_as_shared_memory(tiny_v3, refer
     for shm, torch_ in zip(outs["shm"], outs["torch"]):
         assert torch_.token_ids == shm.token_ids
         assert [lp.top_logprobs for lp in torch_.logprobs] == [lp.top_logprobs for lp in shm.logprobs]
+
+
+def test_ranks_sharing_a_gpu_are_refused_before_nccl_refuses_them(tiny_v3, monkeypatch):
+    from afd_engine.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    flags = dict(mode="afd", dp_size=1, transport="torch", device="cuda", gpu_id_step=0)
+    with pytest.raises(ConfigError) as err:
+        make_engine(model_path=tiny_v3, **flags)
+    assert str(err.value) == (
+        "--transport torch with --gpu-id-step=0 puts 2 ranks on one GPU, which NCCL refuses; give each rank its "
+        "own GPU (--gpu-id-step 1) or use --transport auto"
+    )

@@ -1,0 +1,187 @@
+"""gpu_check: the dry run checks every part on the CPU, a failing part is recorded and the rest still
+run (a crashing one too, when parts run in processes of their own), the report is on disk after
+every part, and a part over its time limit is stopped."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from afd_engine.engine_args import EngineArgs
+from afd_engine.errors import ConfigError
+from tests.process_helpers import load_bench
+
+gpu_check = load_bench("gpu_check.py")
+PARTS = list(gpu_check.PARTS)
+
+
+def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One dry run of every part, with the first part made to raise: (process, report)."""
+    out = tmp_path_factory.mktemp("gpu_check") / "check.json"
+    res = run_script("--dry-run", "--json", str(out), "--fail-part", "ceilings", timeout=240)
+    return res, json.loads(out.read_text())
+
+
+def test_header_says_what_ran_where(dry_run):
+    header = dry_run[1]["header"]
+    assert header["device"] == "cpu" and header["torch"] == torch.__version__
+    assert header["triton_interpret"] is True and header["triton"] and header["transformers"]
+
+
+def test_every_part_but_the_failed_one_passes_on_the_cpu(dry_run):
+    res, report = dry_run
+    assert list(report["parts"]) == PARTS and report["finished"] is True
+    for name in PARTS[1:]:
+        part = report["parts"][name]
+        assert part["ok"], (name, part.get("error"), part.get("failures"))
+        assert part["seconds"] > 0 and part["headline"], name
+        assert f"{name:<20} ok" in res.stdout
+
+
+def test_a_failing_part_is_recorded_and_fails_the_run(dry_run):
+    res, report = dry_run
+    failed = report["parts"]["ceilings"]
+    assert failed["ok"] is False and report["ok"] is False and res.returncode == 1
+    assert failed["error"]["type"] == "RuntimeError"
+    assert failed["error"]["message"] == "injected failure (--fail-part ceilings)"
+    assert any("injected failure" in line for line in failed["error"]["traceback"])
+    assert f"{'ceilings':<20} FAIL" in res.stdout
+
+
+def test_kernels_agree_with_torch_within_tolerance(dry_run):
+    cases = dry_run[1]["parts"]["kernels_correct"]["cases"]
+    assert {"mla_bf16_page1", "gqa_fp32_page16", "moe_fp8_bf16_activations", "fp8_quantize_bf16"} <= set(cases)
+    for name, case in cases.items():
+        assert 0 <= case["rel_err"] <= case["tolerance"], (name, case)
+    assert cases["fp8_quantize_bf16"]["rel_err"] == 0 and cases["mla_fp32_page64"]["rel_err"] < 1e-5
+
+
+def test_kernel_timings_cover_bench_kernels_and_the_sweeps(dry_run):
+    sections = dry_run[1]["parts"]["kernels_timing"]["sections"]
+    assert set(sections) == {"bench_kernels", "mla_grid", "moe_sweep", "moe_fp8_sweep"}
+    rows = [r for s in sections.values() for r in s["rows"]]
+    assert len(sections["mla_grid"]["rows"]) == 4 and all(r["us"] > 0 and r["gb_s"] > 0 for r in rows)
+    assert all(r["hbm_fraction"] is None for r in rows)  # no catalog peak for a CPU
+
+
+def test_engine_parts_are_token_exact(dry_run):
+    parts = dry_run[1]["parts"]
+    runs = parts["engine_single_fp32"]["runs"]
+    assert set(runs) == {f"{a}/{b}" for a in ("deepseek_v3", "qwen3_moe") for b in ("torch", "triton")}
+    for name, run in runs.items():
+        assert run["exact"] and run["matched"] == run["tokens"] == 4 * 5, (name, run)
+        assert run["max_logprob_diff"] < 1e-4, name
+    for name, run in parts["engine_single_bf16"]["runs"].items():
+        assert run["matched"] <= run["tokens"] == 20 and run["max_logprob_diff"] < 0.5, name
+    afd = parts["engine_afd_1a1f"]
+    for transport in ("auto", "torch"):  # shared memory, and gloo standing in for NCCL
+        run = afd["runs"][transport]
+        assert run["tokens_equal"] == run["tokens"] == 20 and run["afd_tokens"] == afd["single_tokens"]
+
+
+def test_decode_step_times_per_batch(dry_run):
+    part = dry_run[1]["parts"]["decode_step_time"]
+    assert part["cuda_graphs"] == "not implemented"
+    assert [r["batch"] for r in part["rows"]] == [1, 8, 64] and all(r["step_ms"] > 0 for r in part["rows"])
+
+
+def test_a_subset_of_parts_that_passes_exits_0(tmp_path):
+    out = tmp_path / "ceilings.json"
+    res = run_script("--dry-run", "--json", str(out), "--parts", "ceilings", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    part = json.loads(out.read_text())["parts"]
+    assert list(part) == ["ceilings"] and part["ceilings"]["copy_gb_s"] > 0
+
+
+def test_a_part_whose_process_dies_is_recorded_and_the_next_runs(tmp_path):
+    out = tmp_path / "isolated.json"
+    args = ["--parts", "kernels_correct,ceilings", "--fail-part", "kernels_correct:exit"]
+    res = run_script("--dry-run", "--isolate", "on", "--json", str(out), *args, timeout=120)
+    parts = json.loads(out.read_text())["parts"]
+    assert res.returncode == 1 and list(parts) == ["kernels_correct", "ceilings"]
+    died = parts["kernels_correct"]
+    assert died["error"]["type"] == "PartProcessDied" and "exited with status 70" in died["error"]["message"]
+    assert died["process"]["returncode"] == 70 and isinstance(died["log_tail"], list)
+    assert parts["ceilings"]["ok"] and parts["ceilings"]["process"]["returncode"] == 0
+
+
+def test_unknown_parts_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.parse_args(["--json", "x.json", "--parts", "ceilings,kernels"])
+    assert exit_info.value.code == 2 and "unknown part(s) kernels" in capsys.readouterr().err
+
+
+def in_process(tmp_path):
+    """(report, run_one) of parts run in this process on the CPU."""
+    report = {"parts": {}}
+    ctx = gpu_check.Context(torch.device("cpu"), True, False, tmp_path, report)
+    return report, functools.partial(gpu_check.run_part, ctx=ctx, fail_part=None)
+
+
+def test_report_is_on_disk_after_each_part_and_limits_stop_a_part(tmp_path):
+    path = tmp_path / "report.json"
+    report, run_one = in_process(tmp_path)
+
+    def first(ctx):
+        return {"headline": "first", "value": 1}
+
+    def second(ctx):  # sees the first part's record in the file
+        return {"headline": "second", "seen": json.loads(path.read_text())["parts"]["first"]["value"]}
+
+    def slow(ctx):
+        time.sleep(5)
+        return {}
+
+    def broken(ctx):
+        raise ValueError("bad shape")
+
+    parts = {"first": first, "second": second, "slow": slow, "broken": broken, "after": first}
+    ok = gpu_check.run_parts(parts, report, path, 60, run_one, limits={"slow": 0.2})
+    report = json.loads(path.read_text())
+    assert not ok and report["finished"] and list(report["parts"]) == list(parts)
+    assert report["parts"]["second"]["seen"] == 1
+    assert report["parts"]["slow"]["error"]["type"] == "PartTimeout" and report["parts"]["slow"]["seconds"] < 2
+    assert report["parts"]["broken"]["error"]["message"] == "bad shape"
+    assert [p["ok"] for p in report["parts"].values()] == [True, True, False, False, True]
+
+
+def test_parts_past_the_deadline_are_not_run(tmp_path):
+    report, run_one = in_process(tmp_path)
+    ran = []
+    gpu_check.run_parts({"a": lambda c: ran.append("a") or {}}, report, tmp_path / "r.json", 4, run_one)
+    assert ran == [] and report["parts"]["a"]["headline"] == "not run: --deadline-s spent"
+
+
+def test_agreement_counts_tokens_up_to_the_first_difference():
+    logp = torch.log_softmax(torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.9], [1.0, 0.0, 5.0]]), -1)
+    engine = [0, 2, 2]  # position 1 is transformers' second choice, 0.1 below its first
+    out = gpu_check.agreement([logp], [engine], [[float(logp[i, t]) + 0.01 for i, t in enumerate(engine)]])
+    assert (out["tokens"], out["matched"], out["argmax_agree"]) == (3, 1, 2)
+    assert out["max_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
+    first = out["prompts"][0]["first_difference"]
+    assert (first["position"], first["engine"], first["transformers"]) == (1, 2, 1)
+    assert first["top2_gap"] == pytest.approx(0.1, abs=1e-5)
+
+
+def test_ranks_share_one_gpu_with_gpu_id_step_0(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"rank 1 needs GPU 1 \(--base-gpu-id=0 \+ rank x --gpu-id-step=1\)"):
+        EngineArgs(device="cuda").device_for(1)
+    assert EngineArgs(device="cuda", gpu_id_step=0).device_for(1) == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="--device=cuda but torch sees no CUDA GPU"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        EngineArgs(device="cuda", gpu_id_step=0).device_for(1)
