@@ -9,7 +9,8 @@ Three steps, with N = T * K (token, slot) pairs and pair p = t * K + k::
     1. align (torch ops)     pairs sorted by expert, each expert's run padded to BLOCK_M rows:
                              sorted_pairs [R] = | e0 e0 e0 pad | e2 e2 e2 e2 | e2 pad pad pad | ...
                              block_expert [R / BLOCK_M] = | 0 | 2 | 2 | ...     (pad = N)
-                             idle experts and -1 slots get no rows.
+                             idle experts and -1 slots get no rows; the buffers are sized
+                             by an upper bound (no host sync), blocks past the last: expert -1.
     2. gate_up kernel        grid (R / BLOCK_M, ceil(I / BLOCK_N)): rows of x gathered by token
                              inside the kernel, gate and up tiles of one expert, SwiGLU in the
                              epilogue -> act [R, I], one row per sorted position.
@@ -102,29 +103,42 @@ class ExpertBlocks(NamedTuple):
         return self.sorted_pairs.numel()
 
 
+def max_expert_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the BLOCK_M-row blocks of any routing of `num_pairs` pairs over
+    `num_experts` experts: each active expert wastes less than one block on padding, and at most
+    min(E, N) are active. Sizing by it (not by the routing) keeps shapes fixed for a batch size."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """topk_ids [T, K] int64 (local expert in [0, E) or -1) -> ExpertBlocks.
 
-    Torch ops with two host syncs (the row counts size the grid and the buffers). Pairs keep their
-    original order within an expert (stable sort); experts appear in index order, idle ones with
-    no block. Ids >= E are not checked (they would index out of range).
+    Torch ops, no host sync and no data-dependent shape (so a CUDA graph can capture it): the
+    buffers have `max_expert_blocks` blocks, and the blocks past the routing's last one have
+    expert -1 (the kernels return at once) and only padding. Pairs keep their original order
+    within an expert (stable sort); experts appear in index order, idle ones with no block. Ids
+    >= E are not checked (they would index out of range).
     """
     flat = topk_ids.reshape(-1)  # [N]
-    n = flat.numel()
-    bucket = torch.where(flat >= 0, flat, num_experts)  # -1 slots sort last, then are cut
-    counts = torch.bincount(bucket, minlength=num_experts + 1)[:num_experts]  # [E]
+    n, dev = flat.numel(), flat.device
+    blocks = max_expert_blocks(n, num_experts, block_m)
+    bucket = torch.where(flat >= 0, flat, num_experts)  # -1 slots sort last, then go to the dump row
+    ones = torch.ones_like(bucket)
+    counts = torch.zeros(num_experts + 1, dtype=bucket.dtype, device=dev).scatter_add_(0, bucket, ones)[:-1]  # [E]
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    starts = torch.cumsum(padded, 0) - padded  # [E] first sorted row of each expert
-    num_rows = int(padded.sum())
-    order = torch.sort(bucket, stable=True).indices[: int(counts.sum())]  # [valid] pair ids by expert
-    expert = flat[order]
-    rank = torch.arange(order.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    sorted_pairs = torch.full((num_rows,), n, dtype=torch.int32, device=flat.device)
-    sorted_pairs[starts[expert] + rank] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(
-        torch.arange(num_experts, device=flat.device, dtype=torch.int32), padded // block_m
-    )
-    return ExpertBlocks(sorted_pairs, block_expert)
+    ends = torch.cumsum(padded, 0)  # [E] one past the last sorted row of each expert
+    order = torch.sort(bucket, stable=True).indices  # [N] pair ids by expert, -1 slots last
+    expert = bucket[order]  # [N]
+    local = expert < num_experts
+    e = expert.clamp(max=num_experts - 1)
+    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[e]  # place within its expert
+    dest = torch.where(local, ends[e] - padded[e] + rank, blocks * block_m)  # -1 slots: the dump row
+    sorted_pairs = torch.full((blocks * block_m + 1,), n, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    first_rows = torch.arange(blocks, device=dev) * block_m  # [blocks]
+    block_expert = torch.searchsorted(ends, first_rows, right=True)  # [blocks] E past the last block
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return ExpertBlocks(sorted_pairs[:-1], block_expert)
 
 
 # the pair count changes every step: no 16-divisibility specialisation, one compiled kernel for all
@@ -166,6 +180,8 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # a block past the routing's last one (buffers are sized by an upper bound)
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] sorted rows
     pair = tl.load(pairs_ptr + rows)
     valid = pair < num_pairs
@@ -240,6 +256,8 @@ def _down_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # a block past the routing's last one (buffers are sized by an upper bound)
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] sorted rows
     pair = tl.load(pairs_ptr + rows)
     valid = pair < num_pairs
@@ -365,9 +383,7 @@ def _moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, blocks: MoEBlo
     T, K = topk_ids.shape
     if T == 0:
         return x.new_zeros(x.shape)
-    aligned = align_by_expert(topk_ids, w13.shape[0], blocks.block_m)
-    if aligned.num_rows == 0:  # every slot is another rank's
-        return x.new_zeros(x.shape)
+    aligned = align_by_expert(topk_ids, w13.shape[0], blocks.block_m)  # no host sync
     if w13_scale is None:
         a, a_scale = (x if x.stride(1) == 1 else x.contiguous()), None
     else:

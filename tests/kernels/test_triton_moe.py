@@ -68,8 +68,25 @@ def test_align_by_expert_layout():
     # pairs p = t * K + k: 0->e0 1->e2 2->e2 3->remote 4->e2 5->e0; experts 1 and 3 idle
     ids = torch.tensor([[0, 2], [2, -1], [2, 0]])
     aligned = align_by_expert(ids, num_experts=4, block_m=2)
-    assert aligned.sorted_pairs.tolist() == [0, 5, 1, 2, 4, 6]  # 6 = padding (N)
-    assert aligned.block_expert.tolist() == [0, 2, 2]
+    # sized by the bound (3 blocks of pairs + 4 experts' padding), not by this routing: no host sync
+    assert aligned.sorted_pairs.tolist() == [0, 5, 1, 2, 4, 6] + [6] * 8  # 6 = padding (N)
+    assert aligned.block_expert.tolist() == [0, 2, 2] + [-1] * 4  # -1: past the last block
+
+
+# aten ops whose CUDA kernels read a device value on the host (to size their output), so that a
+# CUDA graph cannot capture them
+HOST_SYNCING_OPS = {"bincount", "nonzero", "_local_scalar_dense", "unique", "masked_select", "repeat_interleave"}
+
+
+def test_align_by_expert_traces_without_host_sync_or_data_dependent_shape():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ids = torch.tensor([[0, 2], [2, -1], [2, 0]])
+    graph = make_fx(lambda t: tuple(align_by_expert(t, 4, 2)), tracing_mode="fake")(ids).graph
+    ops = {n.target.__name__.split(".")[0] for n in graph.nodes if n.op == "call_function"}
+    assert not ops & HOST_SYNCING_OPS, ops & HOST_SYNCING_OPS
+    other = torch.tensor([[1, 1], [1, 1], [3, -1]])  # another routing: the same shapes
+    assert [x.shape for x in align_by_expert(other, 4, 2)] == [x.shape for x in align_by_expert(ids, 4, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
