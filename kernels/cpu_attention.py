@@ -9,7 +9,8 @@ the cache is read once and nothing is copied. Everything around the core (MLA's 
 output projection, the extend path of both) stays torch code.
 
 The kernel takes fp32 tensors on the CPU; anything else (another dtype or device, a non-contiguous
-cache, no C compiler on the machine) runs the reference instead.
+cache, no C compiler on the machine) runs the reference instead. The kernel is the operator
+torch.ops.afd.paged_decode_f32 (see kernels/native.py), what tracing sees.
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ def heads_per_task(tasks: int, heads: int, threads: int) -> int:
     return max(1, min(MAX_HEADS_PER_TASK, -(-heads // groups)))
 
 
+def _function():
+    return native.function("paged_decode", "afd_paged_decode_f32", pointers=5, sizes=11)
+
+
 class PagedDecodeKernel:
     """Calls the C kernel; `fn` is None where it could not be built (see kernels/native.py)."""
 
     def __init__(self) -> None:
-        self.fn = native.function("paged_decode", "afd_paged_decode_f32", pointers=5, sizes=11)
+        self.fn = _function()
 
     def runs(self, q: torch.Tensor, cache: torch.Tensor) -> bool:
         """Whether these inputs go to the kernel (else to the reference)."""
@@ -49,24 +54,44 @@ class PagedDecodeKernel:
         )
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, kv: PagedKV, kv_heads: int, dv: int, val_base: int):
-        """q [B, H, Dk] fp32 contiguous, already scaled -> out [B, H, dv] (see paged_decode.c)."""
-        B, H, Dk = q.shape
-        out = q.new_empty(B, H, dv)
-        pages, kv_lens = kv.pages.contiguous(), kv.kv_lens.contiguous()
-        threads = torch.get_num_threads()
-        sizes = (B, H, kv_heads, Dk, dv, cache.shape[-1], val_base, cache.shape[0], pages.shape[1], kv.page_size)
-        hpt = heads_per_task(B * kv_heads, H // kv_heads, threads)
-        ptrs = (t.data_ptr() for t in (q, cache, pages, kv_lens, out))
-        rc = self.fn(*ptrs, *sizes, hpt, threads)
-        if rc == -2:
-            raise ValueError(
-                f"paged decode: a sequence's length (max {int(kv_lens.max())}) exceeds its page table row "
-                f"({pages.shape[1]} pages of {kv.page_size}) or a page it reads is outside the cache "
-                f"({cache.shape[0]} slots)"
-            )
-        if rc != 0:
-            raise ValueError(f"paged decode: sizes the kernel cannot take (B, H, KVH, Dk, Dv, stride, ...) = {sizes}")
-        return out
+        """q [B, H, Dk] fp32, already scaled -> out [B, H, dv] (see paged_decode.c)."""
+        return paged_decode_f32(q, cache, kv.pages, kv.kv_lens, kv_heads, dv, val_base, kv.page_size)
+
+
+def _decode_fake(q, cache, pages, kv_lens, kv_heads, dv, val_base, page_size):
+    return q.new_empty(q.shape[0], q.shape[1], dv)
+
+
+@native.cpu_op(fake=_decode_fake)
+def paged_decode_f32(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    pages: torch.Tensor,
+    kv_lens: torch.Tensor,
+    kv_heads: int,
+    dv: int,
+    val_base: int,
+    page_size: int,
+) -> torch.Tensor:
+    """afd::paged_decode_f32, the kernel: q [B, H, Dk] fp32, already scaled; cache [slots, row] fp32
+    contiguous; pages [B, P], kv_lens [B] int64 -> out [B, H, dv], a new tensor (see paged_decode.c)."""
+    B, H, Dk = q.shape
+    q, cache, pages, kv_lens = (t.contiguous() for t in (q, cache, pages, kv_lens))
+    out = q.new_empty(B, H, dv)
+    threads = torch.get_num_threads()
+    sizes = (B, H, kv_heads, Dk, dv, cache.shape[-1], val_base, cache.shape[0], pages.shape[1], page_size)
+    hpt = heads_per_task(B * kv_heads, H // kv_heads, threads)
+    ptrs = (t.data_ptr() for t in (q, cache, pages, kv_lens, out))
+    rc = _function()(*ptrs, *sizes, hpt, threads)
+    if rc == -2:
+        raise ValueError(
+            f"paged decode: a sequence's length (max {int(kv_lens.max())}) exceeds its page table row "
+            f"({pages.shape[1]} pages of {page_size}) or a page it reads is outside the cache "
+            f"({cache.shape[0]} slots)"
+        )
+    if rc != 0:
+        raise ValueError(f"paged decode: sizes the kernel cannot take (B, H, KVH, Dk, Dv, stride, ...) = {sizes}")
+    return out
 
 
 class _CpuDecode:

@@ -8,6 +8,7 @@ squares in double; the result differs from torch's by rounding only.
 
 Used by models/norm.py for every RMSNorm whose input and weight it takes (fp32, on the CPU, rows
 with unit stride, no autograd); everything else, and a machine without a C compiler, runs torch.
+The kernel is the operator torch.ops.afd.rms_norm_f32 (see kernels/native.py), what tracing sees.
 """
 
 from __future__ import annotations
@@ -41,17 +42,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
         return None
-    dim = x.shape[-1]
-    if x.is_contiguous():
-        stride = dim
-    elif x.dim() == 2:
-        stride = x.stride(0)
-    else:
+    if not (x.is_contiguous() or x.dim() == 2) or not native.built(_kernel):
         return None
-    fn = _kernel()
-    if not fn:
-        return None
+    return rms_norm_f32(x, weight, eps)
+
+
+@native.cpu_op(fake=lambda x, weight, eps: x.new_empty(x.shape))
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """afd::rms_norm_f32, the kernel: x [..., dim], weight [dim], fp32 -> a new contiguous tensor of
+    x's shape. Reads x in place where it is contiguous or 2-d with unit-stride rows."""
+    if not (x.is_contiguous() or (x.dim() == 2 and x.stride(-1) == 1)):
+        x = x.contiguous()
+    weight, dim = weight.contiguous(), x.shape[-1]
+    stride = dim if x.is_contiguous() else x.stride(0)
     out = torch.empty(x.shape, dtype=x.dtype)
-    if fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, stride, eps) != 0:
+    if _kernel()(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, stride, eps) != 0:
         raise ValueError(f"rms_norm: sizes the kernel cannot take: {tuple(x.shape)}, stride {stride}")
     return out

@@ -6,7 +6,8 @@ project's 2-core machine, twice per layer (queries and keys). The kernel reads e
 writes its rotated copy, on one thread, with torch's rounding (bit-identical output).
 
 Used by models/rope.py wherever it takes the inputs (fp32 on the CPU, unit stride within a head,
-no autograd); everything else, and a machine without a C compiler, runs torch.
+no autograd); everything else, and a machine without a C compiler, runs torch. The kernel is the
+operator torch.ops.afd.rope_f32 (see kernels/native.py), what tracing sees.
 """
 
 from __future__ import annotations
@@ -43,16 +44,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         or (torch.is_grad_enabled() and x.requires_grad)
     ):
         return None
-    fn = _kernel()
-    if not fn:
-        return None
+    if not native.built(_kernel) or (x.dim() == 3 and x.shape[1] > 1 and x.stride(1) < x.shape[-1]):
+        return None  # no kernel, or heads that overlap
+    return rope_f32(x, cos, sin, interleave)
+
+
+@native.cpu_op(fake=lambda x, cos, sin, interleave: x.new_empty(x.shape))
+def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """afd::rope_f32, the kernel: x [T, heads, dim] or [T, dim], cos, sin [T, dim/2], fp32 -> the
+    rotated x, a new contiguous tensor. Reads x in place where its heads have unit stride."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
     T, D = x.shape[0], x.shape[-1]
     H = x.shape[1] if x.dim() == 3 else 1
     stride_h = x.stride(1) if H > 1 else D  # one head's stride is never followed: any will do
-    if stride_h < D:
-        return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    rc = fn(
+    rc = _kernel()(
         x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, H, D, x.stride(0), stride_h, int(interleave)
     )
     if rc != 0:
