@@ -4,8 +4,10 @@ every part, and a part over its time limit is stopped."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,9 +31,18 @@ def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """One dry run of every part, with the first part made to raise: (process, report)."""
-    out = tmp_path_factory.mktemp("gpu_check") / "check.json"
-    res = run_script("--dry-run", "--json", str(out), "--fail-part", "ceilings", timeout=240)
+    """One dry run of every part, with the first part made to raise: (process, report). Under
+    xdist the first worker runs it and the others read its files (a dry run takes a minute)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    root = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.getbasetemp()
+    out, saved = root / "gpu_check.json", root / "gpu_check.run.json"
+    with open(root / "gpu_check.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.exists():
+            res = run_script("--dry-run", "--json", str(out), "--fail-part", "ceilings", timeout=240)
+            saved.write_text(json.dumps({"returncode": res.returncode, "stdout": res.stdout, "stderr": res.stderr}))
+    run = json.loads(saved.read_text())
+    res = subprocess.CompletedProcess(["gpu_check.py"], run["returncode"], run["stdout"], run["stderr"])
     return res, json.loads(out.read_text())
 
 
