@@ -8,6 +8,7 @@ import os
 import uuid
 
 import pytest
+import torch
 
 from afd_engine import SamplingParams, make_engine
 from afd_engine.distributed import launcher, workers
@@ -69,7 +70,7 @@ def test_a_rank_looks_for_its_messages_at_the_priority_asked_for(priority, idle,
     args = EngineArgs(model_path=tiny_v3, mode="afd", dp_size=1, comm_spin_us=1500, **flags)
     spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(tiny_v3))
     table = PeerTable(hosts={0: host_id(), 1: host_id()}, namespace=uuid.uuid4().hex[:12])
-    transport = workers._transport(0, table, spec)
+    transport = workers._transport(0, table, spec, torch.device("cpu"))
     try:
         assert isinstance(transport, ShmTransport)
         assert transport._spin.max_s == 0.0015
