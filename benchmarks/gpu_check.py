@@ -50,7 +50,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +58,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import bench_kernels as bk  # noqa: E402
+from part_runner import (  # noqa: E402
+    PartTimeout,
+    died,
+    error_record,
+    run_cases,
+    run_parts,
+    summary,
+    time_limit,
+    write_json,
+)
 
 from kernels.registry import attention_backend, moe_backend  # noqa: E402
 
@@ -81,10 +90,6 @@ ARCHS, BACKENDS = ("deepseek_v3", "qwen3_moe"), ("torch", "triton")
 PROMPT_LENGTHS = (1, 7, 23, 50)
 V3_MLA = {"heads": 128, "C": 512, "R": 64, "Dn": 128, "Dv": 128}
 TINY_MLA = {"heads": 4, "C": 32, "R": 8, "Dn": 16, "Dv": 16}
-
-
-class PartTimeout(BaseException):
-    """A part ran past its limit (a BaseException: code under test must not swallow it)."""
 
 
 @dataclass
@@ -122,31 +127,6 @@ class Context:
 
 
 # -- running parts -------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    def expire(signum, frame):
-        raise PartTimeout(f"over its time limit of {seconds:.0f} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def error_record(exc: BaseException, depth: int = 0) -> dict:
-    """Type, message and the last traceback lines of `exc`, and the same of what caused it (a
-    Triton compile or interpreter error carries the kernel's line in its cause)."""
-    lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, chain=False)).splitlines()
-    record = {"type": type(exc).__name__, "message": str(exc)[:8000], "traceback": lines[-25:]}
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and depth < 3:
-        record["cause"] = error_record(cause, depth + 1)
-    return record
 
 
 def run_part(name: str, fn, limit_s: float, *, ctx: Context, fail_part: str | None) -> dict:
@@ -208,69 +188,10 @@ def run_isolated(name: str, fn, limit_s: float, *, ns: argparse.Namespace, workd
     return record
 
 
-def died(returncode: int, seconds: float, kill_after_s: float) -> dict:
-    """The record of a part whose process ended without writing one."""
-    if seconds >= kill_after_s:
-        why = f"ran past {kill_after_s:.0f} s and was killed (a hang its time limit could not interrupt)"
-    else:
-        why = f"exited with status {returncode} (negative: killed by that signal) before recording a result"
-    error = {"type": "PartProcessDied", "message": f"the part's process {why}", "traceback": []}
-    return {"ok": False, "seconds": round(seconds, 3), "headline": error["message"][:100], "error": error}
-
-
 def passed_flags(ns: argparse.Namespace) -> list[str]:
     """The flags a part's own process takes over from this run."""
     flags = ["--dry-run"] * ns.dry_run + ["--quick"] * ns.quick
     return flags + (["--fail-part", ns.fail_part] if ns.fail_part else [])
-
-
-def run_parts(parts: dict, report: dict, json_path: Path, deadline_s: float, run_one, limits=PART_LIMITS_S) -> bool:
-    """Runs `parts` (name -> fn(ctx) -> dict) in order through `run_one(name, fn, limit_s) -> record`
-    into report["parts"], each under its `limits` entry (default 60 s), rewriting the JSON file after
-    each; a part that would start with under 5 s of `deadline_s` left is not run. Returns whether
-    every part passed."""
-    start = time.perf_counter()
-    for name, fn in parts.items():
-        left = deadline_s - (time.perf_counter() - start)
-        if left < 5:
-            report["parts"][name] = {"ok": False, "seconds": 0.0, "headline": "not run: --deadline-s spent"}
-        else:
-            report["parts"][name] = run_one(name, fn, min(limits.get(name, 60), left))
-        write_json(json_path, report)
-    report["ok"] = all(p["ok"] for p in report["parts"].values())
-    report["finished"] = True
-    write_json(json_path, report)
-    return report["ok"]
-
-
-def run_cases(cases: dict) -> tuple[dict, list[str]]:
-    """Runs each case (name -> fn() -> dict) on its own: (its record or error, failure messages).
-    A case fails by raising or by returning "ok": False."""
-    records, failures = {}, []
-    for name, case in cases.items():
-        start = time.perf_counter()
-        try:
-            records[name] = case()
-        except Exception as exc:
-            records[name] = {"ok": False, "error": error_record(exc)}
-        records[name]["seconds"] = round(time.perf_counter() - start, 3)
-        if records[name].get("ok") is False:
-            error = records[name].get("error")
-            failures.append(f"{name}: " + (f"{error['type']}: {error['message'][:200]}" if error else "out of bounds"))
-    return records, failures
-
-
-def write_json(path: Path, report: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    tmp.replace(path)
-
-
-def summary(report: dict) -> str:
-    lines = [f"{'part':<20} {'status':<6} {'seconds':>8}  headline"]
-    for name, p in report["parts"].items():
-        lines.append(f"{name:<20} {'ok' if p['ok'] else 'FAIL':<6} {p['seconds']:>8.1f}  {p.get('headline', '')}")
-    return "\n".join(lines)
 
 
 # -- header --------------------------------------------------------------------------------------
@@ -822,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     try:
         parts = {p: PARTS[p] for p in ns.parts.split(",")}
-        ok = run_parts(parts, report, ns.json, ns.deadline_s, runner(ns, report, workdir))
+        ok = run_parts(parts, report, ns.json, ns.deadline_s, runner(ns, report, workdir), PART_LIMITS_S)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"device: {report['header']['device']}; report: {ns.json}\n{summary(report)}")

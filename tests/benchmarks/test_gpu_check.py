@@ -172,7 +172,7 @@ def test_report_is_on_disk_after_each_part_and_limits_stop_a_part(tmp_path):
 def test_parts_past_the_deadline_are_not_run(tmp_path):
     report, run_one = in_process(tmp_path)
     ran = []
-    gpu_check.run_parts({"a": lambda c: ran.append("a") or {}}, report, tmp_path / "r.json", 4, run_one)
+    gpu_check.run_parts({"a": lambda c: ran.append("a") or {}}, report, tmp_path / "r.json", 4, run_one, {})
     assert ran == [] and report["parts"]["a"]["headline"] == "not run: --deadline-s spent"
 
 
