@@ -16,10 +16,11 @@ from afd_engine.engine_args import EngineArgs, setting_error
 from afd_engine.errors import ConfigError
 
 
-def _settings_classes() -> tuple:
+def _settings_class_of() -> dict:
+    """Field name -> the settings dataclass (EngineArgs, ServerArgs) it belongs to."""
     from afd_engine.server.launch import ServerArgs
 
-    return (EngineArgs, ServerArgs)
+    return {f.name: cls for cls in (EngineArgs, ServerArgs) for f in fields(cls)}
 
 
 def load_config(path: str | Path, allowed: set[str]) -> dict:
@@ -33,9 +34,9 @@ def load_config(path: str | Path, allowed: set[str]) -> dict:
     unknown = sorted(set(values) - allowed)
     if unknown:
         raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}")
+    owners = _settings_class_of()
     for key, value in values.items():
-        cls = next((c for c in _settings_classes() if key in {f.name for f in fields(c)}), None)
-        error = cls and setting_error(cls, key, value)
+        error = key in owners and setting_error(owners[key], key, value)
         if error:
             raise ConfigError(f"{path}: {key}: {value!r} {error}")
     return values

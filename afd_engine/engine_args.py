@@ -40,6 +40,15 @@ def add_flags(settings_cls, parser: argparse.ArgumentParser) -> None:
         )
 
 
+# a settings field's type -> (whether a value is of it, how an error names it); bool is no number here
+_TYPES = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
 def setting_error(settings_cls, name: str, value) -> str | None:
     """Why `value` cannot be field `name` of a settings dataclass made with `opt` (its type or its
     choices), or None. The command line, the Python API and YAML files share this check."""
@@ -47,15 +56,9 @@ def setting_error(settings_cls, name: str, value) -> str | None:
     kinds = [k.strip() for k in f.type.split("|")]
     if value is None:
         return None if "None" in kinds else "must be given (it has no empty value)"
-    base = kinds[0]
-    ok = {
-        "bool": lambda v: isinstance(v, bool),
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "str": lambda v: isinstance(v, str),
-    }[base](value)
-    if not ok:
-        return "must be " + {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}[base]
+    accepts, what = _TYPES[kinds[0]]
+    if not accepts(value):
+        return f"must be {what}"
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
         return f"choose one of {', '.join(choices)}"

@@ -82,3 +82,16 @@ def prefix_sharing_rounds(engine, vocab: int, params: SamplingParams, seed: int 
     answer = run([turn2, system + rand(5), long[:30], long[:21] + rand(9)])[0]
     run([turn2 + answer + rand(6), long[:24], system + rand(5), long])
     return results
+
+
+def staggered_reference(path: str, lengths, params: SamplingParams, seed: int, low: int = 0):
+    """(prompts, the single engine's staggered tokens), those tokens first held to transformers'
+    greedy ones: the reference a deployment test compares with."""
+    from tests.hf_reference import assert_greedy_matches, hf_greedy
+
+    with Engine(model_path=path, num_threads=1) as single:
+        prompts = random_prompts(single.config.vocab_size, lengths, seed=seed, low=low)
+        outs = run_staggered(single, prompts, params, every=2)
+    for ids, out in zip(prompts, outs):
+        assert_greedy_matches(out, *hf_greedy(path, ids, params.max_new_tokens), f"prompt of {len(ids)} tokens")
+    return prompts, outs

@@ -9,10 +9,9 @@ import json
 import pytest
 import torch
 
-from afd_engine import Engine, SamplingParams, make_engine
+from afd_engine import SamplingParams, make_engine
 from afd_engine.eplb.expert_map import ExpertLayout
-from tests.engine_helpers import random_prompts, run_staggered
-from tests.hf_reference import assert_greedy_matches, hf_greedy
+from tests.engine_helpers import run_staggered, staggered_reference
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 LENGTHS = [5, 9, 17, 3, 12, 7, 21, 4]
@@ -45,12 +44,7 @@ REPORT = {"moe_layers": [1, 2, 3], "load": [[50 if e in (3, 12) else 1 + e for e
 
 @pytest.fixture(scope="module")
 def reference(tiny_v3):
-    with Engine(model_path=tiny_v3, num_threads=1) as engine:
-        prompts = random_prompts(engine.config.vocab_size, LENGTHS, seed=11)
-        outs = run_staggered(engine, prompts, GREEDY, every=2)
-    for ids, out in zip(prompts, outs):
-        assert_greedy_matches(out, *hf_greedy(tiny_v3, ids, GREEDY.max_new_tokens), f"prompt of {len(ids)} tokens")
-    return prompts, outs
+    return staggered_reference(tiny_v3, LENGTHS, GREEDY, seed=11)
 
 
 @pytest.mark.timeout(300)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd_engine import Engine, SamplingParams, make_engine
-from tests.engine_helpers import random_prompts, run_staggered
-from tests.hf_reference import assert_greedy_matches, hf_greedy
+from afd_engine import SamplingParams, make_engine
+from tests.engine_helpers import run_staggered, staggered_reference
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 LOGPROBS = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -34,12 +33,7 @@ DEPLOYMENTS = {
 
 @pytest.fixture(scope="module")
 def reference(tiny_v3):
-    with Engine(model_path=tiny_v3, num_threads=1) as single:
-        batch = random_prompts(single.config.vocab_size, LENGTHS, seed=5, low=5)
-        outs = run_staggered(single, batch, GREEDY, every=2)
-    for ids, out in zip(batch, outs):
-        assert_greedy_matches(out, *hf_greedy(tiny_v3, ids, GREEDY.max_new_tokens), f"prompt of {len(ids)}")
-    return batch, outs
+    return staggered_reference(tiny_v3, LENGTHS, GREEDY, seed=5, low=5)
 
 
 @pytest.mark.timeout(300)
