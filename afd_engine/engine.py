@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from afd_engine.default_model import resolve_model_path
+from afd_engine.disagg.sides import make_side
 from afd_engine.engine_args import EngineArgs
 from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
 from afd_engine.eplb.recorder import ExpertLoadRecorder
@@ -101,8 +102,10 @@ class Engine(OfflineEngine):
             self.load_recorder,
             self.context_len,
             self.config.vocab_size,
-            overlap=args.overlap_on(self.device),
+            # a prefill instance sends each step's pages right after it: no step may be under way then
+            overlap=args.overlap_on(self.device) and args.disaggregation_mode != "prefill",
         )
+        self.disagg = make_side(self)  # prefill-decode disaggregation: None unless --disaggregation-mode
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(args.seed)
@@ -136,8 +139,11 @@ class Engine(OfflineEngine):
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        disaggregation: dict | None = None,
     ) -> str:
-        """Queues one request; raises InvalidRequestError (and queues nothing) if it cannot run."""
+        """Queues one request; raises InvalidRequestError (and queues nothing) if it cannot run.
+        `disaggregation` is {"room": R} on a prefill instance and {"room": R, "bootstrap":
+        "HOST:PORT"} on a decode instance (what `afd router` adds); elsewhere it must be None."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt, prompt_token_ids)
         rid = request_id or f"req-{next(self._ids)}"
@@ -145,38 +151,74 @@ class Engine(OfflineEngine):
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed)
-        self.scheduler.add(req)
+        if self.disagg is None and disaggregation is None:
+            self.scheduler.add(req)
+        else:
+            self._check_disaggregation(disaggregation)
+            req.disagg_room, req.disagg_bootstrap = disaggregation["room"], disaggregation.get("bootstrap")
+            self.scheduler.check(req)
+            self.disagg.add(req)
         self._requests[rid] = req
         return rid
+
+    def _check_disaggregation(self, d: dict | None) -> None:
+        mode = self.args.disaggregation_mode
+        if mode == "null":
+            raise InvalidRequestError(
+                "this instance is not disaggregated (--disaggregation-mode null): send requests without "
+                "bootstrap_room",
+                param="bootstrap_room",
+            )
+        if not isinstance(d, dict) or not isinstance(d.get("room"), int) or isinstance(d.get("room"), bool):
+            raise InvalidRequestError(
+                f"this is a {mode} instance (--disaggregation-mode {mode}): its requests come through "
+                "`afd router`, which gives each one a bootstrap_room",
+                param="bootstrap_room",
+            )
+        if mode == "decode" and not isinstance(d.get("bootstrap"), str):
+            raise InvalidRequestError(
+                "a decode instance needs the prefill instance's bootstrap_host and bootstrap_port",
+                param="bootstrap_host",
+            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
+        if self.disagg is not None and req.disagg_room is not None:
+            self.disagg.drop(req)
         self.scheduler.remove(req)
         req.finish_reason = "abort"
         return self._output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.disagg is not None and self.disagg.has_work())
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling round; returns the requests that finished in the step it finished
         (with overlapped scheduling, the step before the one it started)."""
-        return [self._output(req) for req in self._step()[1]]
+        return [self._output(req) for req in self._step()[2]]
 
     def step_updates(self) -> list[TokenUpdate]:
         """Like `step`, but returns, per request touched, its new token and finish state (what a
         streaming front end forwards)."""
-        sampled, finished = self._step()
+        arrived, sampled, finished = self._step()
         done = {id(r) for r in finished}
         updates = [self._update(r, [r.output_ids[-1]], id(r) in done) for r in sampled]
-        return updates + [self._update(r, [], True) for r in finished if r not in sampled]
+        if arrived:  # decode side: first tokens from the prefill side (and a second if a step ran)
+            stepped = {id(r) for r in sampled}
+            first = [self._update(r, r.output_ids[:1], id(r) in done and id(r) not in stepped) for r in arrived]
+            updates = first + updates
+        told = {id(r) for r in sampled} | {id(r) for r in arrived}
+        return updates + [self._update(r, [], True) for r in finished if id(r) not in told]
 
     def _update(self, req: Request, new: list[int], finished: bool) -> TokenUpdate:
         prompt_logprobs = None  # sent once, with the first update after the prompt was scored
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and req.next_scored == len(req.prompt_ids):
             prompt_logprobs, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
+        timeline = None  # sent once, with the first token
+        if req.timeline is not None and new and not req.timeline_sent and "queue_s" in req.timeline:
+            timeline, req.timeline_sent = req.timeline, True
         return TokenUpdate(
             req.rid,
             new,
@@ -188,14 +230,27 @@ class Engine(OfflineEngine):
             len(req.output_ids),
             req.num_cached_tokens,
             prompt_logprobs,
+            timeline,
         )
 
-    def _step(self) -> tuple[list[Request], list[Request]]:
-        """(requests that got a token, requests that finished) of one step."""
-        sampled, done = self.stepper.step()
+    def _step(self) -> tuple[list[Request], list[Request], list[Request]]:
+        """(requests whose first token came from a prefill instance, requests that got a token,
+        requests that finished) of one step."""
+        arrived = []
+        if self.disagg is None:
+            sampled, done = self.stepper.step()
+        else:
+            arrived, ended = self.disagg.before_step()  # (decode side: first tokens from the prefill side)
+            for req in ended:
+                self.scheduler.remove(req)
+            sampled, done = self.stepper.step()
+            handed_off = self.disagg.after_step()  # (prefill side: transferred, or failed)
+            for req in handed_off:
+                self.scheduler.remove(req)
+            done = ended + done + handed_off
         for req in done:
             self._requests.pop(req.rid, None)
-        return sampled, done
+        return arrived, sampled, done
 
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
@@ -258,6 +313,8 @@ class Engine(OfflineEngine):
             self.abort(rid)
         self.stepper.close()
         self.runner.close()
+        if self.disagg is not None:
+            self.disagg.close()
 
 
 def _load_tokenizer(model_path):

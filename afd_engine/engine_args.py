@@ -205,6 +205,30 @@ class EngineArgs:
     record_timeline: str | None = opt(
         None, "write per-operation timing events of every rank to PATH.<role><rank>.jsonl"
     )
+    disaggregation_mode: str = opt(
+        "null",
+        "prefill-decode disaggregation: null (prefill and decode here), prefill (prompts only; the KV cache goes "
+        "to a decode instance) or decode (takes prefilled KV caches; requests come through `afd router`)",
+        choices=("null", "prefill", "decode"),
+    )
+    disaggregation_transfer_backend: str = opt(
+        "builtin",
+        "how KV pages move from prefill to decode: builtin (ZeroMQ messages) or mooncake (the Mooncake Transfer "
+        "Engine writes into the decode instance's registered pool)",
+        choices=("builtin", "mooncake"),
+    )
+    disaggregation_bootstrap_port: int = opt(
+        8998, "prefill: the port where decode ranks learn this instance's ranks and model (the bootstrap server)"
+    )
+    disaggregation_host: str = opt(
+        "127.0.0.1", "prefill/decode: the address this machine's ranks give peers for KV messages and transfers"
+    )
+    disaggregation_ib_device: str | None = opt(
+        None, "mooncake: the RDMA device (e.g. mlx5_0); without it Mooncake moves pages over TCP"
+    )
+    disaggregation_timeout: float = opt(
+        60.0, "prefill/decode: seconds a request may wait for its peer (reservation, pages) before it fails"
+    )
     inject_attention_delay_ms: float = opt(0.0, "experiments: extra compute per MoE layer and micro-batch on A")
     inject_ffn_delay_ms: float = opt(0.0, "experiments: extra compute per MoE layer and micro-batch on F")
     inject_ffn_delay_us_per_token: float = opt(
@@ -256,6 +280,8 @@ class EngineArgs:
         )
         need(self.eplb_rebalance_num_iterations >= 1, "eplb_rebalance_num_iterations", "must be at least 1")
         need(self.eplb_window_steps is None or self.eplb_window_steps >= 1, "eplb_window_steps", "must be >= 1")
+        need(self.disaggregation_timeout > 0, "disaggregation_timeout", "must be positive")
+        need(0 < self.disaggregation_bootstrap_port < 65536, "disaggregation_bootstrap_port", "must be a TCP port")
         need(self.base_gpu_id >= 0, "base_gpu_id", "must be >= 0")
         need(self.gpu_id_step >= 0, "gpu_id_step", "must be >= 0")
         need(

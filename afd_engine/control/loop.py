@@ -27,6 +27,9 @@ HEARTBEAT_S = 0.5
 # every rank when it sends a request (messages.Wake), so this only bounds how long a rank that
 # started a round alone waits for the others; each idle round costs every rank some CPU.
 LOCKSTEP_IDLE_MS = 50
+# A rank whose only work is waiting on a disaggregation peer checks its timeouts this often (a
+# message from the peer wakes it at once).
+DISAGG_POLL_MS = 50
 log = logging.getLogger("afd.engine")
 _WAKE = msgs.encode(msgs.Wake())
 
@@ -90,6 +93,8 @@ class EngineLoop:
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.sub, zmq.POLLIN)
+        if engine.disagg is not None:  # a peer's KV message wakes an idle rank (disagg drains it)
+            self.poller.register(engine.disagg.inbox, zmq.POLLIN)
         self._last_sent = 0.0
         self._rank_load: tuple[float, ...] = ()
         self._rank_load_at = float("-inf")
@@ -98,7 +103,13 @@ class EngineLoop:
         engine = self.engine
         idle_ms = LOCKSTEP_IDLE_MS if engine.lockstep else int(HEARTBEAT_S * 1000)
         while not engine.stopped:
-            self._receive(timeout_ms=0 if engine.has_unfinished() or engine.peers_busy else idle_ms)
+            if engine.scheduler.has_work() or engine.peers_busy:
+                timeout = 0
+            elif engine.has_unfinished():  # only waiting on a disaggregation peer: its messages wake us
+                timeout = DISAGG_POLL_MS
+            else:
+                timeout = idle_ms
+            self._receive(timeout_ms=timeout)
             updates = engine.step_updates() if engine.lockstep or engine.has_unfinished() else []
             if updates or time.monotonic() - self._last_sent >= HEARTBEAT_S:
                 self._send(msgs.StepOutput(updates, self.stats(), self.rank))
@@ -106,7 +117,7 @@ class EngineLoop:
         self.close()
 
     def stats(self) -> msgs.EngineStats:
-        s, pool, cache = self.engine.scheduler, self.engine.pool, self.engine.cache
+        s, pool, cache, pd = self.engine.scheduler, self.engine.pool, self.engine.cache, self.engine.disagg
         return msgs.EngineStats(
             len(s.running),
             len(s.waiting),
@@ -117,6 +128,9 @@ class EngineLoop:
             s.prompt_tokens,
             cache.evicted_pages,
             self._expert_rank_load(),
+            getattr(pd, "reserved_pages", 0),
+            pd.transfer_bytes if pd is not None else 0,
+            pd.transfer_seconds if pd is not None else 0.0,
         )
 
     def _expert_rank_load(self) -> tuple[float, ...]:
@@ -128,6 +142,8 @@ class EngineLoop:
 
     def _receive(self, timeout_ms: int) -> None:
         for sock, _ in self.poller.poll(timeout_ms):
+            if sock is not self.pull and sock is not self.sub:
+                continue  # the disaggregation inbox: read by the engine's step
             while True:
                 try:
                     raw = sock.recv(zmq.NOBLOCK)
@@ -145,7 +161,12 @@ class EngineLoop:
             self._send(msgs.Rejected(msg.rid, msg.message, msg.param))
         elif isinstance(msg, msgs.AddRequest):
             try:
-                self.engine.add_request(prompt_token_ids=msg.prompt_ids, params=msg.params, request_id=msg.rid)
+                self.engine.add_request(
+                    prompt_token_ids=msg.prompt_ids,
+                    params=msg.params,
+                    request_id=msg.rid,
+                    disaggregation=msg.disaggregation,
+                )
             except InvalidRequestError as exc:
                 self._send(msgs.Rejected(msg.rid, str(exc), exc.param))
             except Exception as exc:  # one request's content must fail that request only
@@ -186,6 +207,8 @@ def run_engine_process(
             "model_path": str(engine.model_path),
             "context_len": engine.context_len,
             "architecture": engine.config.architecture,
+            "disagg_address": engine.disagg.address if engine.disagg is not None else None,
+            "disagg_description": engine.disagg.description if engine.disagg is not None else None,
         }
     )
     log.info(

@@ -29,6 +29,7 @@ class AddRequest:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    disaggregation: dict | None = None  # {"room": R[, "bootstrap": "HOST:PORT"]} on a prefill/decode instance
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class EngineStats:
     prompt_tokens: int = 0  # since start: prompt tokens of admitted requests
     cache_evicted_pages: int = 0  # since start
     expert_rank_load: tuple[float, ...] = ()  # tokens per expert rank over the load window
+    kv_pages_reserved: int = 0  # decode instance: pages held for requests whose KV is on its way
+    kv_transfer_bytes: int = 0  # since start: KV bytes sent (prefill) or received (decode)
+    kv_transfer_seconds: float = 0.0  # since start: time the prefill side spent sending them
 
     @staticmethod
     def total(stats) -> EngineStats:
@@ -124,6 +128,8 @@ def encode(msg) -> bytes:
     if isinstance(msg, AddRequest):
         params = {name: getattr(msg.params, name) for name in _PARAM_FIELDS}
         body = {"rid": msg.rid, "prompt_ids": msg.prompt_ids, "params": params}
+        if msg.disaggregation is not None:
+            body["disaggregation"] = msg.disaggregation
     else:
         body = dataclasses.asdict(msg)
     return json.dumps({"type": type(msg).__name__, "body": body}).encode()
@@ -134,7 +140,8 @@ def decode(data: bytes):
     kind, body = raw["type"], raw["body"]
     if kind == "AddRequest":
         try:
-            return AddRequest(body["rid"], body["prompt_ids"], SamplingParams(**body["params"]))
+            params = SamplingParams(**body["params"])
+            return AddRequest(body["rid"], body["prompt_ids"], params, body.get("disaggregation"))
         except (InvalidRequestError, TypeError) as exc:  # TypeError: an unknown sampling field
             return InvalidAddRequest(body["rid"], str(exc), getattr(exc, "param", None))
     return _TYPES[kind](**body)

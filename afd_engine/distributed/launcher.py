@@ -106,7 +106,9 @@ class Deployment:
         if failed:
             self.stop()
             raise ConfigError(f"the deployment failed to start: {failed[0]}")
-        self.info = next((i for i in infos if "model_path" in i), {"model_path": self.args.model_path})
+        self.info = dict(next((i for i in infos if "model_path" in i), {"model_path": self.args.model_path}))
+        # a prefill instance's bootstrap server lists its attention ranks' KV addresses, in rank order
+        self.info["disagg_ranks"] = [i["disagg_address"] for i in infos if i.get("disagg_address")]
         return self.info
 
     def _ranks(self):

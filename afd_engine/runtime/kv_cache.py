@@ -69,6 +69,9 @@ class KVPool:
         self.page_table[row, : len(prefix_pages)] = torch.tensor(prefix_pages, dtype=torch.int64)
         return row
 
+    def num_row_pages(self, row: int) -> int:
+        return len(self._pages[row])
+
     def page_of(self, row: int, index: int) -> int:
         return self._pages[row][index]
 

@@ -41,6 +41,15 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     inflight: list[int] = field(default_factory=list)  # per token under way: its row in its step's samples
+    # prefill-decode disaggregation: the request's room (its id shared by both instances), the
+    # prefill instance's bootstrap address (decode side), and durations for the TTFT split
+    disagg_room: int | None = None
+    disagg_bootstrap: str | None = None
+    timeline: dict | None = None
+    timeline_sent: bool = False
+    dest: dict | None = None  # prefill side: where its pages go (the decode rank's DEST message)
+    sent_pages: int = 0  # prefill side: pages [0, sent_pages) are at the decode rank
+    prefill_rank: str | None = None  # decode side: the prefill rank's address
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -134,6 +143,7 @@ class TokenUpdate:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, in the first update after the prompt
+    timeline: dict | None = None  # disaggregated requests: the TTFT split, with their first token
 
 
 @dataclass(frozen=True)

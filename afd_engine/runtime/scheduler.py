@@ -63,6 +63,14 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         """Queues a request; raises InvalidRequestError if it can never run."""
+        self.check(req)
+        req.queued_round = self.round
+        self.waiting.append(req)
+        if req.prompt_logprobs is not None:
+            self.scoring.add(req)
+
+    def check(self, req: Request) -> None:
+        """Raises InvalidRequestError if the request can never run here."""
         n = len(req.prompt_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -78,10 +86,36 @@ class Scheduler:
                 "raise --kv-cache-memory-mb",
                 param="prompt",
             )
-        req.queued_round = self.round
-        self.waiting.append(req)
-        if req.prompt_logprobs is not None:
-            self.scoring.add(req)
+
+    # -- prefill-decode disaggregation (decode side) -------------------------------------------
+
+    def reserve(self, req: Request, reserved: int) -> bool:
+        """Opens req's row with its cached prefix and the pages its prompt and first token need,
+        as admission would (one page kept per running request); False, and nothing held, when
+        they do not fit now. `reserved` requests hold rows already without running."""
+        if len(self.running) + reserved >= self.max_running or self.pool.free_rows == 0:
+            return False
+        prefix = self.cache.acquire(req)
+        need = pages_for(len(req.prompt_ids) + 1, self.pool.page_size) - len(prefix)
+        if need > self._available_pages() - len(self.running):
+            self.cache.release(req)
+            return False
+        req.row = self.pool.open_row(prefix)
+        req.num_cached = 0
+        if not self._grow(req.row, len(req.prompt_ids) + 1):  # (cannot fail: checked above)
+            self._drop_cache(req)
+            return False
+        return True
+
+    def activate(self, req: Request) -> None:
+        """A reserved request whose prompt's pages were filled from outside (a prefill instance)
+        and whose first token is in output_ids: it decodes from now on; its full pages join the
+        prefix cache."""
+        req.num_cached = len(req.prompt_ids)
+        req.admitted = True
+        self.prompt_tokens += len(req.prompt_ids)
+        self.running.append(req)
+        self.cache.cache(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
