@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	@# the Mooncake KV transfer backend (CPU build) imports only with libibverbs: best effort, the
+	@# tests say why they skip it where it cannot be installed
+	-command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1 && (apt-get update -qq; apt-get install -y -qq libibverbs1) >/dev/null 2>&1
+	-$(PY) -m pip install -q 'mooncake-transfer-engine-non-cuda>=0.3; platform_system == "Linux" and platform_machine == "x86_64"'
 	touch $(STAMP)
 
 serve: setup

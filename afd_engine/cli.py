@@ -68,6 +68,11 @@ def _serve(ns: argparse.Namespace) -> int:
     from afd_engine import EngineArgs
     from afd_engine.server.launch import ServerArgs, serve
 
+    if ns.pd:
+        from afd_engine.server.pd_launch import serve_pd
+
+        return serve_pd(ns.argv[1:], ns)
+
     return serve(EngineArgs.from_cli(ns), ServerArgs.from_cli(ns))
 
 
@@ -159,6 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (any mode, all ranks on this machine)")
     ServerArgs.add_cli_args(srv)
+    srv.add_argument(
+        "--pd",
+        action="store_true",
+        help="start a prefill instance, a decode instance and `afd router` (on --port) on this machine",
+    )
+    modes = ("single", "colocated", "afd")
+    srv.add_argument("--prefill-mode", default="single", choices=modes, help="--pd: the prefill instance's --mode")
+    srv.add_argument("--decode-mode", default="single", choices=modes, help="--pd: the decode instance's --mode")
+    srv.add_argument("--prefill-args", default="", help="--pd: flags for the prefill instance only (one string)")
+    srv.add_argument("--decode-args", default="", help="--pd: flags for the decode instance only (one string)")
+
+    router = sub.add_parser(
+        "router", help="the OpenAI-compatible front of a prefill-decode deployment (instances started apart)"
+    )
+    router.add_argument("--prefill", action="append", required=True, help="URL of a prefill instance (repeat)")
+    router.add_argument("--decode", action="append", required=True, help="URL of a decode instance (repeat)")
+    router.add_argument("--host", default="127.0.0.1", help="address to bind")
+    router.add_argument("--port", type=int, default=30000, help="HTTP port")
 
     launch = sub.add_parser(
         "launch", help="start one role (attention, or the FFN ranks of one FFN node) of a multi-machine AFD deployment"
@@ -226,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if ns.command == "expert-load":
             return _expert_load(ns)
+        if ns.command == "router":
+            from afd_engine.server.pd_router import run_router
+
+            return run_router(ns.prefill, ns.decode, ns.host, ns.port)
+        ns.argv = argv
         apply_config(ns, _defaults(parser, ns.command))
         return {"generate": _generate, "demo": _demo, "serve": _serve, "launch": _launch}[ns.command](ns)
     except AFDError as exc:

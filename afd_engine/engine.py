@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Callable
 
 import torch
@@ -165,8 +166,7 @@ class Engine(OfflineEngine):
         mode = self.args.disaggregation_mode
         if mode == "null":
             raise InvalidRequestError(
-                "this instance is not disaggregated (--disaggregation-mode null): send requests without "
-                "bootstrap_room",
+                "this instance is not disaggregated (--disaggregation-mode null): send requests without bootstrap_room",
                 param="bootstrap_room",
             )
         if not isinstance(d, dict) or not isinstance(d.get("room"), int) or isinstance(d.get("room"), bool):
@@ -216,9 +216,12 @@ class Engine(OfflineEngine):
         prompt_logprobs = None  # sent once, with the first update after the prompt was scored
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and req.next_scored == len(req.prompt_ids):
             prompt_logprobs, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
-        timeline = None  # sent once, with the first token
-        if req.timeline is not None and new and not req.timeline_sent and "queue_s" in req.timeline:
-            timeline, req.timeline_sent = req.timeline, True
+        timeline = None  # disaggregated (decode side): sent once, with the second token or the finish
+        if req.timeline is not None and "kv_at" in req.timeline and (len(req.output_ids) > 1 or finished):
+            timeline = dict(req.timeline)
+            kv_at = timeline.pop("kv_at")
+            timeline["first_decode_step_s"] = time.monotonic() - kv_at if len(req.output_ids) > 1 else 0.0
+            req.timeline = None
         return TokenUpdate(
             req.rid,
             new,

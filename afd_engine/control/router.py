@@ -68,6 +68,13 @@ class Router(ABC):
         self.load[rank] += 1
         return rank
 
+    def route_to(self, rid: str, rank: int) -> int:
+        """Routes `rid` to a rank chosen elsewhere (a prefill instance's rank follows the room)."""
+        self.finished(rid)
+        self._rank_of[rid] = rank
+        self.load[rank] += 1
+        return rank
+
     def finished(self, rid: str) -> None:
         """The request finished, was rejected or was aborted; an unknown id is ignored."""
         rank = self._rank_of.pop(rid, None)

@@ -169,7 +169,7 @@ class PrefillSide(_Side):
         for room, req in list(self.active.items()):
             t = req.timeline
             if "start" not in t and req.row is not None:
-                t["start"] = self._step_began
+                t["start"] = max(self._step_began, t["dest"])
             n = len(req.prompt_ids)
             try:
                 if req.output_ids:  # the prompt is done and its first token sampled
@@ -243,6 +243,7 @@ class DecodeSide(_Side):
         self.queue: deque[Request] = deque()  # waiting for pages
         self.reserved: dict[int, Request] = {}  # room -> request holding pages, waiting for its KV
         self._prefill: dict[str, tuple[dict, float]] = {}  # bootstrap address -> (its answer, when)
+        self.cached_pages = 0  # since start
 
     def has_work(self) -> bool:
         return bool(self.queue or self.reserved)
@@ -323,6 +324,7 @@ class DecodeSide(_Side):
             req.prefill_rank = info["ranks"][req.disagg_room % len(info["ranks"])]
             self.reserved[req.disagg_room] = req
             start = req.prefix.depth
+            self.cached_pages += start  # pages this instance's prefix cache held: not transferred
             end = pages_for(len(req.prompt_ids), self.page_size)
             pages = [self.pool.page_of(req.row, i) for i in range(start, end)]
             self._tell_prefill(
@@ -365,6 +367,7 @@ class DecodeSide(_Side):
             "transfer_s": p["transfer_s"],
             "transfer_bytes": p["transfer_bytes"],
             "kv_wait_s": now - t["reserved"],
+            "kv_at": now,
         }
         self.transfer_bytes += p["transfer_bytes"]
         self.transfer_seconds += p["transfer_s"]

@@ -44,6 +44,7 @@ class DistributedEngine(OfflineEngine):
         self.push, self.pub, self.pull = self.sockets.push, self.sockets.pub, self.sockets.pull
         info = self.deployment.start()
         self.model_path, self.context_len = info["model_path"], info["context_len"]
+        self.info = info
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self._pending: dict[str, dict] = {}
         self._ids = itertools.count()
@@ -55,6 +56,7 @@ class DistributedEngine(OfflineEngine):
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        disaggregation: dict | None = None,
     ) -> str:
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", param="prompt")
@@ -64,7 +66,11 @@ class DistributedEngine(OfflineEngine):
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         params = params or SamplingParams()
         self._pending[rid] = {"prompt": ids, "params": params, "tokens": [], "logprobs": []}
-        self._submit(self.router.route(rid, ids), msgs.AddRequest(rid, ids, params))
+        if disaggregation is not None and self.deployment.args.disaggregation_mode == "prefill":
+            rank = self.router.route_to(rid, disaggregation["room"] % self.router.num_ranks)
+        else:
+            rank = self.router.route(rid, ids)
+        self._submit(rank, msgs.AddRequest(rid, ids, params, disaggregation))
         return rid
 
     def _submit(self, rank: int, msg: msgs.AddRequest) -> None:

@@ -46,7 +46,6 @@ class Request:
     disagg_room: int | None = None
     disagg_bootstrap: str | None = None
     timeline: dict | None = None
-    timeline_sent: bool = False
     dest: dict | None = None  # prefill side: where its pages go (the decode rank's DEST message)
     sent_pages: int = 0  # prefill side: pages [0, sent_pages) are at the decode rank
     prefill_rank: str | None = None  # decode side: the prefill rank's address

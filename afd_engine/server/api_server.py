@@ -57,9 +57,12 @@ def build_app(
     addrs: ControlAddrs,
     router: Router,
     alive: Callable[[], bool] = lambda: True,
+    engine_args=None,
 ) -> FastAPI:
     """The app; at startup it binds the control sockets, then `start_ranks()` brings the engine up
-    (the port opens only once every rank is ready). `router` picks each request's attention rank."""
+    (the port opens only once every rank is ready). `router` picks each request's attention rank.
+    A prefill instance (`engine_args.disaggregation_mode`) also runs its bootstrap server."""
+    mode = engine_args.disaggregation_mode if engine_args is not None else "null"
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -67,9 +70,10 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_app):
-        client = EngineClient(addrs, router, alive)
+        client = EngineClient(addrs, router, alive, route_by_room=mode == "prefill")
         try:
             info = start_ranks()
+            bootstrap = _bootstrap_server(engine_args, info) if mode == "prefill" else None
         except AFDError as exc:
             log.error("%s", exc)
             raise
@@ -84,10 +88,14 @@ def build_app(
             P.LogprobFormatter(tokenizer),
             server_args.max_prompt_chars,
             P.generation_defaults(model_path),
+            mode,
+            engine_args.disaggregation_bootstrap_port if mode == "prefill" else None,
         )
         _banner(server_args, model_name)
         yield
         await client.shutdown()
+        if bootstrap is not None:
+            bootstrap.close()
 
     app = FastAPI(title="afd-engine", lifespan=lifespan)
     install_exception_handlers(app)
@@ -103,6 +111,17 @@ def build_app(
     _routes(app, lambda: holder["s"])
     admin_routes(app, lambda: holder["s"])
     return app
+
+
+def _bootstrap_server(engine_args, info: dict):
+    from afd_engine.disagg.bootstrap import BootstrapServer
+
+    return BootstrapServer(
+        engine_args.disaggregation_host,
+        engine_args.disaggregation_bootstrap_port,
+        info["disagg_ranks"],
+        info["disagg_description"],
+    )
 
 
 def _banner(server_args, name: str) -> None:
@@ -209,6 +228,17 @@ def _routes(app: FastAPI, state: Callable[[], ServerState]) -> None:
         s = state()
         return Response(s.metrics.render(s.client.stats), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/server_info")
+    async def server_info():
+        """What `afd router` asks an instance: its model, context length and disaggregation role."""
+        s = state()
+        return {
+            "model": s.model_name,
+            "context_len": s.context_len,
+            "disaggregation_mode": s.disaggregation_mode,
+            "bootstrap_port": s.bootstrap_port,
+        }
+
     @app.get("/v1/models", response_model=P.ModelList, responses=error_responses(401))
     async def models():
         return P.ModelList(data=[P.ModelCard(id=state().model_name)])
@@ -288,7 +318,7 @@ async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]
         else [body.to_sampling_params(_max_tokens_left(s, prompts), s.sampling_defaults)]
     )
     _check_lengths(s, prompts, params[0].max_new_tokens)
-    choices = make_choices(s.tokenizer, P.random_id("req"), prompts, params)
+    choices = make_choices(s.tokenizer, P.random_id("req"), prompts, params, body)
     start = time.monotonic()
     stream = run_choices(s.client, choices, s.metrics, start)
     s.metrics.prompt_tokens.inc(sum(len(p) for p in prompts) * len(params))

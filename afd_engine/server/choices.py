@@ -32,6 +32,8 @@ class Choice:
     last_token_at: float | None = None
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, once the prompt is scored
+    disaggregation: dict | None = None  # {"room": ...} of a request `afd router` sent
+    timeline: dict | None = None  # disaggregated: the decode instance's TTFT split
 
     def absorb(self, update: TokenUpdate) -> str:
         """Takes one update; returns the text that became safe to show."""
@@ -40,6 +42,8 @@ class Choice:
         self.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None:
             self.prompt_logprobs = update.prompt_logprobs
+        if update.timeline is not None:
+            self.timeline = update.timeline
         delta = self.detok.add(update.token_ids)
         if update.finish_reason is not None:
             self.finish_reason = "stop" if update.finish_reason == "stop" else update.finish_reason
@@ -51,14 +55,18 @@ class Choice:
         return self.detok.text
 
 
-def make_choices(tokenizer, rid: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[Choice]:
-    """n choices per prompt, indexed prompt-major as OpenAI does."""
+def make_choices(
+    tokenizer, rid: str, prompts: list[list[int]], params: list[SamplingParams], body=None
+) -> list[Choice]:
+    """n choices per prompt, indexed prompt-major as OpenAI does; `body` (the request) gives each
+    its disaggregation room."""
     out = []
     for p, ids in enumerate(prompts):
         for c, sp in enumerate(params):
             index = p * len(params) + c
             detok = IncrementalDetokenizer(tokenizer, sp.skip_special_tokens, sp.stop)
-            out.append(Choice(index, f"{rid}-{index}", ids, sp, detok))
+            disaggregation = body.disaggregation(index) if body is not None else None
+            out.append(Choice(index, f"{rid}-{index}", ids, sp, detok, disaggregation=disaggregation))
     return out
 
 
@@ -70,7 +78,7 @@ async def run_choices(
     queue, one task each."""
     if len(choices) == 1:
         choice = choices[0]
-        updates = client.generate(choice.rid, choice.prompt_ids, choice.params)
+        updates = client.generate(choice.rid, choice.prompt_ids, choice.params, choice.disaggregation)
         try:
             async for update in updates:
                 _observe(metrics, choice, update, start)
@@ -82,7 +90,7 @@ async def run_choices(
 
     async def pump(choice: Choice) -> None:
         try:
-            async for update in client.generate(choice.rid, choice.prompt_ids, choice.params):
+            async for update in client.generate(choice.rid, choice.prompt_ids, choice.params, choice.disaggregation):
                 queue.put_nowait((choice, update))
         except Exception as exc:  # handed to the consumer, which raises it in the request's context
             queue.put_nowait((choice, exc))
@@ -115,3 +123,5 @@ def _observe(metrics: ServerMetrics, choice: Choice, update: TokenUpdate, start:
         metrics.tpot.observe(now - choice.last_token_at)
     choice.last_token_at = now
     metrics.generation_tokens.inc(len(update.token_ids))
+    if update.timeline is not None:
+        metrics.kv_transfer_seconds.observe(update.timeline["transfer_s"])

@@ -33,9 +33,22 @@ class EngineUnavailable(AFDError):
     """The engine process died or stopped answering."""
 
 
+class RequestFailed(EngineUnavailable):
+    """The engine ended this request with an error (a disaggregated request whose peer failed)."""
+
+
 class EngineClient:
-    def __init__(self, addrs: ControlAddrs, router: Router, alive: Callable[[], bool] = lambda: True) -> None:
-        """`router` spans the deployment's attention ranks."""
+    def __init__(
+        self,
+        addrs: ControlAddrs,
+        router: Router,
+        alive: Callable[[], bool] = lambda: True,
+        route_by_room: bool = False,
+    ) -> None:
+        """`router` spans the deployment's attention ranks. With `route_by_room` (a prefill
+        instance) a disaggregated request goes to rank room mod ranks, where decode ranks look
+        for it."""
+        self.route_by_room = route_by_room
         ranks = range(router.num_ranks)
         self.router = router
         self.ctx = zmq.asyncio.Context()
@@ -108,7 +121,9 @@ class EngineClient:
         if queue is not None:
             queue.put_nowait(item)
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenUpdate]:
+    async def generate(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, disaggregation: dict | None = None
+    ) -> AsyncIterator[TokenUpdate]:
         """Yields the request's updates until it finishes; raises InvalidRequestError if the engine
         refused it and EngineUnavailable if the engine went away."""
         if not self.healthy:
@@ -117,7 +132,11 @@ class EngineClient:
         self._queues[rid] = queue
         finished = False
         try:
-            await self._submit(self.router.route(rid, prompt_ids), msgs.AddRequest(rid, prompt_ids, params))
+            if self.route_by_room and disaggregation is not None:
+                rank = self.router.route_to(rid, disaggregation["room"] % self.router.num_ranks)
+            else:
+                rank = self.router.route(rid, prompt_ids)
+            await self._submit(rank, msgs.AddRequest(rid, prompt_ids, params, disaggregation))
             while not finished:
                 item = await queue.get()
                 if item is _ENGINE_LOST:
@@ -126,6 +145,8 @@ class EngineClient:
                     finished = True
                     raise InvalidRequestError(item.message, item.param)
                 finished = item.finish_reason is not None
+                if item.finish_reason == "error":
+                    raise RequestFailed(item.error or "the engine failed this request")
                 yield item
         finally:
             del self._queues[rid]

@@ -109,6 +109,7 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
         deployment.addrs,
         Router.of(args.load_balance_method, deployment.num_attention_ranks, args.page_size),
         alive=deployment.alive,
+        engine_args=args,
     )
     server = uvicorn.Server(
         uvicorn.Config(

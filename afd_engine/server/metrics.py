@@ -45,6 +45,15 @@ class ServerMetrics:
         self.expert_imbalance = Gauge(
             "afd_expert_rank_imbalance", "max over mean of the expert ranks' load over the window", registry=r
         )
+        self.kv_reserved = Gauge(
+            "afd_kv_pages_reserved", "decode instance: KV pages held for requests whose KV is on its way", registry=r
+        )
+        self.kv_transfer_seconds = Histogram(
+            "afd_kv_transfer_seconds",
+            "decode instance: time the prefill instance spent sending one request's KV pages",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.engine_counters = _EngineCounters()
         r.register(self.engine_counters)
 
@@ -55,6 +64,7 @@ class ServerMetrics:
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_pages_used)
         self.kv_total.set(stats.kv_pages_total)
+        self.kv_reserved.set(stats.kv_pages_reserved)
         for rank, load in enumerate(stats.expert_rank_load):
             self.expert_rank_load.labels(rank=str(rank)).set(load)
         if stats.expert_rank_load:
@@ -73,5 +83,10 @@ class _EngineCounters(Collector):
             ("afd_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", self.stats.cache_hit_tokens),
             ("afd_prefix_cache_queried_tokens", "prompt tokens of admitted requests", self.stats.prompt_tokens),
             ("afd_prefix_cache_evicted_pages", "pages evicted from the prefix cache", self.stats.cache_evicted_pages),
+            (
+                "afd_kv_transfer_bytes",
+                "prefill-decode disaggregation: KV bytes sent (prefill) or received (decode)",
+                self.stats.kv_transfer_bytes,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

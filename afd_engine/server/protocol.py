@@ -293,7 +293,26 @@ def sampling_params_for_choice(params: SamplingParams, index: int) -> SamplingPa
     return dataclasses.replace(params, seed=(params.seed + index) % _SEED_MODULUS)
 
 
-class _OpenAISamplingRequest(_NullMeansDefault):
+class _Disaggregated(BaseModel):
+    """SGLang's fields for prefill-decode disaggregation, which `afd router` adds to a request: the
+    room names it on both instances; the decode instance reaches the prefill instance's bootstrap
+    server at bootstrap_host:bootstrap_port."""
+
+    bootstrap_host: Text | None = None
+    bootstrap_port: Annotated[StrictInt, Field(ge=1, le=65535)] | None = None
+    bootstrap_room: Annotated[StrictInt, Field(ge=0, lt=2**63 - 64)] | None = None
+
+    def disaggregation(self, index: int) -> dict | None:
+        """What the engine takes for choice `index` (each choice is a request of its own room)."""
+        if self.bootstrap_room is None:
+            return None
+        out: dict = {"room": self.bootstrap_room + index}
+        if self.bootstrap_host is not None and self.bootstrap_port is not None:
+            out["bootstrap"] = f"{self.bootstrap_host}:{self.bootstrap_port}"
+        return out
+
+
+class _OpenAISamplingRequest(_NullMeansDefault, _Disaggregated):
     """Fields shared by chat and text completions. Unknown fields are ignored."""
 
     model_config = ConfigDict(extra="ignore")
@@ -549,7 +568,7 @@ class GenerateSamplingParams(_NullMeansDefault):
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
 
-class GenerateRequest(_NullMeansDefault):
+class GenerateRequest(_NullMeansDefault, _Disaggregated):
     # SGLang's logprob fields: with return_logprob, meta_info carries output_token_logprobs and,
     # from prompt position logprob_start_len on (-1: none), input_token_logprobs; each entry is
     # [logprob, token id, null] (the first prompt token's logprob is null); top_logprobs_num > 0

@@ -159,6 +159,7 @@ def generate_response(s: ServerState, body, choices: list[Choice]) -> P.Generate
         prompt_tokens=len(c.prompt_ids),
         completion_tokens=len(c.token_ids),
         cached_tokens=c.num_cached_tokens,
+        timeline=c.timeline,
     )
     if body.return_logprob:
         meta.output_token_logprobs, top = _sglang_logprobs(c.logprobs, c.token_ids)
@@ -172,19 +173,14 @@ def generate_response(s: ServerState, body, choices: list[Choice]) -> P.Generate
 
 async def generate_events(s: ServerState, body, choices: list[Choice], stream) -> AsyncIterator:
     async for c, delta, update in stream:
-        yield (
-            "data: "
-            + json.dumps(
-                {
-                    "text": delta,
-                    "output_ids": update.token_ids,
-                    "finish_reason": c.finish_reason if update.finish_reason else None,
-                    "meta_info": {
-                        "prompt_tokens": len(c.prompt_ids),
-                        "completion_tokens": len(c.token_ids),
-                        "cached_tokens": c.num_cached_tokens,
-                    },
-                }
-            )
-            + "\n\n"
-        )
+        meta = {"prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.token_ids)}
+        meta["cached_tokens"] = c.num_cached_tokens
+        if update.timeline is not None:
+            meta["timeline"] = update.timeline
+        event = {
+            "text": delta,
+            "output_ids": update.token_ids,
+            "finish_reason": c.finish_reason if update.finish_reason else None,
+            "meta_info": meta,
+        }
+        yield "data: " + json.dumps(event) + "\n\n"

@@ -184,6 +184,10 @@ class GenerateMetaInfo(BaseModel):
     input_token_logprobs: list[list[float | int | None]] | None = None
     output_top_logprobs: list[list[list[float | int | None]]] | None = None
     input_top_logprobs: list[list[list[float | int | None]] | None] | None = None
+    # prefill-decode disaggregation (decode instance): the time to first token split into queue
+    # (reservation + the prefill instance's queue), prefill, transfer (sending the pages), and
+    # first_decode_step (from the KV's arrival to the second token); seconds, and transfer_bytes
+    timeline: dict[str, float] | None = None
 
 
 class GenerateResponse(BaseModel):

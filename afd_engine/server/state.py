@@ -20,3 +20,5 @@ class ServerState:
     logprob_format: LogprobFormatter
     max_prompt_chars: int
     sampling_defaults: dict  # temperature / top_p / top_k from the model's generation_config.json
+    disaggregation_mode: str = "null"
+    bootstrap_port: int | None = None  # a prefill instance's bootstrap server

@@ -1,0 +1,108 @@
+"""`afd serve --pd`: a whole prefill-decode deployment on this machine with one command.
+
+    afd serve --pd --prefill-mode single --decode-mode afd --port 30000 [flags...]
+
+starts a prefill instance and a decode instance (each an `afd serve` process with its ranks, on
+free ports) and `afd router` in this process on --port. Every other flag goes to both instances;
+--prefill-args / --decode-args add flags to one of them only (later flags win). The command exits
+with 1 when an instance dies, and stops both when it is stopped. Across machines, start the
+instances with `afd serve --disaggregation-mode ...` and `afd router` yourself (launch/pd/).
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from afd_engine.distributed.rendezvous import free_port
+from afd_engine.errors import ConfigError
+
+log = logging.getLogger("afd.serve")
+OWN_FLAGS = {"--pd": 0, "--prefill-mode": 1, "--decode-mode": 1, "--prefill-args": 1, "--decode-args": 1, "--port": 1}
+READY_TIMEOUT_S = 900
+
+
+def instance_argv(argv: list[str], mode: str, role: str, port: int, extra: str, bootstrap: int | None) -> list[str]:
+    """The `afd serve` command line of one instance: the shared flags, its role, its own flags."""
+    shared, i = [], 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if flag in ("--mode", "--disaggregation-mode"):
+            raise ConfigError(f"afd serve --pd sets {flag} itself: use --prefill-mode / --decode-mode")
+        if flag in OWN_FLAGS:
+            i += 1 + (OWN_FLAGS[flag] if "=" not in argv[i] else 0)
+            continue
+        shared.append(argv[i])
+        i += 1
+    out = [*shared, "--mode", mode, "--disaggregation-mode", role, "--port", str(port)]
+    if bootstrap is not None:
+        out += ["--disaggregation-bootstrap-port", str(bootstrap)]
+    return out + shlex.split(extra)
+
+
+def serve_pd(argv: list[str], ns) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    host = "127.0.0.1"
+    p_port, d_port = free_port(host), free_port(host)
+    bootstrap = None if any(a.startswith("--disaggregation-bootstrap-port") for a in argv) else free_port(host)
+    commands = {
+        "prefill": instance_argv(argv, ns.prefill_mode, "prefill", p_port, ns.prefill_args, bootstrap),
+        "decode": instance_argv(argv, ns.decode_mode, "decode", d_port, ns.decode_args, None),
+    }
+    procs = {
+        role: subprocess.Popen([sys.executable, "-m", "afd_engine.cli", "serve", *cmd])
+        for role, cmd in commands.items()
+    }
+    try:
+        for role, port in (("prefill", p_port), ("decode", d_port)):
+            if not _wait_healthy(f"http://{host}:{port}", procs[role]):
+                log.error("the %s instance did not start", role)
+                return 2
+        from afd_engine.server.pd_router import run_router
+
+        return run_router(
+            [f"http://{host}:{p_port}"], [f"http://{host}:{d_port}"], ns.host, ns.port, watch=list(procs.values())
+        )
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen) -> bool:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def watch_children(server, procs: list[subprocess.Popen], state: dict) -> None:
+    """Stops the router (exit 1) when an instance it started dies."""
+    while not server.should_exit:
+        if any(p.poll() is not None for p in procs):
+            log.error("an instance of the PD deployment died; exiting")
+            state["died"] = True
+            server.should_exit = True
+            return
+        time.sleep(0.2)
+
+
+def start_watch(server, procs: list[subprocess.Popen], state: dict) -> None:
+    threading.Thread(target=watch_children, args=(server, procs, state), daemon=True).start()

@@ -1,0 +1,293 @@
+"""`afd router`: the OpenAI-compatible front of a prefill-decode disaggregated deployment.
+
+    client --> router --(request + bootstrap_room)-----------------------> prefill instance
+                      --(request + room + the prefill's bootstrap address)-> decode instance
+                      <------------------- tokens (stream or JSON) ------- decode instance
+
+Per request the router picks a prefill instance (cache-aware: the one it last sent the longest
+prefix of this prompt's text, unless much busier) and a decode instance (the fewest requests in
+flight), sends both the same request under one random room id, and relays the decode instance's
+answer. The prefill instance's answer only says whether it did its part: a prefill instance
+that fails or goes away fails the request (an OpenAI error, or an error event in a stream) and
+the decode request is closed, which frees its pages; a client that goes away closes both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from afd_engine.control.router import CacheAwareRouter
+from afd_engine.errors import ConfigError
+from afd_engine.server.errors import error_body, openai_error
+
+log = logging.getLogger("afd.router")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+ROOM_STRIDE = 1 << 16  # rooms room .. room + STRIDE - 1 name the request's choices (n x prompts)
+PREFIX_BLOCK_BYTES = 64  # cache-aware prefill choice: prompts compared in blocks of this many bytes
+DISCOVER_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Instance:
+    url: str
+    mode: str = "null"
+    model: str = ""
+    bootstrap_port: int | None = None
+    in_flight: int = 0
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or "127.0.0.1"
+
+
+class PDRouter:
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        if not prefill or not decode:
+            raise ConfigError("afd router needs at least one --prefill and one --decode instance")
+        self.prefill = [Instance(u.rstrip("/")) for u in prefill]
+        self.decode = [Instance(u.rstrip("/")) for u in decode]
+        self.affinity = CacheAwareRouter(len(self.prefill), PREFIX_BLOCK_BYTES)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "afd_router_requests", "requests by endpoint and outcome", ["endpoint", "status"], registry=r
+        )
+        self.in_flight = Gauge("afd_router_in_flight", "requests in flight per instance", ["instance"], registry=r)
+
+    async def discover(self) -> None:
+        """Asks every instance its role and model; refuses a deployment whose parts do not fit."""
+        for inst in self.prefill + self.decode:
+            try:
+                info = (await self.client.get(inst.url + "/server_info", timeout=DISCOVER_TIMEOUT_S)).json()
+            except (httpx.HTTPError, ValueError) as exc:
+                raise ConfigError(f"{inst.url} does not answer GET /server_info: {exc}") from exc
+            inst.mode, inst.model, inst.bootstrap_port = (
+                info["disaggregation_mode"],
+                info["model"],
+                info["bootstrap_port"],
+            )
+        for inst in self.prefill:
+            if inst.mode != "prefill":
+                raise ConfigError(f"--prefill {inst.url} runs --disaggregation-mode {inst.mode}, not prefill")
+        for inst in self.decode:
+            if inst.mode != "decode":
+                raise ConfigError(f"--decode {inst.url} runs --disaggregation-mode {inst.mode}, not decode")
+        models = {i.model for i in self.prefill + self.decode}
+        if len(models) > 1:
+            raise ConfigError(f"the instances serve different models: {', '.join(sorted(models))}")
+
+    def pick(self, room: int, body: dict) -> tuple[Instance, Instance]:
+        """(prefill, decode) for a request; the prefill choice counts until `finished(room)`."""
+        p = self.prefill[self.affinity.route(str(room), _prompt_key(body))]
+        d = min(self.decode, key=lambda i: i.in_flight)
+        return p, d
+
+    async def forward(self, path: str, request: Request) -> Response:
+        endpoint = path.rsplit("/", 1)[-1]
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return openai_error(400, "The request body is not valid JSON.")
+        if not isinstance(body, dict):
+            return openai_error(400, "The request body must be a JSON object.")
+        room = secrets.randbits(62) // ROOM_STRIDE * ROOM_STRIDE
+        p, d = self.pick(room, body)
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        p_body = {**body, "bootstrap_room": room, "stream": False}
+        p_body.pop("stream_options", None)
+        d_body = {**body, "bootstrap_room": room, "bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port}
+        stream = body.get("stream") is True
+        for inst in (p, d):
+            inst.in_flight += 1
+            self.in_flight.labels(inst.url).set(inst.in_flight)
+        prefill = asyncio.ensure_future(self.client.post(p.url + path, json=p_body, headers=headers))
+
+        def release() -> None:
+            self.affinity.finished(str(room))
+            for inst in (p, d):
+                inst.in_flight -= 1
+                self.in_flight.labels(inst.url).set(inst.in_flight)
+            if not prefill.done():
+                prefill.cancel()  # closes the connection: the prefill instance aborts the request
+
+        try:
+            d_resp = await self.client.send(
+                self.client.build_request("POST", d.url + path, json=d_body, headers=headers), stream=True
+            )
+        except httpx.HTTPError as exc:
+            release()
+            self.requests.labels(endpoint, "error").inc()
+            return openai_error(503, f"the decode instance {d.url} is unavailable: {exc}", type="server_error")
+        if d_resp.status_code != 200 or not stream:
+            return await self._whole(endpoint, d_resp, prefill, release)
+        self.requests.labels(endpoint, "stream").inc()
+        return StreamingResponse(
+            self._relay(d_resp, prefill, release), status_code=200, media_type=d_resp.headers.get("content-type")
+        )
+
+    async def _whole(self, endpoint: str, d_resp: httpx.Response, prefill: asyncio.Future, release) -> Response:
+        """A JSON answer (or an error): the decode instance's, unless the prefill instance failed first."""
+        body = asyncio.ensure_future(d_resp.aread())
+        try:
+            failed = await _first_failure(body, prefill)
+            if failed is not None:
+                self.requests.labels(endpoint, "error").inc()
+                return failed
+            content = body.result()
+        except httpx.HTTPError as exc:
+            self.requests.labels(endpoint, "error").inc()
+            return openai_error(503, f"the decode instance failed: {exc}", type="server_error")
+        finally:
+            body.cancel()
+            await d_resp.aclose()
+            release()
+        self.requests.labels(endpoint, "ok" if d_resp.status_code == 200 else "error").inc()
+        return Response(content, status_code=d_resp.status_code, media_type=d_resp.headers.get("content-type"))
+
+    async def _relay(self, d_resp: httpx.Response, prefill: asyncio.Future, release):
+        """The decode instance's event stream, cut with an error event if the prefill side fails."""
+        chunks = d_resp.aiter_raw().__aiter__()
+        try:
+            while True:
+                chunk = asyncio.ensure_future(chunks.__anext__())
+                failed = await _first_failure(chunk, prefill)
+                if failed is not None:
+                    chunk.cancel()
+                    yield f"data: {failed.body.decode()}\n\ndata: [DONE]\n\n".encode()
+                    return
+                try:
+                    yield chunk.result()
+                except StopAsyncIteration:
+                    return
+                except httpx.HTTPError as exc:
+                    body = error_body(f"the decode instance failed: {exc}", type="server_error")
+                    yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+                    return
+        finally:
+            await d_resp.aclose()
+            release()
+
+    async def health(self) -> Response:
+        async def ok(inst: Instance) -> bool:
+            try:
+                return (await self.client.get(inst.url + "/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        states = await asyncio.gather(*(ok(i) for i in self.prefill + self.decode))
+        healthy = all(states)
+        return JSONResponse({"status": "ok" if healthy else "unavailable"}, status_code=200 if healthy else 503)
+
+
+async def _first_failure(work: asyncio.Future, prefill: asyncio.Future) -> JSONResponse | None:
+    """Waits for `work`; returns an OpenAI error if the prefill request fails before it ends."""
+    while not work.done():
+        waiting = {work} if prefill.done() else {work, prefill}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if prefill.done() and not work.done():
+            failure = _prefill_failure(prefill)
+            if failure is not None:
+                return failure
+    return None
+
+
+def _prefill_failure(prefill: asyncio.Future) -> JSONResponse | None:
+    if prefill.cancelled():
+        return None
+    exc = prefill.exception()
+    if exc is not None:
+        return openai_error(503, f"the prefill instance is unavailable: {exc!r}", type="server_error")
+    resp: httpx.Response = prefill.result()
+    if resp.status_code == 200:
+        return None
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.text[:500]
+    status = resp.status_code if resp.status_code < 500 else 503
+    return openai_error(status, f"the prefill instance failed this request: {message}", type="server_error")
+
+
+def _prompt_key(body: dict) -> bytes:
+    """The prompt's text as bytes (chat messages, completion prompt, or /generate text or ids), for
+    the cache-aware choice of a prefill instance."""
+    for field in ("messages", "prompt", "text", "input_ids"):
+        if field in body:
+            value = body[field]
+            return (value if isinstance(value, str) else json.dumps(value, sort_keys=True)).encode()
+    return b""
+
+
+def build_router_app(router: PDRouter) -> FastAPI:
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        await router.discover()
+        log.info(
+            "routing over %d prefill and %d decode instances",
+            len(router.prefill),
+            len(router.decode),
+        )
+        yield
+        await router.client.aclose()
+
+    app = FastAPI(title="afd-router", lifespan=lifespan)
+
+    for path in ROUTES:
+
+        async def route(request: Request, path: str = path) -> Response:
+            return await router.forward(path, request)
+
+        app.add_api_route(path, route, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            resp = await router.client.get(router.decode[0].url + "/v1/models", headers=headers)
+        except httpx.HTTPError as exc:
+            return openai_error(503, f"the decode instance is unavailable: {exc}", type="server_error")
+        return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+
+    @app.get("/health")
+    async def health():
+        return await router.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_router(prefill: list[str], decode: list[str], host: str, port: int, watch=None) -> int:
+    """Serves until interrupted (0); 2 when the instances do not answer or do not fit; with
+    `watch` (instance processes this command started), 1 as soon as one of them dies."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = build_router_app(PDRouter(prefill, decode))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    state: dict = {}
+    if watch:
+        from afd_engine.server.pd_launch import start_watch
+
+        start_watch(server, watch, state)
+    try:
+        server.run()
+    except SystemExit:  # startup failed (an instance did not answer, or the parts do not fit)
+        return 2
+    if state.get("died"):
+        return 1
+    return 0 if server.started else 2
