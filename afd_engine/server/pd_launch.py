@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -48,6 +49,8 @@ def instance_argv(argv: list[str], mode: str, role: str, port: int, extra: str, 
 
 def serve_pd(argv: list[str], ns) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # uvicorn re-raises SIGTERM once it has shut down: as an exception it lets the instances stop
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     host = "127.0.0.1"
     p_port, d_port = free_port(host), free_port(host)
     bootstrap = None if any(a.startswith("--disaggregation-bootstrap-port") for a in argv) else free_port(host)
@@ -77,6 +80,10 @@ def serve_pd(argv: list[str], ns) -> int:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen) -> bool:

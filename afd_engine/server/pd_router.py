@@ -120,14 +120,27 @@ class PDRouter:
             if not prefill.done():
                 prefill.cancel()  # closes the connection: the prefill instance aborts the request
 
+        # (a JSON answer's headers come when the decode instance has finished: the prefill side's
+        # failure must be seen while waiting for them too)
+        sending = asyncio.ensure_future(
+            self.client.send(self.client.build_request("POST", d.url + path, json=d_body, headers=headers), stream=True)
+        )
         try:
-            d_resp = await self.client.send(
-                self.client.build_request("POST", d.url + path, json=d_body, headers=headers), stream=True
-            )
+            failed = await _first_failure(sending, prefill)
+            if failed is not None:
+                sending.cancel()
+                release()
+                self.requests.labels(endpoint, "error").inc()
+                return failed
+            d_resp = sending.result()
         except httpx.HTTPError as exc:
             release()
             self.requests.labels(endpoint, "error").inc()
             return openai_error(503, f"the decode instance {d.url} is unavailable: {exc}", type="server_error")
+        except asyncio.CancelledError:  # the client went away: closing both connections aborts both sides
+            sending.cancel()
+            release()
+            raise
         if d_resp.status_code != 200 or not stream:
             return await self._whole(endpoint, d_resp, prefill, release)
         self.requests.labels(endpoint, "stream").inc()
@@ -286,7 +299,11 @@ def run_router(prefill: list[str], decode: list[str], host: str, port: int, watc
         start_watch(server, watch, state)
     try:
         server.run()
-    except SystemExit:  # startup failed (an instance did not answer, or the parts do not fit)
+    except (
+        SystemExit
+    ) as exc:  # SIGTERM (see pd_launch), or startup failed (an instance did not answer, or the parts do not fit)
+        if server.started and exc.code == 0:
+            return 0
         return 2
     if state.get("died"):
         return 1
