@@ -178,8 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser(
         "router", help="the OpenAI-compatible front of a prefill-decode deployment (instances started apart)"
     )
-    router.add_argument("--prefill", action="append", required=True, help="URL of a prefill instance (repeat)")
-    router.add_argument("--decode", action="append", required=True, help="URL of a decode instance (repeat)")
+    router.add_argument("--prefill", action="append", default=[], help="URL of a prefill instance (repeat)")
+    router.add_argument("--decode", action="append", default=[], help="URL of a decode instance (repeat)")
+    router.add_argument(
+        "--replica", action="append", default=[], help="instead: URL of a plain instance (repeat); least loaded first"
+    )
     router.add_argument("--host", default="127.0.0.1", help="address to bind")
     router.add_argument("--port", type=int, default=30000, help="HTTP port")
 
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "router":
             from afd_engine.server.pd_router import run_router
 
-            return run_router(ns.prefill, ns.decode, ns.host, ns.port)
+            return run_router(ns.prefill, ns.decode, ns.host, ns.port, replicas=ns.replica)
         ns.argv = argv
         apply_config(ns, _defaults(parser, ns.command))
         return {"generate": _generate, "demo": _demo, "serve": _serve, "launch": _launch}[ns.command](ns)

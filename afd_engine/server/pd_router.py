@@ -51,12 +51,18 @@ class Instance:
 
 
 class PDRouter:
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
-        if not prefill or not decode:
-            raise ConfigError("afd router needs at least one --prefill and one --decode instance")
+    """With `replicas` instead (plain instances, --disaggregation-mode null), it routes each request
+    to the least loaded one: the baseline that PD is measured against."""
+
+    def __init__(self, prefill: list[str], decode: list[str], replicas: list[str] = ()) -> None:
+        if replicas and (prefill or decode):
+            raise ConfigError("afd router takes --replica instances, or --prefill and --decode ones, not both")
+        if not replicas and (not prefill or not decode):
+            raise ConfigError("afd router needs at least one --prefill and one --decode instance (or --replica ones)")
+        self.replicas = bool(replicas)
         self.prefill = [Instance(u.rstrip("/")) for u in prefill]
-        self.decode = [Instance(u.rstrip("/")) for u in decode]
-        self.affinity = CacheAwareRouter(len(self.prefill), PREFIX_BLOCK_BYTES)
+        self.decode = [Instance(u.rstrip("/")) for u in (replicas or decode)]
+        self.affinity = CacheAwareRouter(max(1, len(self.prefill)), PREFIX_BLOCK_BYTES)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -76,19 +82,22 @@ class PDRouter:
                 info["model"],
                 info["bootstrap_port"],
             )
+        for inst in self.decode if self.replicas else ():
+            if inst.mode != "null":
+                raise ConfigError(f"--replica {inst.url} runs --disaggregation-mode {inst.mode}, not null")
         for inst in self.prefill:
             if inst.mode != "prefill":
                 raise ConfigError(f"--prefill {inst.url} runs --disaggregation-mode {inst.mode}, not prefill")
-        for inst in self.decode:
+        for inst in () if self.replicas else self.decode:
             if inst.mode != "decode":
                 raise ConfigError(f"--decode {inst.url} runs --disaggregation-mode {inst.mode}, not decode")
         models = {i.model for i in self.prefill + self.decode}
         if len(models) > 1:
             raise ConfigError(f"the instances serve different models: {', '.join(sorted(models))}")
 
-    def pick(self, room: int, body: dict) -> tuple[Instance, Instance]:
+    def pick(self, room: int, body: dict) -> tuple[Instance | None, Instance]:
         """(prefill, decode) for a request; the prefill choice counts until `finished(room)`."""
-        p = self.prefill[self.affinity.route(str(room), _prompt_key(body))]
+        p = self.prefill[self.affinity.route(str(room), _prompt_key(body))] if self.prefill else None
         d = min(self.decode, key=lambda i: i.in_flight)
         return p, d
 
@@ -103,18 +112,22 @@ class PDRouter:
         room = secrets.randbits(62) // ROOM_STRIDE * ROOM_STRIDE
         p, d = self.pick(room, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        p_body = {**body, "bootstrap_room": room, "stream": False}
-        p_body.pop("stream_options", None)
-        d_body = {**body, "bootstrap_room": room, "bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port}
         stream = body.get("stream") is True
-        for inst in (p, d):
+        parts = (d,) if p is None else (p, d)
+        for inst in parts:
             inst.in_flight += 1
             self.in_flight.labels(inst.url).set(inst.in_flight)
-        prefill = asyncio.ensure_future(self.client.post(p.url + path, json=p_body, headers=headers))
+        if p is None:  # a replica does the whole request: nothing else can fail it
+            prefill, d_body = asyncio.get_running_loop().create_future(), body
+        else:
+            p_body = {**body, "bootstrap_room": room, "stream": False}
+            p_body.pop("stream_options", None)
+            d_body = {**body, "bootstrap_room": room, "bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port}
+            prefill = asyncio.ensure_future(self.client.post(p.url + path, json=p_body, headers=headers))
 
         def release() -> None:
             self.affinity.finished(str(room))
-            for inst in (p, d):
+            for inst in parts:
                 inst.in_flight -= 1
                 self.in_flight.labels(inst.url).set(inst.in_flight)
             if not prefill.done():
@@ -284,13 +297,13 @@ def build_router_app(router: PDRouter) -> FastAPI:
     return app
 
 
-def run_router(prefill: list[str], decode: list[str], host: str, port: int, watch=None) -> int:
+def run_router(prefill: list[str], decode: list[str], host: str, port: int, watch=None, replicas=()) -> int:
     """Serves until interrupted (0); 2 when the instances do not answer or do not fit; with
     `watch` (instance processes this command started), 1 as soon as one of them dies."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = build_router_app(PDRouter(prefill, decode))
+    app = build_router_app(PDRouter(prefill, decode, replicas))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     state: dict = {}
     if watch:

@@ -1,0 +1,266 @@
+#!/usr/bin/env python
+"""Prefill-decode disaggregation against two plain replicas, on the same machine, taking turns.
+
+The workload: `--streams` short requests decode continuously (each a prompt of --short-len
+tokens and --short-out output tokens, followed at once by the next), while long prompts of
+--long-len tokens (--long-out output tokens) arrive every --long-every seconds. A long prompt's
+prefill lands in the batch of a replica that is decoding short streams, and every stream there
+waits for it; a PD decode instance never prefills.
+
+Deployments, each behind `afd router`, each instance an `afd serve` process with --num-threads
+--threads (one core each on a 2-core machine):
+  (a) pd-<backend>: one prefill instance + one decode instance, per --backends (builtin,
+      mooncake);
+  (b) replicas: the same two processes as plain instances (--disaggregation-mode null), the
+      router sending each request to the less loaded one.
+
+Reported per deployment: the short streams' TPOT p50/p99 (the gaps between their tokens), TTFT
+p50/p99 (short and long requests apart), output tokens/s over the run, and for PD the KV
+transfer's MB/s and time per request (from the decode instance's /metrics and timelines).
+
+    python benchmarks/bench_pd.py --json benchmarks/results/pd_<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from datetime import date
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "afd_engine.cli", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not healthy within {timeout} s")
+
+
+class Deployment:
+    """Two instances (prefill + decode, or two replicas) and a router, as processes."""
+
+    def __init__(self, ns, kind: str) -> None:
+        self.procs: list[subprocess.Popen] = []
+        common = ["--num-threads", str(ns.threads), "--kv-cache-memory-mb", "64", "--served-model-name", "m"]
+        common += ["--max-num-batched-tokens", str(ns.chunk)]
+        if ns.model_path:
+            common += ["--model-path", ns.model_path]
+        ports = [free_port(), free_port()]
+        self.urls = [f"http://127.0.0.1:{p}" for p in ports]
+        if kind == "replicas":
+            roles = [[], []]
+            router = [f"--replica={u}" for u in self.urls]
+        else:
+            backend = kind.removeprefix("pd-")
+            pd = ["--disaggregation-transfer-backend", backend]
+            roles = [
+                ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port()), *pd],
+                ["--disaggregation-mode", "decode", *pd],
+            ]
+            router = [f"--prefill={self.urls[0]}", f"--decode={self.urls[1]}"]
+        for port, role in zip(ports, roles):
+            self.procs.append(start(["serve", "--port", str(port), *common, *role]))
+        for proc, url in zip(self.procs, self.urls):
+            wait_healthy(url, proc)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.procs.append(start(["router", "--port", self.url.rsplit(":", 1)[1], *router]))
+        wait_healthy(self.url, self.procs[-1])
+
+    def metric(self, url: str, name: str) -> float:
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], out: int) -> dict:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": out, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    sent = time.perf_counter()
+    stamps, timeline = [], None
+    async with client.stream("POST", url + "/generate", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            now = time.perf_counter()
+            stamps += [now] * len(event["output_ids"])
+            timeline = event["meta_info"].get("timeline", timeline)
+    return {
+        "ttft": stamps[0] - sent,
+        "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
+        "tokens": len(stamps),
+        "timeline": timeline,
+    }
+
+
+async def workload(ns, url: str, seed: int, duration: float) -> dict:
+    rng = random.Random(seed)
+    vocab = ns.vocab
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(5, vocab) for _ in range(n)]
+
+    short, long_, stop = [], [], time.perf_counter() + duration
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as client:
+
+        async def stream_loop():
+            while time.perf_counter() < stop:
+                short.append(await one_request(client, url, prompt(ns.short_len), ns.short_out))
+
+        async def long_loop():
+            tasks = []
+            await asyncio.sleep(ns.long_every / 2)
+            while time.perf_counter() < stop:
+                tasks.append(asyncio.ensure_future(one_request(client, url, prompt(ns.long_len), ns.long_out)))
+                await asyncio.sleep(ns.long_every)
+            long_.extend(await asyncio.gather(*tasks))
+
+        began = time.perf_counter()
+        await asyncio.gather(*(stream_loop() for _ in range(ns.streams)), long_loop())
+        elapsed = time.perf_counter() - began
+    gaps = [g for r in short for g in r["gaps"]]
+    tokens = sum(r["tokens"] for r in short + long_)
+    timelines = [r["timeline"] for r in short + long_ if r["timeline"]]
+    return {
+        "tpot_p50_ms": 1000 * pct(gaps, 50),
+        "tpot_p99_ms": 1000 * pct(gaps, 99),
+        "ttft_short_p50_ms": 1000 * pct([r["ttft"] for r in short], 50),
+        "ttft_short_p99_ms": 1000 * pct([r["ttft"] for r in short], 99),
+        "ttft_long_p50_ms": 1000 * pct([r["ttft"] for r in long_], 50),
+        "ttft_long_p99_ms": 1000 * pct([r["ttft"] for r in long_], 99),
+        "output_tokens_per_s": tokens / elapsed,
+        "requests": {"short": len(short), "long": len(long_)},
+        "timelines": timelines,
+    }
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def transfer_figures(timelines: list[dict]) -> dict:
+    sent = [t for t in timelines if t["transfer_bytes"]]
+    if not sent:
+        return {}
+    nbytes = sum(t["transfer_bytes"] for t in sent)
+    seconds = sum(t["transfer_s"] for t in sent)
+    return {
+        "transfer_mb_per_s": nbytes / 2**20 / seconds if seconds else float("nan"),
+        "transfer_ms_per_request": 1000 * seconds / len(sent),
+        "transfer_kb_per_request": nbytes / 1024 / len(sent),
+        "ttft_split_ms_mean": {
+            k: 1000 * sum(t[k] for t in sent) / len(sent)
+            for k in ("queue_s", "prefill_s", "transfer_s", "kv_wait_s", "first_decode_step_s")
+        },
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None, help="checkpoint (default: the embedded model)")
+    parser.add_argument("--threads", type=int, default=1, help="--num-threads of each instance")
+    parser.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens of each instance")
+    parser.add_argument("--streams", type=int, default=8, help="short requests decoding at once")
+    parser.add_argument("--short-len", type=int, default=24)
+    parser.add_argument("--short-out", type=int, default=64)
+    parser.add_argument("--long-len", type=int, default=440)
+    parser.add_argument("--long-out", type=int, default=8)
+    parser.add_argument("--long-every", type=float, default=1.0, help="seconds between long prompts")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of measured load per deployment")
+    parser.add_argument("--warmup", type=float, default=4.0, help="seconds of load before it, not measured")
+    parser.add_argument("--backends", nargs="+", default=["builtin", "mooncake"], choices=["builtin", "mooncake"])
+    parser.add_argument("--rounds", type=int, default=1, help="turns of every deployment (results per turn)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    ns = parser.parse_args(argv)
+    ns.vocab = (
+        2048 if ns.model_path is None else json.load(open(os.path.join(ns.model_path, "config.json")))["vocab_size"]
+    )
+    kinds = ["replicas"] + [f"pd-{b}" for b in ns.backends]
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    for turn in range(ns.rounds):
+        for kind in kinds:
+            dep = Deployment(ns, kind)
+            try:
+                asyncio.run(workload(ns, dep.url, seed=99, duration=ns.warmup))  # same prompts for every deployment
+                result = asyncio.run(workload(ns, dep.url, seed=turn, duration=ns.duration))
+            finally:
+                dep.stop()
+            result.update(transfer_figures(result.pop("timelines")))
+            runs[kind].append(result)
+            print(f"turn {turn} {kind}: " + json.dumps({k: v for k, v in result.items() if k != "ttft_split_ms_mean"}))
+    summary = {}
+    base = runs["replicas"]
+    for kind in kinds[1:]:
+        summary[kind] = {
+            "tpot_p99_vs_replicas": [r["tpot_p99_ms"] / b["tpot_p99_ms"] for r, b in zip(runs[kind], base)],
+            "throughput_vs_replicas": [
+                r["output_tokens_per_s"] / b["output_tokens_per_s"] for r, b in zip(runs[kind], base)
+            ],
+        }
+    report = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
+        "settings": {k: v for k, v in vars(ns).items() if k != "json"},
+        "runs": runs,
+        "summary": summary,
+    }
+    print(json.dumps(summary, indent=1))
+    if ns.json:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
+        with open(ns.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
