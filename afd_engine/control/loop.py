@@ -93,8 +93,9 @@ class EngineLoop:
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.sub, zmq.POLLIN)
-        if engine.disagg is not None:  # a peer's KV message wakes an idle rank (disagg drains it)
-            self.poller.register(engine.disagg.inbox, zmq.POLLIN)
+        self.disagg = getattr(engine, "disagg", None)  # prefill-decode disaggregation, when on
+        if self.disagg is not None:  # a peer's KV message wakes an idle rank (its step drains it)
+            self.poller.register(self.disagg.inbox, zmq.POLLIN)
         self._last_sent = 0.0
         self._rank_load: tuple[float, ...] = ()
         self._rank_load_at = float("-inf")
@@ -103,12 +104,14 @@ class EngineLoop:
         engine = self.engine
         idle_ms = LOCKSTEP_IDLE_MS if engine.lockstep else int(HEARTBEAT_S * 1000)
         while not engine.stopped:
-            if engine.scheduler.has_work() or engine.peers_busy:
+            if engine.peers_busy:
                 timeout = 0
-            elif engine.has_unfinished():  # only waiting on a disaggregation peer: its messages wake us
-                timeout = DISAGG_POLL_MS
-            else:
+            elif not engine.has_unfinished():
                 timeout = idle_ms
+            elif self.disagg is not None and not engine.scheduler.has_work():
+                timeout = DISAGG_POLL_MS  # only waiting on a disaggregation peer, whose messages wake us
+            else:
+                timeout = 0
             self._receive(timeout_ms=timeout)
             updates = engine.step_updates() if engine.lockstep or engine.has_unfinished() else []
             if updates or time.monotonic() - self._last_sent >= HEARTBEAT_S:
@@ -117,7 +120,7 @@ class EngineLoop:
         self.close()
 
     def stats(self) -> msgs.EngineStats:
-        s, pool, cache, pd = self.engine.scheduler, self.engine.pool, self.engine.cache, self.engine.disagg
+        s, pool, cache, pd = self.engine.scheduler, self.engine.pool, self.engine.cache, self.disagg
         return msgs.EngineStats(
             len(s.running),
             len(s.waiting),

@@ -51,7 +51,17 @@ def test_the_other_outputs_round_trip_and_nothing_else_travels_that_way():
 
 def test_updates_travel_as_arrays_not_maps():
     frame = msgpack.unpackb(msgs.encode_output(msgs.StepOutput(UPDATES[:1])))
-    assert frame[0] == "StepOutput" and frame[3] == [["plain", [17], None, None, None, None, 5, 1, 0, None]]
+    # (the last two: prompt logprobs and the disaggregated TTFT split, both absent)
+    assert frame[0] == "StepOutput" and frame[3] == [["plain", [17], None, None, None, None, 5, 1, 0, None, None]]
+
+
+def test_a_disaggregated_request_and_its_timeline_round_trip():
+    sent = msgs.AddRequest("r-2", [5, 6], SamplingParams(), {"room": 7, "bootstrap": "10.0.0.1:8998"})
+    assert msgs.decode(msgs.encode(sent)) == sent
+    assert msgs.decode(msgs.encode(msgs.AddRequest("r-3", [5], SamplingParams()))).disaggregation is None
+    update = TokenUpdate("d", [3], None, None, timeline={"queue_s": 0.5, "transfer_bytes": 1024.0})
+    (got,) = msgs.decode_output(msgs.encode_output(msgs.StepOutput([update]))).updates
+    assert got.timeline == {"queue_s": 0.5, "transfer_bytes": 1024.0}
 
 
 def test_an_add_request_round_trips_with_every_sampling_field():
