@@ -9,6 +9,7 @@ instance's description, which the decode rank compares with its own before reser
 from __future__ import annotations
 
 import threading
+import time
 
 import msgpack
 import zmq
@@ -52,18 +53,31 @@ class BootstrapServer:
         self.ctx.term()
 
 
-def query_bootstrap(ctx: zmq.Context, address: str, timeout_ms: int = QUERY_TIMEOUT_MS) -> dict:
-    """The prefill instance's answer ({"ranks": [...], "desc": {...}}); BootstrapError when it does
-    not come within timeout_ms."""
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(f"tcp://{address}")
-        sock.send(b"?")
-        if not sock.poll(timeout_ms):
-            raise BootstrapError(
-                f"the prefill instance's bootstrap server at {address} did not answer within {timeout_ms / 1000:g} s"
-            )
-        return msgpack.unpackb(sock.recv())
-    finally:
-        sock.close(linger=0)
+class BootstrapQuery:
+    """One question to a prefill instance's bootstrap server, asked without blocking: `answer()`
+    is None until the answer is in, and raises BootstrapError once timeout_ms have passed."""
+
+    def __init__(self, ctx: zmq.Context, address: str, timeout_ms: int = QUERY_TIMEOUT_MS) -> None:
+        self.address, self.timeout_ms = address, timeout_ms
+        self.deadline = time.monotonic() + timeout_ms / 1000
+        self.sock = ctx.socket(zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://{address}")
+        self.sock.send(b"?")
+
+    def answer(self) -> dict | None:
+        try:
+            data = self.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            if time.monotonic() > self.deadline:
+                self.close()
+                raise BootstrapError(
+                    f"the prefill instance's bootstrap server at {self.address} did not answer within "
+                    f"{self.timeout_ms / 1000:g} s"
+                ) from None
+            return None
+        self.close()
+        return msgpack.unpackb(data)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

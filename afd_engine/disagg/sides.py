@@ -13,7 +13,7 @@ from collections import deque
 import zmq
 
 from afd_engine.disagg import wire
-from afd_engine.disagg.bootstrap import BootstrapError, query_bootstrap
+from afd_engine.disagg.bootstrap import BootstrapError, BootstrapQuery
 from afd_engine.disagg.transfer import TransferFailed, make_backend, send_frames
 from afd_engine.runtime.kv_cache import pages_for
 from afd_engine.runtime.request import Request, TokenLogprob
@@ -79,6 +79,8 @@ class _Side:
             req.finish_reason, req.error = "error", message
 
     def close(self) -> None:
+        for query in getattr(self, "_queries", {}).values():
+            query.close()
         self.backend.close()
         for sock in self._peers.values():
             sock.close(linger=0)
@@ -243,6 +245,7 @@ class DecodeSide(_Side):
         self.queue: deque[Request] = deque()  # waiting for pages
         self.reserved: dict[int, Request] = {}  # room -> request holding pages, waiting for its KV
         self._prefill: dict[str, tuple[dict, float]] = {}  # bootstrap address -> (its answer, when)
+        self._queries: dict[str, BootstrapQuery] = {}  # bootstrap address -> the query on its way
         self.cached_pages = 0  # since start
 
     def has_work(self) -> bool:
@@ -299,27 +302,29 @@ class DecodeSide(_Side):
         return []
 
     def _reserve(self, now: float) -> list[Request]:
-        """Reserves pages for queued requests in arrival order while they fit; returns those that
-        failed at the handshake."""
-        failed = []
+        """Reserves pages for queued requests in arrival order while they fit (a request whose
+        prefill instance has not answered its bootstrap query yet waits, and the ones behind it
+        go ahead); returns those that failed at the handshake."""
+        failed, waiting = [], []
         while self.queue:
-            req = self.queue[0]
+            req = self.queue.popleft()
             try:
                 info = self._prefill_info(req.disagg_bootstrap)
             except BootstrapError as exc:
-                self.queue.popleft()
                 self._fail(req, str(exc))
                 failed.append(req)
                 continue
+            if info is None:
+                waiting.append(req)
+                continue
             problem = wire.mismatch(info["desc"], self.description)
             if problem is not None:
-                self.queue.popleft()
                 self._fail(req, problem)
                 failed.append(req)
                 continue
             if not self.scheduler.reserve(req, len(self.reserved)):
+                self.queue.appendleft(req)
                 break
-            self.queue.popleft()
             req.timeline["reserved"] = now
             req.prefill_rank = info["ranks"][req.disagg_room % len(info["ranks"])]
             self.reserved[req.disagg_room] = req
@@ -339,13 +344,27 @@ class DecodeSide(_Side):
                     "backend": self.backend.describe(),
                 },
             )
+        self.queue.extendleft(reversed(waiting))
         return failed
 
-    def _prefill_info(self, bootstrap: str) -> dict:
+    def _prefill_info(self, bootstrap: str) -> dict | None:
+        """The prefill instance's ranks and description; None while its answer is on the way
+        (the query never blocks the rank); BootstrapError when it did not come in time."""
         known = self._prefill.get(bootstrap)
-        if known is None or time.monotonic() - known[1] > BOOTSTRAP_TTL_S:
-            known = self._prefill[bootstrap] = (query_bootstrap(self.ctx, bootstrap), time.monotonic())
-        return known[0]
+        if known is not None and time.monotonic() - known[1] <= BOOTSTRAP_TTL_S:
+            return known[0]
+        query = self._queries.get(bootstrap)
+        if query is None:
+            query = self._queries[bootstrap] = BootstrapQuery(self.ctx, bootstrap)
+        try:
+            answer = query.answer()
+        except BootstrapError:
+            del self._queries[bootstrap]
+            raise
+        if answer is not None:
+            del self._queries[bootstrap]
+            self._prefill[bootstrap] = (answer, time.monotonic())
+        return answer
 
     def _tell_prefill(self, req: Request, header: dict) -> None:
         self._tell(req.prefill_rank, header)

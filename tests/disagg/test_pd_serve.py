@@ -126,9 +126,26 @@ def test_failures_fail_the_request_and_free_both_sides(tiny_v3):
     common = ("--max-num-batched-tokens", "16")
     prefill = Server(tiny_v3, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot), *common)
     decode = Server(tiny_v3, "--disaggregation-mode", "decode", *common)
-    router = Router(prefill, decode)
-    started = [prefill, decode, router]
+    started = [prefill, decode]
     try:
+        # 0. what each instance refuses or fails on its own, as OpenAI errors
+        gen = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 2}}
+        plain = httpx.post(prefill.url + "/generate", json=gen)
+        assert plain.status_code == 400
+        assert "its requests come through `afd router`" in plain.json()["error"]["message"]
+        nobody = free_port()
+        lost = httpx.post(
+            decode.url + "/generate",
+            json={**gen, "bootstrap_host": "127.0.0.1", "bootstrap_port": nobody, "bootstrap_room": 64},
+            timeout=30,
+        )
+        assert lost.status_code == 503
+        assert lost.json()["error"]["message"] == (
+            f"the engine is unavailable: the prefill instance's bootstrap server at 127.0.0.1:{nobody} "
+            "did not answer within 2 s"
+        )
+        router = Router(prefill, decode)
+        started.append(router)
         # 1. the client goes away mid-stream: both sides drop the request
         client, ctx, _ = stream_some(router.url, 300)
         ctx.__exit__(None, None, None)
