@@ -34,13 +34,18 @@ class _Side:
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(f"tcp://{args.disaggregation_host}:*")
         self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.backend = make_backend(
-            args.disaggregation_transfer_backend,
-            engine.pool.cache,
-            self.page_size,
-            args.disaggregation_host,
-            args.disaggregation_ib_device,
-        )
+        try:
+            self.backend = make_backend(
+                args.disaggregation_transfer_backend,
+                engine.pool.cache,
+                self.page_size,
+                args.disaggregation_host,
+                args.disaggregation_ib_device,
+            )
+        except BaseException:  # (a context left with an open socket hangs whoever collects it)
+            self.inbox.close(linger=0)
+            self.ctx.term()
+            raise
         self._peers: dict[str, zmq.Socket] = {}
         self.transfer_bytes = 0  # since start
         self.transfer_seconds = 0.0
