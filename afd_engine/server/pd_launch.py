@@ -16,7 +16,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -98,18 +97,3 @@ def _wait_healthy(url: str, proc: subprocess.Popen) -> bool:
             pass
         time.sleep(0.2)
     return False
-
-
-def watch_children(server, procs: list[subprocess.Popen], state: dict) -> None:
-    """Stops the router (exit 1) when an instance it started dies."""
-    while not server.should_exit:
-        if any(p.poll() is not None for p in procs):
-            log.error("an instance of the PD deployment died; exiting")
-            state["died"] = True
-            server.should_exit = True
-            return
-        time.sleep(0.2)
-
-
-def start_watch(server, procs: list[subprocess.Popen], state: dict) -> None:
-    threading.Thread(target=watch_children, args=(server, procs, state), daemon=True).start()

@@ -18,6 +18,8 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
+import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -297,6 +299,17 @@ def build_router_app(router: PDRouter) -> FastAPI:
     return app
 
 
+def _watch_children(server, procs, state: dict) -> None:
+    """Stops the router (exit 1) when an instance it started dies (`afd serve --pd`)."""
+    while not server.should_exit:
+        if any(p.poll() is not None for p in procs):
+            log.error("an instance of the PD deployment died; exiting")
+            state["died"] = True
+            server.should_exit = True
+            return
+        time.sleep(0.2)
+
+
 def run_router(prefill: list[str], decode: list[str], host: str, port: int, watch=None, replicas=()) -> int:
     """Serves until interrupted (0); 2 when the instances do not answer or do not fit; with
     `watch` (instance processes this command started), 1 as soon as one of them dies."""
@@ -307,9 +320,7 @@ def run_router(prefill: list[str], decode: list[str], host: str, port: int, watc
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     state: dict = {}
     if watch:
-        from afd_engine.server.pd_launch import start_watch
-
-        start_watch(server, watch, state)
+        threading.Thread(target=_watch_children, args=(server, watch, state), daemon=True).start()
     try:
         server.run()
     except (
