@@ -8,7 +8,7 @@ prefill lands in the batch of a replica that is decoding short streams, and ever
 waits for it; a PD decode instance never prefills.
 
 Deployments, each behind `afd router`, each instance an `afd serve` process with --num-threads
---threads (one core each on a 2-core machine):
+--threads, pinned to a core of its own (as on separate machines; --no-pin shares them):
   (a) pd-<backend>: one prefill instance + one decode instance, per --backends (builtin,
       mooncake);
   (b) replicas: the same two processes as plain instances (--disaggregation-mode null), the
@@ -47,9 +47,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str]) -> subprocess.Popen:
+def start(args: list[str], core: int | None = None) -> subprocess.Popen:
+    """`afd ARGS`; with `core`, the process and its children run on that core only."""
+    pin = ["taskset", "-c", str(core)] if core is not None else []
     return subprocess.Popen(
-        [sys.executable, "-m", "afd_engine.cli", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [*pin, sys.executable, "-m", "afd_engine.cli", *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
@@ -89,8 +94,10 @@ class Deployment:
                 ["--disaggregation-mode", "decode", *pd],
             ]
             router = [f"--prefill={self.urls[0]}", f"--decode={self.urls[1]}"]
-        for port, role in zip(ports, roles):
-            self.procs.append(start(["serve", "--port", str(port), *common, *role]))
+        cores = sorted(os.sched_getaffinity(0))
+        for i, (port, role) in enumerate(zip(ports, roles)):
+            core = cores[i % len(cores)] if ns.pin and len(cores) > 1 else None
+            self.procs.append(start(["serve", "--port", str(port), *common, *role], core))
         for proc, url in zip(self.procs, self.urls):
             wait_healthy(url, proc)
         self.url = f"http://127.0.0.1:{free_port()}"
@@ -220,6 +227,13 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=float, default=4.0, help="seconds of load before it, not measured")
     parser.add_argument("--backends", nargs="+", default=["builtin", "mooncake"], choices=["builtin", "mooncake"])
     parser.add_argument("--rounds", type=int, default=1, help="turns of every deployment (results per turn)")
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="let the instances share every core (default: instance i on core i, as on separate machines; "
+        "the router and the load generator run anywhere)",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     ns = parser.parse_args(argv)
     ns.vocab = (

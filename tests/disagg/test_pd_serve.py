@@ -61,7 +61,7 @@ def test_serve_pd_one_command_matches_the_single_engine(tiny_v3):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = afd_start(
-        "serve", "--pd", "--prefill-mode", "single", "--decode-mode", "colocated", "--decode-args", "--dp-size 2",
+        "serve", "--pd", "--prefill-mode", "single", "--decode-mode", "single",
         "--model-path", tiny_v3, "--port", str(port), "--num-threads", "1", "--kv-cache-memory-mb", "16",
         "--served-model-name", "tiny", "--max-num-batched-tokens", "8",
     )  # fmt: skip
