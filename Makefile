@@ -29,7 +29,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 bench: setup
 	$(PY) benchmarks/bench_offline.py

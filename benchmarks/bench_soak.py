@@ -23,7 +23,7 @@ Exit 1 when a page leaked, a process died, any answer was a 5xx or not JSON, a n
 failed, a malformed one was accepted, or a process's RSS grew more than ``--max-rss-growth-pct``.
 
     python benchmarks/bench_soak.py --mode afd --minutes 10 --json soak.json
-    python benchmarks/bench_soak.py --quick            # 20 seconds
+    python benchmarks/bench_soak.py --quick            # 12 seconds
 """
 
 from __future__ import annotations
@@ -526,7 +526,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=sorted(MODES), default="afd")
     p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--quick", action="store_true", help="20 seconds of load, RSS sampled every second")
+    p.add_argument("--quick", action="store_true", help="12 seconds of load, RSS sampled every second")
     p.add_argument("--model-path", default=None, help="checkpoint (default: the embedded tiny model)")
     p.add_argument("--clients", type=int, default=4, help="concurrent clients, one request in flight each")
     p.add_argument("--seed", type=int, default=0)
@@ -539,7 +539,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
     if args.quick:
-        args.minutes, args.sample_every_s = 20 / 60, 1.0
+        args.minutes, args.sample_every_s = 12 / 60, 1.0
     if args.minutes <= 0 or args.clients < 1:
         p.error("--minutes must be positive and --clients at least 1")
     return args

@@ -22,7 +22,7 @@ MALFORMED = (
 @pytest.mark.parametrize("mode", ["single", "afd"])
 def test_quick_soak_is_clean(tmp_path, tiny_v3, mode):
     out = tmp_path / "soak.json"
-    # 20 seconds say nothing about memory growth; the RSS figures are checked for presence only.
+    # 12 seconds say nothing about memory growth; the RSS figures are checked for presence only.
     flags = ["--quick", "--mode", mode, "--model-path", tiny_v3, "--max-rss-growth-pct", "1000", "--json", str(out)]
     res = bench_run("bench_soak.py", *flags)
     report = json.loads(out.read_text())

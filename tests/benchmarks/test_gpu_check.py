@@ -93,14 +93,14 @@ def test_engine_parts_are_token_exact(dry_run):
     runs = parts["engine_single_fp32"]["runs"]
     assert set(runs) == {f"{a}/{b}" for a in ("deepseek_v3", "qwen3_moe") for b in ("torch", "triton")}
     for name, run in runs.items():
-        assert run["exact"] and run["matched"] == run["tokens"] == 4 * 5, (name, run)
+        assert run["exact"] and run["matched"] == run["tokens"] == 3 * 3, (name, run)
         assert run["max_logprob_diff"] < 1e-4, name
     for name, run in parts["engine_single_bf16"]["runs"].items():
-        assert run["matched"] <= run["tokens"] == 20 and run["max_logprob_diff"] < 0.5, name
+        assert run["matched"] <= run["tokens"] == 9 and run["max_logprob_diff"] < 0.5, name
     afd = parts["engine_afd_1a1f"]
     for transport in ("auto", "torch"):  # shared memory, and gloo standing in for NCCL
         run = afd["runs"][transport]
-        assert run["tokens_equal"] == run["tokens"] == 20 and run["afd_tokens"] == afd["single_tokens"]
+        assert run["tokens_equal"] == run["tokens"] == 9 and run["afd_tokens"] == afd["single_tokens"]
 
 
 def test_decode_step_times_per_batch(dry_run):

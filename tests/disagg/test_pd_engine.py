@@ -3,6 +3,8 @@ prefix caches on both sides, sampling state, handshake refusals, timeouts and ab
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from afd_engine import Engine, SamplingParams
@@ -23,6 +25,19 @@ def pair(path: str, backend: str = "builtin", prefill: dict | None = None, decod
     )
 
 
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@functools.cache
+def references(path: str):
+    """The single engine's staggered tokens (checked against transformers) and prefix-sharing
+    rounds, once per checkpoint (both backends compare with them)."""
+    staggered = staggered_reference(path, [5, 40, 17, 70, 33, 9], GREEDY, seed=11, low=5)
+    with Engine(model_path=path, **COMMON) as single:
+        vocab = single.config.vocab_size
+        return staggered, (vocab, prefix_sharing_rounds(single, vocab, GREEDY))
+
+
 @pytest.mark.parametrize(
     "model,backend",
     [
@@ -36,11 +51,8 @@ def test_greedy_tokens_equal_the_single_engine(tiny_model_factory, model, backen
     """Chunked prefills, requests joining while others decode, prompts that hit the prefix cache
     of the prefill side, of the decode side (which then takes fewer pages), or both."""
     path = tiny_model_factory(model)
-    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts, want = staggered_reference(path, [5, 40, 17, 70, 33, 9], params, seed=11, low=5)
-    with Engine(model_path=path, **COMMON) as single:
-        vocab = single.config.vocab_size
-        ref_rounds = prefix_sharing_rounds(single, vocab, params)
+    (prompts, want), (vocab, ref_rounds) = references(path)
+    params = GREEDY
     pd = pair(path, backend)
     try:
         assert run_staggered(pd, prompts, params, every=2) == want
