@@ -175,6 +175,10 @@ class Engine(OfflineEngine):
                 "`afd router`, which gives each one a bootstrap_room",
                 param="bootstrap_room",
             )
+        if self.disagg.room_in_use(d["room"]):
+            raise InvalidRequestError(
+                f"bootstrap_room {d['room']} is in use by another request on this instance", param="bootstrap_room"
+            )
         if mode == "decode" and not isinstance(d.get("bootstrap"), str):
             raise InvalidRequestError(
                 "a decode instance needs the prefill instance's bootstrap_host and bootstrap_port",

@@ -107,6 +107,9 @@ class PrefillSide(_Side):
     def has_work(self) -> bool:
         return bool(self.waiting)
 
+    def room_in_use(self, room: int) -> bool:
+        return room in self.waiting or room in self.active
+
     def add(self, req: Request) -> None:
         req.timeline = {"arrived": time.monotonic(), "transfer_s": 0.0, "transfer_bytes": 0}
         early = self.early.pop(req.disagg_room, None)
@@ -255,6 +258,9 @@ class DecodeSide(_Side):
 
     def has_work(self) -> bool:
         return bool(self.queue or self.reserved)
+
+    def room_in_use(self, room: int) -> bool:
+        return room in self.reserved or any(r.disagg_room == room for r in self.queue)
 
     @property
     def reserved_pages(self) -> int:

@@ -4,6 +4,7 @@ prefix caches on both sides, sampling state, handshake refusals, timeouts and ab
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 
@@ -163,17 +164,26 @@ def test_a_request_no_decode_instance_reserves_times_out_on_the_prefill_side(tin
 def test_an_abort_on_either_side_reaches_the_other(tiny_v3, side):
     pd = pair(tiny_v3)
     try:
-        rid = pd.add_request(
-            prompt_token_ids=random_prompts(512, [60], seed=2, low=5)[0], params=SamplingParams(max_new_tokens=50)
-        )
+        # 200 tokens in chunks of 32: the abort lands while the prefill side is still at it
+        prompt = random_prompts(512, [200], seed=2, low=5)[0]
+        rid = pd.add_request(prompt_token_ids=prompt, params=SamplingParams(max_new_tokens=50))
         pd.run_until(lambda: bool(pd.prefill.scheduler.running))  # reserved on D, prefilling on P
-        engine, other = (pd.decode, pd.prefill) if side == "decode" else (pd.prefill, pd.decode)
-        engine.abort(rid if side == "decode" else f"p-{rid}")
-        pd.run_until(lambda: not pd.has_unfinished())
-        expected = "aborted on the decode side" if side == "decode" else "aborted on the prefill side"
-        failed = pd.prefill_outputs[f"p-{rid}"] if side == "decode" else None
-        if failed is not None:
-            assert failed.finish_reason == "error" and failed.error.endswith(expected)
+        if side == "decode":
+            pd.decode.abort(rid)
+        else:
+            pd.prefill.abort(f"p-{rid}")
+        time.sleep(0.1)  # (the other side's message is on its way: it must not race the prefill)
+        outs = pd.run_until(lambda: not pd.has_unfinished())
+        if side == "decode":  # the prefill side fails its request
+            failed = pd.prefill_outputs[f"p-{rid}"]
+            assert (failed.finish_reason, failed.error) == (
+                "error",
+                "the decode instance failed this request: aborted on the decode side",
+            )
+        else:  # the decode side fails its request
+            assert [(o.request_id, o.finish_reason, o.error) for o in outs] == [
+                (rid, "error", "aborted on the prefill side")
+            ]
         assert idle_pages(pd.prefill) and idle_pages(pd.decode)
         assert pd.decode.disagg.reserved_pages == 0
     finally:
@@ -188,6 +198,9 @@ def test_instances_refuse_requests_that_do_not_fit_their_role(tiny_v3):
             decode.add_request(prompt_token_ids=[1, 2, 3])
         with pytest.raises(InvalidRequestError, match="needs the prefill instance's bootstrap_host"):
             decode.add_request(prompt_token_ids=[1, 2, 3], disaggregation={"room": 1})
+        decode.add_request(prompt_token_ids=[1, 2, 3], disaggregation={"room": 2, "bootstrap": "127.0.0.1:1"})
+        with pytest.raises(InvalidRequestError, match="bootstrap_room 2 is in use by another request"):
+            decode.add_request(prompt_token_ids=[1, 2, 3], disaggregation={"room": 2, "bootstrap": "127.0.0.1:1"})
     with Engine(model_path=tiny_v3, **COMMON) as plain:
         with pytest.raises(InvalidRequestError, match="not disaggregated"):
             plain.add_request(prompt_token_ids=[1, 2, 3], disaggregation={"room": 1})
