@@ -59,17 +59,10 @@ def start(args: list[str], core: int | None = None) -> subprocess.Popen:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not healthy within {timeout} s")
+    from afd_engine.server.pd_launch import wait_healthy as healthy
+
+    if not healthy(url, proc, timeout):
+        raise RuntimeError(f"{url} did not become healthy (exit status {proc.poll()})")
 
 
 class Deployment:

@@ -63,7 +63,7 @@ def serve_pd(argv: list[str], ns) -> int:
     }
     try:
         for role, port in (("prefill", p_port), ("decode", d_port)):
-            if not _wait_healthy(f"http://{host}:{port}", procs[role]):
+            if not wait_healthy(f"http://{host}:{port}", procs[role]):
                 log.error("the %s instance did not start", role)
                 return 2
         from afd_engine.server.pd_router import run_router
@@ -85,8 +85,9 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen) -> bool:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = READY_TIMEOUT_S) -> bool:
+    """Until GET url/health answers 200 (True); False when `proc` exits or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
