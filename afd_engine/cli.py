@@ -175,16 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-args", default="", help="--pd: flags for the prefill instance only (one string)")
     srv.add_argument("--decode-args", default="", help="--pd: flags for the decode instance only (one string)")
 
-    router = sub.add_parser(
-        "router", help="the OpenAI-compatible front of a prefill-decode deployment (instances started apart)"
+    from afd_engine.server.pd_router import add_router_args
+
+    add_router_args(
+        sub.add_parser(
+            "router", help="the OpenAI-compatible front of a prefill-decode deployment (instances started apart)"
+        )
     )
-    router.add_argument("--prefill", action="append", default=[], help="URL of a prefill instance (repeat)")
-    router.add_argument("--decode", action="append", default=[], help="URL of a decode instance (repeat)")
-    router.add_argument(
-        "--replica", action="append", default=[], help="instead: URL of a plain instance (repeat); least loaded first"
-    )
-    router.add_argument("--host", default="127.0.0.1", help="address to bind")
-    router.add_argument("--port", type=int, default=30000, help="HTTP port")
 
     launch = sub.add_parser(
         "launch", help="start one role (attention, or the FFN ranks of one FFN node) of a multi-machine AFD deployment"
@@ -241,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         return _make_tiny(None, argv[1:])
     if argv[:1] == ["train-tiny"]:
         return _train_tiny(argv[1:])
+    if argv[:1] == ["router"]:  # (before the engine's parser: the router needs no torch)
+        from afd_engine.server.pd_router import main as router_main
+
+        return router_main(argv[1:])
     if argv[:1] == ["plan"]:
         from afd_engine.planner.cli import main as plan_main
 
@@ -252,10 +253,6 @@ def main(argv: list[str] | None = None) -> int:
 
         if ns.command == "expert-load":
             return _expert_load(ns)
-        if ns.command == "router":
-            from afd_engine.server.pd_router import run_router
-
-            return run_router(ns.prefill, ns.decode, ns.host, ns.port, replicas=ns.replica)
         ns.argv = argv
         apply_config(ns, _defaults(parser, ns.command))
         return {"generate": _generate, "demo": _demo, "serve": _serve, "launch": _launch}[ns.command](ns)

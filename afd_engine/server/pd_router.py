@@ -332,3 +332,28 @@ def run_router(prefill: list[str], decode: list[str], host: str, port: int, watc
     if state.get("died"):
         return 1
     return 0 if server.started else 2
+
+
+def add_router_args(parser) -> None:
+    parser.add_argument("--prefill", action="append", default=[], help="URL of a prefill instance (repeat)")
+    parser.add_argument("--decode", action="append", default=[], help="URL of a decode instance (repeat)")
+    parser.add_argument(
+        "--replica", action="append", default=[], help="instead: URL of a plain instance (repeat); least loaded first"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=30000, help="HTTP port")
+
+
+def main(argv: list[str]) -> int:
+    """`afd router ...` (the CLI hands it over before importing the engine)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="afd router", description=__doc__.split("\n\n")[0])
+    add_router_args(parser)
+    ns = parser.parse_args(argv)
+    try:
+        return run_router(ns.prefill, ns.decode, ns.host, ns.port, replicas=ns.replica)
+    except ConfigError as exc:
+        print(f"afd router: error: {exc}", file=sys.stderr)
+        return 2

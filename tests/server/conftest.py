@@ -13,8 +13,8 @@ __all__ = ["Server", "free_port"]
 
 
 class Server:
-    def __init__(self, model_path: str, *extra: str) -> None:
-        self.port = free_port()
+    def __init__(self, model_path: str, *extra: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = afd_start(
             "serve",
