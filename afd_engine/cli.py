@@ -253,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if ns.command == "expert-load":
             return _expert_load(ns)
-        ns.argv = argv
         apply_config(ns, _defaults(parser, ns.command))
+        ns.argv = argv  # (afd serve --pd passes the command line on to its instances)
         return {"generate": _generate, "demo": _demo, "serve": _serve, "launch": _launch}[ns.command](ns)
     except AFDError as exc:
         print(f"afd {ns.command}: error: {exc}", file=sys.stderr)
