@@ -84,8 +84,6 @@ class _Side:
             req.finish_reason, req.error = "error", message
 
     def close(self) -> None:
-        for query in getattr(self, "_queries", {}).values():
-            query.close()
         self.backend.close()
         for sock in self._peers.values():
             sock.close(linger=0)
@@ -111,12 +109,9 @@ class PrefillSide(_Side):
         return room in self.waiting or room in self.active
 
     def add(self, req: Request) -> None:
+        """Waits for its destination (which may have come already: before_step pairs them)."""
         req.timeline = {"arrived": time.monotonic(), "transfer_s": 0.0, "transfer_bytes": 0}
-        early = self.early.pop(req.disagg_room, None)
-        if early is not None:
-            self._start(req, early[0])
-        else:
-            self.waiting[req.disagg_room] = req
+        self.waiting[req.disagg_room] = req
 
     def drop(self, req: Request) -> None:
         """The request ends here before its transfer finished (aborted): the decode side is told."""
@@ -132,17 +127,17 @@ class PrefillSide(_Side):
         for header, _ in self._messages():
             room = header.get("room")
             if header.get("kind") == wire.DEST:
-                req = self.waiting.pop(room, None)
-                if req is None:
-                    self.early[room] = (header, now)
-                elif not self._start(req, header):
-                    failed.append(req)
+                self.early[room] = (header, now)
             elif header.get("kind") == wire.FAIL:
                 req = self.waiting.pop(room, None) or self.active.pop(room, None)
                 self.early.pop(room, None)
                 if req is not None:
                     self._fail(req, f"the decode instance failed this request: {header.get('error')}")
                     failed.append(req)
+        for room in [r for r in self.waiting if r in self.early]:  # destinations meet their requests
+            req, (dest, _) = self.waiting.pop(room), self.early.pop(room)
+            if not self._start(req, dest):
+                failed.append(req)
         for room, req in list(self.waiting.items()):
             if now - req.timeline["arrived"] > self.timeout:
                 del self.waiting[room]
@@ -258,6 +253,11 @@ class DecodeSide(_Side):
 
     def has_work(self) -> bool:
         return bool(self.queue or self.reserved)
+
+    def close(self) -> None:
+        for query in self._queries.values():
+            query.close()
+        super().close()
 
     def room_in_use(self, room: int) -> bool:
         return room in self.reserved or any(r.disagg_room == room for r in self.queue)

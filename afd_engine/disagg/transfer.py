@@ -64,7 +64,7 @@ class Builtin:
         write_pages(self.cache, header["pages"], self.page_size, data)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the builtin backend holds no resource of its own."""
 
 
 class Mooncake:
