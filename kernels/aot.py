@@ -24,7 +24,8 @@ Resources per configuration, read from the cubin with the cuobjdump that ships i
                                    checks them against ptxas -v)
     shared_bytes                   per block: the dynamic shared memory Triton's launch requests
 Budgets (`violations`; exit status 1 when one is broken): shared memory within the target's
-227 KB per block; no stack and no spill anywhere (the fp32 paths hold it too).
+227 KB per block; no stack and no spill anywhere (the fp32 paths hold it too), but for the launches
+SPILL_ALLOWANCE names, each with the GPU measurement that chose its spilling tile.
 
 Needs no GPU and no CUDA driver: the target is named, never queried. TRITON_INTERPRET must be
 unset (under the interpreter triton.jit makes no compilable kernels); this module drops it before
@@ -34,6 +35,7 @@ it imports a kernel, so run it as its own process.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import importlib
 import json
 import os
@@ -62,6 +64,13 @@ from kernels.triton.launch import Launch, is_interpreted  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SHARED_LIMIT = {"sm_90": 227 * 1024, "sm_100": 227 * 1024}  # bytes per block (of 228 KB, 1 KB reserved)
+# Launches allowed some local memory, by name pattern (fnmatch) -> bytes per thread (stack, spill
+# stores, spill loads each): only tiles a GPU measured faster than every spill-free one tried.
+# DeepSeek-V3's bf16 MLA decode at 64 heads a program: 2.4x faster on an H200 than the 32-head
+# tile at 64 x 4096 (kernels/triton/mla.py:split_kv_tiles); Triton 3.9 spills 240-270 B a thread at
+# sm_90. The fp8 gate_up kernel at 64 rows (the fastest fp8 tile from 16 rows per expert on, see
+# kernels/triton/moe.py:MOE_TILES): 4 B at sm_100 only, outside its inner loop.
+SPILL_ALLOWANCE = {"mla_split_kv/deepseek-v3/bf16/*": 320, "moe_gate_up/*/fp8/m64": 8}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PAGE_SIZES = (1, 16, 64)
 SPLITS = tuple(2**i for i in range(mla.MAX_SPLITS.bit_length()))  # 1, 2, 4, 8, 16: every merge tile
@@ -135,8 +144,9 @@ def attention_cases(model: str, shape, dtype: str, page_size: int, splits: int) 
 
 
 def expert_cases(model: str, shape: MoEShape, dtype: str) -> list[Case]:
-    """gate_up and down launches of one step's routed experts: `dtype` fp32 or bf16 (weights and
-    activations), or fp8 (fp8 weights and quantized activations; the quantization is in fp8_cases)."""
+    """gate_up and down launches of one step's routed experts for each tile of moe.MOE_TILES[dtype]
+    (named by its block_m): `dtype` fp32 or bf16 (weights and activations), or fp8 (fp8 weights and
+    quantized activations; the quantization is in fp8_cases)."""
     H, I, E, K = shape
     T, dt = DECODE_TOKENS, DTYPES.get(dtype, torch.bfloat16)
     x = meta(T, H, dtype=dt)
@@ -145,18 +155,19 @@ def expert_cases(model: str, shape: MoEShape, dtype: str) -> list[Case]:
         w13, w2 = meta(E, 2 * I, H, dtype=torch.float8_e4m3fn), meta(E, H, I, dtype=torch.float8_e4m3fn)
         w13_scale = meta(E, triton.cdiv(2 * I, 128), triton.cdiv(H, 128))
         w2_scale = meta(E, triton.cdiv(H, 128), triton.cdiv(I, 128))
-        blocks = moe.TritonMoE().fp8_blocks
     else:
         a, a_scale, w13_scale, w2_scale = x, None, None, None
         w13, w2 = meta(E, 2 * I, H, dtype=dt), meta(E, H, I, dtype=dt)
-        blocks = moe.TritonMoE().blocks
-    rows = triton.cdiv(T * K + E * (blocks.block_m - 1), blocks.block_m) * blocks.block_m  # every expert's padding
-    aligned = moe.ExpertBlocks(meta(rows, dtype=torch.int32), meta(rows // blocks.block_m, dtype=torch.int32))
-    weights = meta(T, K)
-    _, launches = moe.expert_launches(
-        a, a_scale, w13, w13_scale, w2, w2_scale, aligned, weights, blocks, interpreted=False
-    )
-    return [Case(f"moe_{part}/{model}/{dtype}", dtype, launch) for part, launch in zip(("gate_up", "down"), launches)]
+    cases = []
+    for _, blocks in moe.MOE_TILES[dtype]:
+        rows = triton.cdiv(T * K + E * (blocks.block_m - 1), blocks.block_m) * blocks.block_m  # every expert's padding
+        aligned = moe.ExpertBlocks(meta(rows, dtype=torch.int32), meta(rows // blocks.block_m, dtype=torch.int32))
+        _, launches = moe.expert_launches(
+            a, a_scale, w13, w13_scale, w2, w2_scale, aligned, meta(T, K), blocks, interpreted=False
+        )
+        where = f"{model}/{dtype}/m{blocks.block_m}"
+        cases += [Case(f"moe_{part}/{where}", dtype, launch) for part, launch in zip(("gate_up", "down"), launches)]
+    return cases
 
 
 def fp8_cases(model: str, shape: MoEShape, dtype: str) -> list[Case]:
@@ -276,6 +287,12 @@ def _cuobjdump(*args: str) -> str:
     return subprocess.run([str(TOOLS / "cuobjdump"), *args], check=True, capture_output=True, text=True).stdout
 
 
+def spill_allowance(uses: list[str]) -> int:
+    """The local memory per thread every use of one compile is allowed (SPILL_ALLOWANCE; 0 if any
+    use has none)."""
+    return min(next((b for p, b in SPILL_ALLOWANCE.items() if fnmatch.fnmatchcase(u, p)), 0) for u in uses)
+
+
 def violations(entry: dict) -> list[str]:
     """The budgets one report entry breaks, as sentences naming the configuration."""
     out = []
@@ -284,6 +301,8 @@ def violations(entry: dict) -> list[str]:
     if entry["shared_bytes"] > limit:
         out.append(f"{where}: {entry['shared_bytes']} bytes of shared memory, over the {limit} a block may use")
     spilled = {k: entry[k] for k in ("stack_bytes", "spill_store_bytes", "spill_load_bytes") if entry[k]}
+    if spilled and max(spilled.values()) <= spill_allowance(entry["uses"]):
+        spilled = {}
     if spilled:
         out.append(f"{where}: local memory per thread {spilled} with {entry['registers']} registers")
     return out

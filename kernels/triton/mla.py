@@ -33,35 +33,36 @@ from kernels.triton.split_kv import MAX_SPLITS, SplitKVTiles, num_splits_for  # 
 
 
 def split_kv_tiles(num_heads: int, dtype: torch.dtype) -> SplitKVTiles:
-    """Tiles of the split-KV kernel: a roofline estimate, checked by `python -m kernels.aot` (no
-    spill at sm_90/sm_100) and timed once on an H200 (Triton 3.6; 64 sequences of 4096 tokens).
+    """Tiles of the split-KV kernel, chosen on an NVIDIA H200 (2026-11-26, Triton 3.6, torch
+    2.11+cu130; `benchmarks/tune_kernels.py`, results in benchmarks/results/) from 15 tiles x 5
+    split counts at DeepSeek-V3 shapes (bf16, page 64) and 8 tiles at V2-Lite's.
 
     Per cached token a head block reads (C + R) * 2 B = 1152 B of bf16 cache (DeepSeek-V3: C = 512,
-    R = 64) and does 2 * heads * (2C + R) FLOPs: at 128 heads 242 FLOP/B, near an H100's ridge
-    (989 TFLOP/s / 3.35 TB/s = 295), so V3's decode is bound by the tensor cores as much as by
-    memory; V2-Lite's 16 heads make 30 FLOP/B, bound by memory. The heads / BLOCK_H head blocks of
-    one (sequence, split) read the same tokens; head blocks are the grid's fastest axis, so they
+    R = 64) and does 2 * heads * (2C + R) FLOPs: at 128 heads 242 FLOP/B, above the H200's ridge
+    (800 TFLOP/s bf16 / 4.2 TB/s measured = 190), so V3's decode is bound by the tensor cores, not
+    by memory; V2-Lite's 16 heads make 30 FLOP/B, bound by memory. The heads / BLOCK_H head blocks
+    of one (sequence, split) read the same tokens; head blocks are the grid's fastest axis, so they
     run together and re-read from L2.
-    Registers per thread: tl.dot with M = BLOCK_H < 64 is mma.sync with the warps side by side
-    along N, each holding the query block [16, C] as its A operand (16 * 512 * 2 B / 32 lanes = 128
-    registers in bf16); the fp32 accumulator [BLOCK_H, C] adds BLOCK_H * 512 * 4 B / (32 *
-    num_warps): 64 at 32 heads and 8 warps. V3 (32 heads, 64 tokens a step, 8 warps, 3 stages):
-    179 of 255 registers at sm_90; on the H200 0.77-0.80 ms at page sizes 1, 16 and 64, against
-    1.07-1.10 ms at 32 tokens a step, 1.18 ms at page size 1 with 2 stages, and 1.23-1.27 ms for
-    the earlier kernel (16 heads, tf32 on upcast tiles). 64 heads (Hopper's wgmma, query from shared
-    memory) timed 0.64 ms with Triton 3.6 but spill 60-160 B a thread at sm_90 with 3.9.
-    V2-Lite (16 heads, 32 tokens, 4 warps): 184 registers, 0.147 ms = 2.1 TB/s, the fastest of
-    six tried. Shared memory: the cache tiles in flight plus the query, 113 KB (V3) and 56 KB
-    (V2-Lite) of 227 KB.
+
+    V3 (64 heads a program, 64 tokens a step, 8 warps, 3 stages): at 64 x 4096 tokens 322 us, 994
+    GB/s and 227 TFLOP/s (28% of the measured bf16 matmul rate), against 526-781 us for the 32-head
+    tiles used before (which take 1.5-2.4x longer at every batch of 8 and more); 32 tokens a step
+    441 us, 4 warps 704 us, 2 stages 358 us, 128 heads does not fit in shared memory. Registers:
+    the fp32 accumulator [64, 512] alone is 128 per thread at 8 warps, and Triton 3.9 spills 240 B
+    a thread at sm_90 (kernels.aot: allowed for this launch only, by name); 16 warps cap registers
+    at 128 and spill more. V2-Lite (16 heads, 128 tokens, 8 warps, 2 stages): no spill at sm_90;
+    with 4 warps (spilling 76 B) 64 x 4096 took 107.5 us = 2.83 TB/s, 67% of the measured copy rate.
     fp32 (the accuracy path) multiplies in "ieee" fp32 on the FMA units, where each thread holds its
     outputs' operands along K: 16 tokens a step at 8 warps stays near 100 registers (32 tokens at
     4 warps spilled 2-25 KB a thread and ran 4.4x slower).
     """
     if dtype == torch.float32:
         return SplitKVTiles(block_m=16, block_n=16, num_warps=8, num_stages=2)
+    if num_heads >= 64:
+        return SplitKVTiles(block_m=64, block_n=64, num_warps=8, num_stages=3)
     if num_heads >= 32:
         return SplitKVTiles(block_m=32, block_n=64, num_warps=8, num_stages=3)
-    return SplitKVTiles(block_m=16, block_n=32, num_warps=4, num_stages=3)
+    return SplitKVTiles(block_m=16, block_n=128, num_warps=8, num_stages=2)
 
 
 @triton.jit(do_not_specialize=split_kv.VARYING)
@@ -154,7 +155,7 @@ def mla_decode_core_triton(
         page_size) are never read, so they may hold anything. kv.slots and kv.bias are not used.
     kv.kv_lens [B] int64, each >= 1 (a 0 gives a zero output row).
     kv.page_size: any positive int (a compile-time constant: one kernel variant per page size).
-    num_splits: chunks per sequence; default `num_splits_for(P * page_size)`.
+    num_splits: chunks per sequence; default `split_kv.decode_splits` (batch, head blocks, P * page_size).
     Head dims: any H, C, R >= 1 (padded to powers of two and masked; C, R <= a few thousand).
     Returns out_latent [B, H, C] in q_latent's dtype; softmax statistics and the output accumulate
     in fp32. Partial results take B * H * num_splits * (C + 1) fp32 of scratch.
@@ -168,19 +169,28 @@ def mla_decode_core_triton(
 
 
 def decode_launches(
-    q_latent, q_pe, cache, kv: PagedKV, scale: float, num_splits: int | None = None, interpreted: bool = _INTERPRETED
+    q_latent,
+    q_pe,
+    cache,
+    kv: PagedKV,
+    scale: float,
+    num_splits: int | None = None,
+    interpreted: bool = _INTERPRETED,
+    tiles: SplitKVTiles | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output [B, H, C] (allocated, not yet written) and the two launches that fill it: the
     split-KV kernel and the merge (arguments as in `mla_decode_core_triton`, B >= 1). `interpreted`:
-    build them for Triton's interpreter (default: whether this process runs it)."""
+    build them for Triton's interpreter (default: whether this process runs it). `tiles`: the
+    split-KV kernel's tiles (default `split_kv_tiles`; benchmarks/tune_kernels.py sweeps them)."""
     B, H, C = q_latent.shape
     R = q_pe.shape[-1]
     assert cache.shape[-1] == C + R and cache.stride(-1) == 1, "cache rows must be [C + R], contiguous"
     assert q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1, "query head dims must be contiguous"
-    splits = num_splits or num_splits_for(kv.pages.shape[1] * kv.page_size)
+    tiles = tiles or split_kv_tiles(H, q_latent.dtype)
+    head_blocks = triton.cdiv(H, tiles.block_m)
+    splits = num_splits or split_kv.decode_splits(B, head_blocks, kv.pages.shape[1] * kv.page_size)
     o_part, lse_part = split_kv.split_buffers(B, H, splits, C, q_latent.device)
     out = q_latent.new_empty(B, H, C)
-    tiles = split_kv_tiles(H, q_latent.dtype)
     args = (q_latent, q_pe, cache, kv.pages, kv.kv_lens, o_part, lse_part, scale * split_kv.LOG2E, H, splits)
     strides = (*q_latent.stride()[:2], *q_pe.stride()[:2], cache.stride(0), kv.pages.stride(0))
     constexprs = dict(
@@ -196,7 +206,7 @@ def decode_launches(
     )
     split = Launch(
         _split_kv_kernel,
-        (triton.cdiv(H, tiles.block_m), B, splits),
+        (head_blocks, B, splits),
         (*args, *strides, *o_part.stride()[:3], *lse_part.stride()[:2]),
         constexprs,
         tiles.num_warps,
@@ -218,7 +228,7 @@ class TritonMLA:
     name = "triton"
 
     def __init__(self, num_splits: int | None = None):
-        self.num_splits = num_splits  # None: chosen per call by `num_splits_for`
+        self.num_splits = num_splits  # None: chosen per call by `split_kv.decode_splits`
 
     def absorb(self, w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
         """See `absorb_kv_b`: kv_b_proj [H * (Dn + Dv), C] -> (W_UK [H, Dn, C], W_UV [H, Dv, C])."""

@@ -72,20 +72,36 @@ class MoEBlocks:
             )
 
 
-# Tiles from a roofline estimate until a GPU can tune them; the same tiles serve DeepSeek-V3
-# (H 7168, I 2048), V2-Lite (2048, 1408) and Qwen3-30B-A3B (2048, 768). A decode step routes few
-# pairs to each expert (V3 at 64 tokens: 512 pairs over 256 experts, ~2 each), so a 16-row block
-# is mostly padding and the kernels are bound by reading the weights: each active expert's
-# 3 * H * I weights pass once per row block at 2 FLOPs per weight per row, far below any GPU's
-# ridge. What the tiles must do is keep weight bytes in flight: num_stages - 1 tiles of
-# 2 (gate, up) * BLOCK_K * BLOCK_N weights per program (bf16 64 x 64: 16 KB a stage; fp8 128 x 128,
-# which its fused act quantization needs: 32 KB), with (R / BLOCK_M) * (I / BLOCK_N) programs
-# (V3 decode: thousands) to fill the GPU. Registers per thread (`python -m kernels.aot`, sm_90):
-# mma.sync with M = 16 puts the warps side by side along N, each holding its slice of both weight
-# tiles and the whole activation tile, plus the two fp32 accumulators 2 * 16 * BLOCK_N * 4 B /
-# 128 threads (16 registers in bf16, 32 in fp8): 78 (bf16) and 178 (fp8) of 255, no spill;
-# shared memory 36 KB and 69 KB. Prefill (hundreds of rows per expert) would want BLOCK_M >= 64.
+# Tiles per weight dtype and rows per expert (T * K / E: a shape, no host read), chosen on an
+# NVIDIA H200 (2026-11-26, Triton 3.6; benchmarks/tune_kernels.py, results in benchmarks/results/)
+# from 14 bf16 and 12 fp8 tiles at DeepSeek-V3's experts (256 x 7168 x 2048, top-8) at 1, 4, 16,
+# 64, 256 and 512 rows per expert. A decode step routes few rows to each expert (V3 at 64 tokens:
+# 512 pairs over 256 experts, ~2 each), so the kernels read every active expert's weights once and
+# are bound by memory: 16-row blocks, wide weight tiles in flight. There bf16 (16, 128, 128) moved
+# 4.4 TB/s of active experts' weights at 1 row per expert, 92% of the H200's 4.8 TB/s (fp8: 3.2
+# TB/s). From ~16 rows on the weights are re-read per row block and the tensor cores set the pace:
+# bf16 (64, 256, 64, 8 warps) reached 347 TFLOP/s at 256 rows and 378 at 512 (43-48% of the
+# measured 800 TFLOP/s bf16 matmul), against 107-211 for the 16- and 32-row tiles used before; fp8
+# (64, 128, 128, 8 warps) 402 and 426 TFLOP/s (30-32% of the measured 1326 TFLOP/s fp8 matmul:
+# the per-128 block scales make each K tile's product a separate dot, scaled and added in fp32).
+# 128-row tiles ran 2.5x slower in fp8 and no faster in bf16. Every entry holds the AOT budgets (no
+# spill, shared memory under 227 KB at sm_90 and sm_100; kernels.aot). fp32, the accuracy path,
+# keeps its one tile. fp8 needs block_n 128 (its fused act quantization) and block_k dividing 128.
 FP8_BLOCKS = MoEBlocks(block_m=16, block_n=128, block_k=128)
+MOE_TILES = {  # kind -> ((largest rows per expert served, or None for any), tiles), ascending
+    "fp32": ((None, MoEBlocks()),),
+    "bf16": ((8, MoEBlocks(16, 128, 128, 4, 3)), (None, MoEBlocks(64, 256, 64, 8, 3))),
+    "fp8": ((16, FP8_BLOCKS), (None, MoEBlocks(64, 128, 128, 8, 3))),
+}
+
+
+def moe_blocks(kind: str, rows_per_expert: float) -> MoEBlocks:
+    """The tiles of MOE_TILES[kind] ("fp32", "bf16" or "fp8") for `rows_per_expert` rows per local
+    expert (T * K / E: an upper bound on a rank whose slots are partly other ranks' -1)."""
+    for limit, blocks in MOE_TILES[kind]:
+        if limit is None or rows_per_expert <= limit:
+            return blocks
+    raise AssertionError("every MOE_TILES entry ends with a None limit")
 
 
 class ExpertBlocks(NamedTuple):
@@ -447,12 +463,14 @@ class TritonMoE:
     """The `triton` backend of routed-expert compute (CUDA GPU, or Triton's interpreter on a CPU).
 
     Same interface as kernels.moe.TorchMoE, plus `fused_moe_fp8` for block-quantized weights.
+    Tiles come from MOE_TILES by rows per expert unless `blocks` / `fp8_blocks` fix them.
     """
 
     name = "triton"
 
-    def __init__(self, blocks: MoEBlocks = MoEBlocks(), fp8_blocks: MoEBlocks = FP8_BLOCKS) -> None:
-        fp8_blocks.check_fp8()
+    def __init__(self, blocks: MoEBlocks | None = None, fp8_blocks: MoEBlocks | None = None) -> None:
+        if fp8_blocks is not None:
+            fp8_blocks.check_fp8()
         self.blocks = blocks
         self.fp8_blocks = fp8_blocks
 
@@ -461,7 +479,9 @@ class TritonMoE:
     ) -> torch.Tensor:
         """See the module function `fused_moe`: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K]
         int64 local expert or -1, topk_weights [T, K] fp32 -> [T, H] in x.dtype."""
-        return fused_moe(x, w13, w2, topk_ids, topk_weights, self.blocks)
+        kind = "fp32" if x.dtype == torch.float32 else "bf16"
+        blocks = self.blocks or moe_blocks(kind, topk_ids.numel() / max(1, w13.shape[0]))
+        return fused_moe(x, w13, w2, topk_ids, topk_weights, blocks)
 
     def fused_moe_fp8(
         self,
@@ -475,4 +495,5 @@ class TritonMoE:
     ) -> torch.Tensor:
         """See the module function `fused_moe_fp8`: w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn with
         fp32 scales per 128x128 block [E, ceil(2I/128), ceil(H/128)] / [E, ceil(H/128), ceil(I/128)]."""
-        return fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, self.fp8_blocks)
+        blocks = self.fp8_blocks or moe_blocks("fp8", topk_ids.numel() / max(1, w13.shape[0]))
+        return fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, blocks)

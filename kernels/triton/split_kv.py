@@ -55,6 +55,22 @@ def num_splits_for(max_kv_len: int) -> int:
     return max(1, min(MAX_SPLITS, triton.cdiv(max_kv_len, MIN_SPLIT_TOKENS)))
 
 
+# programs a decode launch aims for: about one per multiprocessor of an H100/H200 (132), so that
+# splitting a sequence further only adds merge traffic (o_part is B * H * splits * C fp32, written
+# and read once: at 16 splits of DeepSeek-V3's 64 x 4096 step, 268 MB against the cache's 302 MB)
+TARGET_PROGRAMS = 128
+
+
+def decode_splits(batch: int, head_blocks: int, max_kv_len: int) -> int:
+    """Splits per sequence of a decode launch of `batch` sequences x `head_blocks` programs each:
+    enough for TARGET_PROGRAMS programs, at most `num_splits_for(max_kv_len)`. Shapes only (no
+    host read). On an H200 (benchmarks/tune_kernels.py, 2026-11-26) it is the fastest of 1/2/4/8/16
+    at each of the 9 DeepSeek-V3 batch x context shapes measured (batch 1-256, 1K-32K tokens): 64 x
+    4096 at 1 split took 322 us against 526 us at the 16 that `num_splits_for` alone gives."""
+    wanted = triton.cdiv(TARGET_PROGRAMS, max(1, batch * head_blocks))
+    return max(1, min(num_splits_for(max_kv_len), wanted))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: fp32 tiles multiply in full fp32 ("ieee", no tf32) to match the
     fp32 reference; bf16 tiles multiply as bf16 with fp32 accumulation on a GPU (the setting is

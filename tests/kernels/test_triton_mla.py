@@ -101,3 +101,14 @@ def test_extend_matches_reference():
     args = (q_nope, q_pe, cache, kv.slots, kv.kv_lens, q_positions, w_kv_b, 16, scale)
     torch.testing.assert_close(TritonMLA().extend(*args), TorchMLA().extend(*args), rtol=0, atol=0)
     assert TritonMLA.name == "triton"
+
+
+def test_decode_splits_aim_at_one_program_per_multiprocessor():
+    """The split count of a decode launch (kernels/triton/split_kv.py) from shapes alone: the counts
+    that the H200 sweep found fastest at DeepSeek-V3's 2 head blocks (64 heads a program)."""
+    from kernels.triton.split_kv import decode_splits
+
+    measured = {(64, 4096): 1, (128, 4096): 1, (32, 8192): 2, (8, 4096): 8, (8, 32768): 8, (1, 1024): 4, (1, 32768): 16}
+    assert {shape: decode_splits(shape[0], 2, shape[1]) for shape in measured} == measured
+    assert decode_splits(0, 2, 4096) == MAX_SPLITS  # an empty batch still launches a valid grid
+    assert decode_splits(3, 1, 100) == 1  # never more splits than MIN_SPLIT_TOKENS-long chunks
