@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from afd_engine.model_config import ModelConfig
 from afd_engine.models import Kernels, load_model
 from afd_engine.models.checkpoint import inspect_checkpoint
 from afd_engine.offline import OfflineEngine
+from afd_engine.runtime.cuda_graph import GraphRunner, graph_safe_backends, needs_slot_tables
 from afd_engine.runtime.host_memory import retain_freed_memory
 from afd_engine.runtime.kv_cache import KVPool, pages_for
 from afd_engine.runtime.model_runner import ModelRunner, StepRunner
@@ -31,6 +33,7 @@ from afd_engine.runtime.stop_checker import StopChecker, trim_text
 from afd_engine.sampling_params import SamplingParams
 
 RankRunnerFactory = Callable[[torch.nn.Module, KVPool], StepRunner]
+log = logging.getLogger(__name__)
 
 
 class Engine(OfflineEngine):
@@ -95,6 +98,7 @@ class Engine(OfflineEngine):
             args.schedule_policy,
         )
         self.runner: StepRunner = (rank_runner or ModelRunner)(self.model, self.pool)
+        self.graph_capture_seconds = self._capture_graphs() if rank_runner is None else None
         eos = set(self.config.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         self.stepper = Stepper(
             self.scheduler,
@@ -110,6 +114,24 @@ class Engine(OfflineEngine):
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(args.seed)
+
+    def _capture_graphs(self) -> float | None:
+        """Single mode on a GPU: captures the decode CUDA graphs (runtime/cuda_graph.py); returns the
+        seconds it took, None when decode steps run eagerly (CPU, --disable-cuda-graph, or a MoE
+        backend that reads the host)."""
+        args = self.args
+        if self.device.type != "cuda" or args.disable_cuda_graph:
+            return None
+        if not graph_safe_backends(args.attention_backend, args.moe_backend):
+            log.info("CUDA graphs off: the %s MoE backend reads the host during a step", args.moe_backend)
+            return None
+        graphs = GraphRunner(
+            self.model, self.pool, args.graph_buckets(), needs_slot_tables(args.attention_backend), self.load_recorder
+        )
+        seconds = graphs.capture_all()
+        self.runner.graphs = graphs
+        log.info("captured CUDA graphs for decode batches %s in %.1f s", graphs.buckets, seconds)
+        return seconds
 
     # -- the control loop's view ---------------------------------------------------------------
 

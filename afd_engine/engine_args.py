@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from afd_engine.errors import ConfigError
+from afd_engine.runtime.cuda_graph import DEFAULT_MAX_BS, graph_buckets, parse_buckets
 from kernels.registry import ATTENTION_BACKENDS, MOE_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -108,6 +109,15 @@ class EngineArgs:
         choices=("auto", "on", "off"),
     )
     disable_overlap_schedule: bool = opt(False, "the same as --overlap-schedule off")
+    cuda_graph_max_bs: int | None = opt(
+        None,
+        "cuda, single mode: the largest decode batch replayed from a CUDA graph (default: --max-running-requests, "
+        "at most 64); larger decode steps and steps with prefill run eagerly",
+    )
+    cuda_graph_bs: str | None = opt(
+        None, "cuda: the decode batch sizes captured, comma-separated (default: 1, 2, 4, 8, then every 8 up to the max)"
+    )
+    disable_cuda_graph: bool = opt(False, "cuda: run every decode step eagerly (no CUDA graphs)")
     schedule_policy: str = opt(
         "lpm",
         "admission order of waiting requests: lpm (longest cached prefix first, oldest first once they have "
@@ -254,6 +264,12 @@ class EngineArgs:
             "overlap_schedule",
             "contradicts --disable-overlap-schedule; give one of them",
         )
+        need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be at least 1")
+        if self.cuda_graph_bs is not None:
+            try:
+                parse_buckets(self.cuda_graph_bs)
+            except ValueError as exc:
+                raise ConfigError(f"--cuda-graph-bs={self.cuda_graph_bs!r}: {exc}") from None
         need(self.dp_size >= 1, "dp_size", "must be at least 1")
         need(self.ffn_nodes >= 1 and self.ffn_ranks_per_node >= 1, "ffn_nodes", "needs at least one node of one rank")
         need(self.micro_batches is None or 1 <= self.micro_batches <= 8, "micro_batches", "must be in [1, 8]")
@@ -329,6 +345,12 @@ class EngineArgs:
                 "the rank count, or --gpu-id-step (0 puts every rank on one GPU)"
             )
         return torch.device("cuda", index)
+
+    def graph_buckets(self) -> list[int]:
+        """The decode batch sizes CUDA graphs are captured for (runtime/cuda_graph.py)."""
+        if self.cuda_graph_bs:
+            return parse_buckets(self.cuda_graph_bs)
+        return graph_buckets(self.cuda_graph_max_bs or min(self.max_running_requests, DEFAULT_MAX_BS))
 
     def overlap_on(self, device: torch.device) -> bool:
         """Whether steps overlap (--overlap-schedule) for a rank on `device`."""

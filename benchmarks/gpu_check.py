@@ -20,7 +20,8 @@ rewritten after every part, so a run cut short still leaves all it measured:
     engine_afd_1a1f     1 attention + 1 FFN rank on one GPU (processes, shm/ZeroMQ): the single tokens
     kernels_timing      bench_kernels.py's rows at DeepSeek-V3 shapes, MLA decode over batch x context,
                         fused MoE (bf16, fp8) over tokens per expert: time, GB/s, TFLOP/s, peak fractions
-    decode_step_time    the single engine's decode step at batch 1, 8, 64 (eager; no CUDA graphs yet)
+    decode_step_time    the single engine's decode step at batch 1, 8, 64: torch backend eager, triton
+                        with CUDA graphs off and on (runtime/cuda_graph.py), and their ratio
 
 Tolerances of kernels_correct: fp32 1e-3, bf16 2e-2, fp8 MoE 5e-2 (the kernel re-quantizes the
 SwiGLU output to fp8, which the reference does not: about 2% of the norm on the CPU tests), fp8
@@ -80,7 +81,7 @@ PART_LIMITS_S = {
     "engine_single_bf16": 60,
     "engine_afd_1a1f": 75,
     "kernels_timing": 100,
-    "decode_step_time": 45,
+    "decode_step_time": 90,
 }
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, "fp8_moe": 5e-2, "fp8_bits": 0.0}
 # bf16 engine runs: a sanity bound on |engine logprob - transformers logprob| of the same token in the
@@ -103,6 +104,7 @@ class Context:
     workdir: Path
     report: dict
     single_tokens: dict = field(default_factory=dict)  # (arch, dtype, backend) -> tokens per prompt
+    graph_replays: dict = field(default_factory=dict)  # (arch, dtype, backend) -> CUDA graph decode steps
     checkpoints: dict = field(default_factory=dict)  # arch -> path
     earlier: dict = field(default_factory=dict)  # part -> record, of the run this process is one part of
 
@@ -506,10 +508,11 @@ def kernels_timing(ctx: Context) -> dict:
 # -- d., e., f. the engine -----------------------------------------------------------------------
 
 
-def make_engine(ctx: Context, arch: str, dtype: str, backend: str, **deployment):
-    """The single-process engine (no ZeroMQ import), or with `deployment` a multi-process one."""
+def make_engine(ctx: Context, arch: str, dtype: str, backend: str, settings: dict | None = None, **deployment):
+    """The single-process engine (no ZeroMQ import), or with `deployment` a multi-process one;
+    `settings`: more EngineArgs fields (--disable-cuda-graph)."""
     kwargs = dict(model_path=ctx.checkpoint(arch), device=ctx.device.type, dtype=dtype, kv_cache_memory_mb=64)
-    kwargs.update(attention_backend=backend, moe_backend=backend)
+    kwargs.update(attention_backend=backend, moe_backend=backend, **(settings or {}))
     if not deployment:
         from afd_engine.engine import Engine
         from afd_engine.engine_args import EngineArgs
@@ -527,6 +530,8 @@ def greedy(ctx: Context, arch: str, dtype: str, backend: str, **deployment) -> t
     params = SamplingParams(max_new_tokens=3 if ctx.dry_run else 16, temperature=0.0, ignore_eos=True, logprobs=0)
     with make_engine(ctx, arch, dtype, backend, **deployment) as engine:
         outs = engine.generate(prompt_token_ids=ctx.prompts(), sampling_params=params)
+        graphs = getattr(getattr(engine, "runner", None), "graphs", None)
+        ctx.graph_replays[(arch, dtype, backend)] = graphs.replays if graphs is not None else 0
     if any(o.error for o in outs):
         raise RuntimeError(f"engine request failed: {next(o.error for o in outs if o.error)}")
     return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
@@ -575,7 +580,8 @@ def single_case(ctx: Context, arch: str, dtype: str, backend: str) -> dict:
     result = agreement(reference_logprobs(ctx, arch, dtype, tokens), tokens, logprobs)
     exact = result["matched"] == result["tokens"]
     ok = exact if dtype == "float32" else result["max_logprob_diff"] <= BF16_MAX_LOGPROB_DIFF
-    return {"ok": ok, "exact": exact, **result}
+    # decode steps replayed from CUDA graphs (0: eager, e.g. the torch MoE backend reads the host)
+    return {"ok": ok, "exact": exact, "graph_replays": ctx.graph_replays.get((arch, dtype, backend), 0), **result}
 
 
 def engine_single(ctx: Context, dtype: str) -> dict:
@@ -685,16 +691,36 @@ def step_times(engine, prompts: list[list[int]], warmup: int, steps: int) -> dic
 
 
 def decode_step_time(ctx: Context) -> dict:
-    """Step times of both backends (the dry run: torch only; the interpreter is no speed figure)."""
+    """Step times of both backends, the triton one with CUDA graphs on and off (the dry run: torch
+    only, eager; the interpreter is no speed figure and the CPU has no graphs)."""
     warmup, steps = (2, 3) if ctx.dry_run else (4, 20)
+    runs = [("torch", False)] if ctx.dry_run else [("torch", False), ("triton", False), ("triton", True)]
     rows = []
-    for backend in ("torch",) if ctx.dry_run else BACKENDS:
-        with make_engine(ctx, "deepseek_v3", "float32" if ctx.dry_run else "bfloat16", backend) as engine:
+    for backend, graphs in runs:
+        settings = {"disable_cuda_graph": not graphs}
+        with make_engine(ctx, "deepseek_v3", "float32" if ctx.dry_run else "bfloat16", backend, settings) as engine:
+            runner = getattr(engine.runner, "graphs", None)
+            if graphs and runner is None:
+                raise RuntimeError("CUDA graphs were asked for and not captured")
             for batch in (1, 8, 64):
-                rows.append({"backend": backend, **step_times(engine, ctx.prompts(batch, 16), warmup, steps)})
-    last = rows[-1]["backend"]
-    times = ", ".join(f"B{r['batch']} {r['step_ms']:.1f} ms" for r in rows if r["backend"] == last)
-    return {"rows": rows, "cuda_graphs": "not implemented", "headline": f"{last} step {times}"}
+                before = runner.replays if runner is not None else 0
+                row = step_times(engine, ctx.prompts(batch, 16), warmup, steps)
+                row["graph_replays"] = (runner.replays if runner is not None else 0) - before
+                rows.append({"backend": backend, "cuda_graphs": graphs, **row})
+            capture = engine.graph_capture_seconds
+        if graphs:
+            rows[-1]["capture_seconds"] = capture
+    out = {"rows": rows}
+    on = {r["batch"]: r["step_ms"] for r in rows if r["cuda_graphs"]}
+    off = {r["batch"]: r["step_ms"] for r in rows if r["backend"] == rows[-1]["backend"] and not r["cuda_graphs"]}
+    if on:
+        out["graphs_over_eager"] = {b: on[b] / off[b] for b in on}
+        times = ", ".join(f"B{b} {on[b]:.2f} vs {off[b]:.2f} ms" for b in on)
+        out["headline"] = f"triton step, graphs vs eager: {times}"
+    else:
+        times = ", ".join(f"B{b} {ms:.1f} ms" for b, ms in off.items())
+        out["headline"] = f"{rows[-1]['backend']} step {times} (eager: CUDA graphs need a GPU)"
+    return out
 
 
 # correctness first: should the time run out, what is left undone is speed

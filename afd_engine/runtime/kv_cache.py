@@ -62,6 +62,16 @@ class KVPool:
     def free_rows(self) -> int:
         return len(self._free_rows)
 
+    def reserve_page(self) -> int:
+        """Takes the highest free page out of the pool for good (the padding page of CUDA graph
+        decode steps, runtime/cuda_graph.py): no sequence gets it and the pool counts it no more."""
+        if not self._free_pages:
+            raise ConfigError("the KV cache has no free page to reserve; raise --kv-cache-memory-mb")
+        page = max(self._free_pages)
+        self._free_pages.remove(page)
+        self.num_pages -= 1
+        return page
+
     def open_row(self, prefix_pages: list[int] = ()) -> int:
         """A free row, starting with `prefix_pages` (pages the row reads but does not own)."""
         row = self._free_rows.pop()

@@ -162,6 +162,7 @@ class ModelRunner(StepRunner):
     def __init__(self, model: torch.nn.Module, pool: KVPool) -> None:
         super().__init__()
         self.model, self.pool = model, pool
+        self.graphs = None  # runtime.cuda_graph.GraphRunner: decode steps from CUDA graphs (GPU)
 
     def begin_step(self, plan: StepPlan) -> bool:
         return not plan.empty
@@ -177,4 +178,6 @@ class ModelRunner(StepRunner):
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
         batch = step.batches[0]
+        if self.graphs is not None and self.graphs.can_run(batch["fb"]):
+            return self.graphs.run(batch["fb"], batch["rows"])
         return self.model(batch["fb"], self.pool.cache, batch["rows"])

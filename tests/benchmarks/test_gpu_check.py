@@ -105,8 +105,9 @@ def test_engine_parts_are_token_exact(dry_run):
 
 def test_decode_step_times_per_batch(dry_run):
     part = dry_run[1]["parts"]["decode_step_time"]
-    assert part["cuda_graphs"] == "not implemented"
     assert [r["batch"] for r in part["rows"]] == [1, 8, 64] and all(r["step_ms"] > 0 for r in part["rows"])
+    assert not any(r["cuda_graphs"] or r["graph_replays"] for r in part["rows"])  # the CPU runs eagerly
+    assert "eager: CUDA graphs need a GPU" in part["headline"]
 
 
 def test_a_subset_of_parts_that_passes_exits_0(tmp_path):

@@ -1,0 +1,221 @@
+"""Graph-ready decode (afd_engine/runtime/cuda_graph.py), proven on the CPU.
+
+- The static, padded decode step of a bucket gives the eager engine's tokens and expert load counts
+  (padding rows change nothing), falls back to eager above the largest bucket and for prefill, and
+  its buffers never move.
+- The function a CUDA graph captures (the model's decode forward on a bucket's static batch) traces
+  under torch._dynamo with fullgraph=True at two buckets, for single mode, an attention rank's
+  compute between its dispatch and combine, and an FFN rank's experts on a padded received batch:
+  no host read, no data-dependent shape. Seen red with a host read put back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd_engine import Engine, SamplingParams
+from afd_engine.engine_args import EngineArgs
+from afd_engine.errors import ConfigError
+from afd_engine.models.experts import ExpertExecutor
+from afd_engine.operations import run_micro_batches
+from afd_engine.operations.strategy import AFD_ATTENTION
+from afd_engine.runtime.cuda_graph import GraphRunner, graph_buckets, parse_buckets
+from afd_engine.runtime.forward_batch import ForwardBatch, SeqChunk
+from afd_engine.tiny_model import make_tiny_model
+from tests.engine_helpers import random_prompts
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_moe"])
+def checkpoint(request, tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param))
+
+
+def make_engine(path: str) -> Engine:
+    return Engine(model_path=path, dtype="float32", kv_cache_memory_mb=8, page_size=4)
+
+
+def with_graphs(engine: Engine, buckets: list[int]) -> GraphRunner:
+    graphs = GraphRunner(engine.model, engine.pool, buckets, True, engine.load_recorder, capture=False)
+    engine.runner.graphs = graphs
+    return graphs
+
+
+def generate(engine: Engine, prompts, lengths) -> list[list[int]]:
+    """Each prompt with its own max_tokens, so the decode batch shrinks step by step."""
+    ids = [
+        engine.add_request(prompt_token_ids=p, params=SamplingParams(max_new_tokens=n, **GREEDY))
+        for p, n in zip(prompts, lengths)
+    ]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
+def test_buckets_and_their_flags():
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_buckets(5) == [1, 2, 4, 5] and graph_buckets(1) == [1]
+    assert parse_buckets("8, 1,2,2") == [1, 2, 8]
+    assert EngineArgs(max_running_requests=12).graph_buckets() == [1, 2, 4, 8, 12]
+    assert EngineArgs(cuda_graph_max_bs=200).graph_buckets()[-1] == 200
+    assert EngineArgs(cuda_graph_bs="3,1").graph_buckets() == [1, 3]
+    for bad, why in (("1,x", "not a comma-separated list"), ("0,4", "positive batch sizes"), (",", "positive")):
+        with pytest.raises(ConfigError, match=f"--cuda-graph-bs='{bad}': .*{why}"):
+            EngineArgs(cuda_graph_bs=bad).validate()
+    with pytest.raises(ConfigError, match="--cuda-graph-max-bs=0: must be at least 1"):
+        EngineArgs(cuda_graph_max_bs=0).validate()
+
+
+def test_padded_static_steps_give_the_eager_tokens_and_loads(checkpoint):
+    prompts = random_prompts(200, (3, 9, 5, 14, 2, 7), seed=1, low=5)
+    lengths = (6, 2, 9, 4, 7, 3)  # the decode batch goes 6 -> 5 -> ... -> 1
+    eager = make_engine(checkpoint)
+    want = generate(eager, prompts, lengths)
+    static = make_engine(checkpoint)
+    pages = static.pool.num_pages
+    graphs = with_graphs(static, [1, 2, 4])  # 3 and 5 sequences run padded; 6 runs eagerly
+    assert static.pool.num_pages == pages - 1  # the padding page left the pool's count
+    assert generate(static, prompts, lengths) == want
+    assert graphs.replays >= 6  # every decode step of 4 or fewer sequences
+    assert [len(t) for t in want] == list(lengths)
+    # the padding rows' gate choices were weighed 0: the same expert loads as the eager run
+    assert torch.equal(static.load_recorder.window(), eager.load_recorder.window())
+    assert static.load_recorder.window().sum() > 0
+
+
+def test_the_static_batch_is_views_of_buffers_that_never_move(checkpoint):
+    engine = make_engine(checkpoint)
+    graphs = with_graphs(engine, [2, 4])
+    before = {b: [t.data_ptr() for t in _tensors(graphs.static.batch(b))] for b in (2, 4)}
+    generate(engine, random_prompts(200, (4, 6, 3), seed=2, low=5), (3, 5, 2))
+    assert graphs.replays > 0
+    for b in (2, 4):
+        fb = graphs.static.batch(b)
+        assert [t.data_ptr() for t in _tensors(fb)] == before[b]
+        assert fb.input_ids.data_ptr() == graphs.static.input_ids.data_ptr() and fb.num_tokens == b
+    assert graphs.bucket_for(3) == 4 and graphs.bucket_for(1) == 2 and graphs.bucket_for(5) is None
+
+
+def _tensors(fb: ForwardBatch) -> list[torch.Tensor]:
+    return [fb.input_ids, fb.positions, fb.out_slots, fb.dec_slots, fb.dec_kv_lens, fb.dec_bias, fb.dec_pages]
+
+
+# -- no host read, no data-dependent shape: the captured function under dynamo's fullgraph ------------
+
+
+# what reads device values on the host (a sync on a GPU) or gives a shape that depends on them;
+# dynamo records `.item()` in the graph as an unbacked value (checked by _assert_scalar) instead of
+# breaking it, so fullgraph alone does not refuse a host read: the graph is searched for these too
+HOST_READS = {"item", "tolist", "numpy", "cpu", "nonzero", "masked_select", "unique", "bincount"}
+HOST_READS |= {"repeat_interleave", "_local_scalar_dense", "_assert_scalar", "argwhere", "unique_consecutive"}
+
+
+def host_reads(gm: torch.fx.GraphModule) -> list[str]:
+    found = []
+    for node in gm.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        if node.op in ("call_method", "call_function") and name.split(".")[0] in HOST_READS:
+            found.append(f"{node.op} {name}")
+    return found
+
+
+def traced(fn, *args):
+    """fn compiled with fullgraph=True (a graph break raises) and run: its result. Raises when the
+    graph holds a host read (HOST_READS)."""
+    reads = []
+
+    def backend(gm, example_inputs):
+        reads.extend(host_reads(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        out = torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)(*args)
+    if reads:
+        raise AssertionError(f"host reads in the captured step: {reads}")
+    return out
+
+
+def loaded_runner(engine: Engine, batch: int, buckets) -> GraphRunner:
+    """A GraphRunner whose static buffers hold a real decode step of `batch` sequences."""
+    graphs = with_graphs(engine, buckets)
+    pool = engine.pool
+    rows = [pool.open_row() for _ in range(batch)]
+    for i, row in enumerate(rows):
+        assert pool.grow(row, 12 + i)
+    fb = ForwardBatch.build([], [SeqChunk(r, 11 + i, [7 + i]) for i, r in enumerate(rows)], pool.page_table, 4)
+    graphs.static.load(fb, graphs.bucket_for(batch))
+    return graphs
+
+
+@pytest.mark.parametrize("bs", [2, 4])
+def test_the_single_mode_decode_forward_traces_as_one_graph(checkpoint, bs):
+    engine = make_engine(checkpoint)
+    graphs = loaded_runner(engine, bs - 1, [2, 4])  # one padding row
+    with torch.inference_mode():
+        eager = graphs._static_forward(bs)
+    assert torch.equal(traced(graphs._static_forward, bs), eager)
+
+
+class PlaceholderExecutor(ExpertExecutor):
+    """An attention rank's dispatch/combine, where its messages would go: the compute around them."""
+
+    def dispatch(self, layer_id, micro_batch, hidden, topk_ids, topk_weights):
+        return hidden * topk_weights.sum(-1, keepdim=True).to(hidden.dtype)
+
+    def combine(self, handle):
+        return handle
+
+
+@pytest.mark.parametrize("bs", [2, 4])
+def test_an_attention_ranks_decode_compute_traces_as_one_graph(checkpoint, bs):
+    engine = make_engine(checkpoint)
+    graphs = loaded_runner(engine, bs, [2, 4])
+    ops = AFD_ATTENTION.arrange(engine.model.operations(PlaceholderExecutor()))
+
+    def step(fb, cache, rows):
+        return run_micro_batches(ops, [{"fb": fb, "kv_cache": cache, "rows": rows}])[0]
+
+    args = (graphs.static.batch(bs), engine.pool.cache, graphs.static.rows[:bs])
+    with torch.inference_mode():
+        eager = step(*args)
+    assert torch.equal(traced(step, *args), eager)
+
+
+@pytest.mark.parametrize("bs", [8, 16])
+def test_an_ffn_ranks_experts_trace_on_a_padded_received_batch(checkpoint, bs):
+    engine = make_engine(checkpoint)
+    layer, experts = next(iter(engine.model.routed_experts().items()))
+    cfg = engine.config
+    g = torch.Generator().manual_seed(bs)
+    hidden = torch.randn(bs, cfg.hidden_size, generator=g)
+    ids = torch.randint(0, cfg.n_routed_experts, (bs, cfg.num_experts_per_tok), generator=g)
+    ids[bs // 2 :] = -1  # padding rows (and slots of other ranks) route nowhere
+    weights = torch.rand(bs, cfg.num_experts_per_tok, generator=g)
+    local = experts.to_local(ids)
+    with torch.inference_mode():
+        eager = experts(hidden, local, weights)
+    assert torch.equal(traced(experts, hidden, local, weights), eager)
+    assert not eager[bs // 2 :].any()  # padding rows get nothing
+
+
+def test_a_host_read_in_the_decode_forward_breaks_the_graph(checkpoint, monkeypatch):
+    """Seen red: the split-KV rule read from kv_lens instead of the page table's width (a host read
+    and a data-dependent shape) is what the fullgraph trace must refuse."""
+    engine = make_engine(checkpoint)
+    graphs = loaded_runner(engine, 2, [2])
+    real = ForwardBatch.paged_decode
+
+    def host_read(fb):
+        longest = int(fb.dec_kv_lens.max())  # a device-to-host copy on a GPU
+        kv = real(fb)
+        return kv._replace(pages=kv.pages[:, : -(-longest // fb.page_size)])
+
+    monkeypatch.setattr(ForwardBatch, "paged_decode", host_read)
+    with pytest.raises(AssertionError, match=r"host reads in the captured step: \['call_method item'"):
+        traced(graphs._static_forward, 2)
