@@ -159,9 +159,7 @@ class GraphRunner:
         self.device = pool.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         pad_page = pool.reserve_page()
-        self.static = StaticDecode(
-            pool, self.buckets[-1], pool.page_table.shape[1], pad_page, needs_slots, self.device
-        )
+        self.static = StaticDecode(pool, self.buckets[-1], pool.page_table.shape[1], pad_page, needs_slots, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served by this runner (graph replays, or static eager runs)
