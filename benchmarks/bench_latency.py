@@ -58,7 +58,7 @@ DEPLOYMENTS = {  # name -> afd serve flags (--num-threads 1 is start_server's; t
     "colocated dp2 shm pinned": "--mode colocated --dp-size 2 --transport shm --pin-cores",
     "colocated dp2 zmq": "--mode colocated --dp-size 2 --transport zmq",
 }
-QUICK = ("single 1 thread", "single 2 threads", "afd 1A+1F mb3 shm", "colocated dp2 shm")
+QUICK = ("single 1 thread", "single 2 threads", "afd 1A+1F mb3 shm")  # a smoke run: two baselines, one deployment
 
 
 def measure(args: argparse.Namespace) -> dict[str, list]:
@@ -148,7 +148,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=40, help="rounds over all servers")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--quick", action="store_true", help="four deployments, small sizes (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="two single baselines and AFD 1A+1F, small sizes (a smoke run)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:

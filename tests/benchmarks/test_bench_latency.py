@@ -20,7 +20,7 @@ def test_quick_run_reports_every_deployment_against_the_faster_single_run_of_eac
     res = bench_run("bench_latency.py", "--quick", "--model-path", tiny_v3, "--json", str(out), timeout=280)
     data = json.loads(out.read_text())
     rows = data["deployments"]
-    assert list(rows) == ["single 1 thread", "single 2 threads", "afd 1A+1F mb3 shm", "colocated dp2 shm"]
+    assert list(rows) == ["single 1 thread", "single 2 threads", "afd 1A+1F mb3 shm"]
     singles = ("single 1 thread", "single 2 threads")
     base_by_round = [min(rows[n]["repeats_ms"][i] for n in singles) for i in range(2)]
     for r in rows.values():
@@ -34,7 +34,7 @@ def test_quick_run_reports_every_deployment_against_the_faster_single_run_of_eac
     assert data["baseline"] == min(medians, key=medians.get)
     assert data["baseline_tpot_ms"] == min(medians.values())
     assert res.stdout.splitlines()[0].split()[:3] == ["deployment", "TPOT", "p50"]
-    assert res.stdout.count("(baseline)") == 1 and len(res.stdout.splitlines()) == 5
+    assert res.stdout.count("(baseline)") == 1 and len(res.stdout.splitlines()) == 4
 
 
 def test_the_interval_of_a_median_narrows_with_rounds_and_is_reproducible():
