@@ -32,6 +32,9 @@ def add_flags(settings_cls, parser: argparse.ArgumentParser) -> None:
         if f.type == "bool":
             parser.add_argument("--" + f.name.replace("_", "-"), action="store_true", help=f.metadata["help"])
             continue
+        if "list[str]" in f.type:  # the flag may be given several times
+            parser.add_argument("--" + f.name.replace("_", "-"), action="append", default=None, help=f.metadata["help"])
+            continue
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             type=_flag_type(f.type),
@@ -47,6 +50,7 @@ _TYPES = {
     "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
     "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
     "str": (lambda v: isinstance(v, str), "a string"),
+    "list[str]": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v), "a list of strings"),
 }
 
 
@@ -57,9 +61,9 @@ def setting_error(settings_cls, name: str, value) -> str | None:
     kinds = [k.strip() for k in f.type.split("|")]
     if value is None:
         return None if "None" in kinds else "must be given (it has no empty value)"
-    accepts, what = _TYPES[kinds[0]]
-    if not accepts(value):
-        return f"must be {what}"
+    checks = [_TYPES[k] for k in kinds if k != "None"]
+    if not any(accepts(value) for accepts, _ in checks):
+        return "must be " + " or ".join(what for _, what in checks)
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
         return f"choose one of {', '.join(choices)}"

@@ -55,14 +55,15 @@ def bench_run(script: str, *args: str, timeout: float = 240) -> subprocess.Compl
     return res
 
 
-def afd_start(*args: str, new_session: bool = False) -> subprocess.Popen:
-    """`afd ARGS` in the background, stdout and stderr merged into one text pipe."""
+def afd_start(*args: str, new_session: bool = False, env: dict | None = None) -> subprocess.Popen:
+    """`afd ARGS` in the background, stdout and stderr merged into one text pipe (`env`: more
+    environment variables)."""
     return subprocess.Popen(
         [sys.executable, "-m", "afd_engine.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=ENV,
+        env={**ENV, **(env or {})},
         start_new_session=new_session,
     )
 

@@ -30,6 +30,7 @@ from afd_engine.errors import AFDError
 from afd_engine.server import protocol as P
 from afd_engine.server import renderers as R
 from afd_engine.server.admin import admin_routes
+from afd_engine.server.auth import install_auth
 from afd_engine.server.choices import make_choices, run_choices
 from afd_engine.server.engine_client import EngineClient, EngineUnavailable
 from afd_engine.server.errors import (
@@ -100,7 +101,8 @@ def build_app(
     app = FastAPI(title="afd-engine", lifespan=lifespan)
     install_exception_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=server_args.max_request_bytes)
-    _install_auth(app, server_args.api_key)  # added last, so it runs first: no body is read for a wrong key
+    # added last, so it runs first: no body is read for a request without the key
+    install_auth(app, server_args.api_keys(), server_args.metrics_require_key, invalid_api_key)
     schema = app.openapi
     app.openapi = lambda: without_422(schema())
 
@@ -125,8 +127,8 @@ def _bootstrap_server(engine_args, info: dict):
 
 
 def _banner(server_args, name: str) -> None:
-    base = f"http://{server_args.host}:{server_args.port}"
-    auth = f' -H "Authorization: Bearer {server_args.api_key}"' if server_args.api_key else ""
+    base = f"{'https' if server_args.ssl_certfile else 'http'}://{server_args.host}:{server_args.port}"
+    auth = ' -H "Authorization: Bearer $AFD_API_KEY"' if server_args.api_keys() else ""  # never the key itself
     if "random" in name:
         log.warning("serving the embedded tiny model %s: RANDOM WEIGHTS, its text is noise", name)
     log.info(
@@ -181,21 +183,6 @@ class BodyLimit:
             code="request_too_large",
         )
         await response(scope, receive, send)
-
-
-ADMIN_PATHS = ("/expert_load",)  # behind the API key too
-
-
-def _install_auth(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        protected = request.url.path.startswith("/v1/") or request.url.path in ADMIN_PATHS
-        if protected and request.headers.get("authorization") != f"Bearer {api_key}":
-            return invalid_api_key()
-        return await call_next(request)
 
 
 # Documented responses: a generation route answers JSON, or server-sent events with "stream": true.

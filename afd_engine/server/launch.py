@@ -32,7 +32,18 @@ class ServerArgs:
 
     host: str = opt("127.0.0.1", "address to bind (default: loopback only)")
     port: int = opt(30000, "HTTP port")
-    api_key: str | None = opt(None, "require this bearer token on /v1 routes")
+    api_key: str | list[str] | None = opt(
+        None,
+        "require this bearer token on every route but /health (and /metrics); give it several times to "
+        "accept several keys (rotation). AFD_API_KEY or --api-key-file keep it out of `ps`",
+    )
+    api_key_file: str | None = opt(None, "a file of API keys, one per line (# comments allowed)")
+    metrics_require_key: bool = opt(False, "/metrics requires the API key too (open by default, for scrapers)")
+    ssl_keyfile: str | None = opt(None, "serve HTTPS: the server's private key (PEM), with --ssl-certfile")
+    ssl_certfile: str | None = opt(None, "serve HTTPS: the server's certificate chain (PEM), with --ssl-keyfile")
+    ssl_ca_certs: str | None = opt(
+        None, "with HTTPS, require a client certificate signed by one of these CAs (PEM): mutual TLS"
+    )
     served_model_name: str | None = opt(None, "model name in the API (default: the checkpoint directory's name)")
     default_max_tokens: int = opt(256, "completion length when a request sets none")
     # Refused before parsing (413): a body is read whole into memory and parsed on the event loop.
@@ -43,6 +54,26 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def tls(self) -> dict:
+        """uvicorn's TLS settings (empty: plain HTTP)."""
+        if not self.ssl_certfile:
+            return {}
+        import ssl
+
+        required = ssl.CERT_REQUIRED if self.ssl_ca_certs else ssl.CERT_NONE
+        return dict(
+            ssl_keyfile=self.ssl_keyfile,
+            ssl_certfile=self.ssl_certfile,
+            ssl_ca_certs=self.ssl_ca_certs,
+            ssl_cert_reqs=required,
+        )
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted key: --api-key, --api-key-file and AFD_API_KEY (server/auth.py)."""
+        from afd_engine.server.auth import resolve_keys
+
+        return resolve_keys(self.api_key, self.api_key_file)
 
     @staticmethod
     def add_cli_args(parser) -> None:
@@ -59,6 +90,20 @@ class ServerArgs:
         from afd_engine.errors import ConfigError
 
         check_fields(self)
+        self.api_keys()  # a missing or empty key file fails here, before any rank starts
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ConfigError("--ssl-keyfile and --ssl-certfile go together (the key and its certificate)")
+        if self.ssl_ca_certs and not self.ssl_certfile:
+            raise ConfigError(
+                "--ssl-ca-certs checks client certificates over HTTPS: give --ssl-keyfile and --ssl-certfile"
+            )
+        for flag, path in (
+            ("--ssl-keyfile", self.ssl_keyfile),
+            ("--ssl-certfile", self.ssl_certfile),
+            ("--ssl-ca-certs", self.ssl_ca_certs),
+        ):
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{flag}={path}: no such file")
         for flag, value in (
             ("--max-request-bytes", self.max_request_bytes),
             ("--max-prompt-chars", self.max_prompt_chars),
@@ -113,7 +158,12 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
     )
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=server_args.host, port=server_args.port, log_level="warning", timeout_graceful_shutdown=5
+            app,
+            host=server_args.host,
+            port=server_args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            **server_args.tls(),
         )
     )
     watcher = threading.Thread(target=_watch, args=(deployment, server, holder), daemon=True)

@@ -48,6 +48,9 @@ def instance_argv(argv: list[str], mode: str, role: str, port: int, extra: str, 
 
 def serve_pd(argv: list[str], ns) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if ns.ssl_certfile:
+        log.error("afd serve --pd does not serve HTTPS yet; put a TLS proxy in front of its router")
+        return 2
     # uvicorn re-raises SIGTERM once it has shut down: as an exception it lets the instances stop
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     host = "127.0.0.1"
@@ -66,10 +69,17 @@ def serve_pd(argv: list[str], ns) -> int:
             if not wait_healthy(f"http://{host}:{port}", procs[role]):
                 log.error("the %s instance did not start", role)
                 return 2
+        from afd_engine.server.auth import resolve_keys
         from afd_engine.server.pd_router import run_router
 
         return run_router(
-            [f"http://{host}:{p_port}"], [f"http://{host}:{d_port}"], ns.host, ns.port, watch=list(procs.values())
+            [f"http://{host}:{p_port}"],
+            [f"http://{host}:{d_port}"],
+            ns.host,
+            ns.port,
+            watch=list(procs.values()),
+            keys=resolve_keys(ns.api_key, ns.api_key_file),  # the instances take the same flags
+            metrics_require_key=ns.metrics_require_key,
         )
     finally:
         for proc in procs.values():

@@ -30,7 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from afd_engine.control.router import CacheAwareRouter
 from afd_engine.errors import ConfigError
-from afd_engine.server.errors import error_body, openai_error
+from afd_engine.server.auth import install_auth, resolve_keys
+from afd_engine.server.errors import error_body, invalid_api_key, openai_error
 
 log = logging.getLogger("afd.router")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
@@ -56,7 +57,9 @@ class PDRouter:
     """With `replicas` instead (plain instances, --disaggregation-mode null), it routes each request
     to the least loaded one: the baseline that PD is measured against."""
 
-    def __init__(self, prefill: list[str], decode: list[str], replicas: list[str] = ()) -> None:
+    def __init__(
+        self, prefill: list[str], decode: list[str], replicas: list[str] = (), keys: tuple[str, ...] = ()
+    ) -> None:
         if replicas and (prefill or decode):
             raise ConfigError("afd router takes --replica instances, or --prefill and --decode ones, not both")
         if not replicas and (not prefill or not decode):
@@ -66,6 +69,8 @@ class PDRouter:
         self.decode = [Instance(u.rstrip("/")) for u in (replicas or decode)]
         self.affinity = CacheAwareRouter(max(1, len(self.prefill)), PREFIX_BLOCK_BYTES)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        # the router's own calls to instances that share its key (a client's requests carry theirs)
+        self.own_headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "afd_router_requests", "requests by endpoint and outcome", ["endpoint", "status"], registry=r
@@ -76,7 +81,15 @@ class PDRouter:
         """Asks every instance its role and model; refuses a deployment whose parts do not fit."""
         for inst in self.prefill + self.decode:
             try:
-                info = (await self.client.get(inst.url + "/server_info", timeout=DISCOVER_TIMEOUT_S)).json()
+                answer = await self.client.get(
+                    inst.url + "/server_info", headers=self.own_headers, timeout=DISCOVER_TIMEOUT_S
+                )
+                if answer.status_code == 401:
+                    raise ConfigError(
+                        f"{inst.url} refuses the router's API key: give `afd router` the instances' key "
+                        "(--api-key, --api-key-file or AFD_API_KEY)"
+                    )
+                info = answer.json()
             except (httpx.HTTPError, ValueError) as exc:
                 raise ConfigError(f"{inst.url} does not answer GET /server_info: {exc}") from exc
             inst.mode, inst.model, inst.bootstrap_port = (
@@ -256,7 +269,7 @@ def _prompt_key(body: dict) -> bytes:
     return b""
 
 
-def build_router_app(router: PDRouter) -> FastAPI:
+def build_router_app(router: PDRouter, keys: tuple[str, ...] = (), metrics_require_key: bool = False) -> FastAPI:
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -296,6 +309,7 @@ def build_router_app(router: PDRouter) -> FastAPI:
     async def metrics():
         return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
 
+    install_auth(app, keys, metrics_require_key, invalid_api_key)  # the same rule as `afd serve`
     return app
 
 
@@ -310,13 +324,23 @@ def _watch_children(server, procs, state: dict) -> None:
         time.sleep(0.2)
 
 
-def run_router(prefill: list[str], decode: list[str], host: str, port: int, watch=None, replicas=()) -> int:
+def run_router(
+    prefill: list[str],
+    decode: list[str],
+    host: str,
+    port: int,
+    watch=None,
+    replicas=(),
+    keys: tuple[str, ...] = (),
+    metrics_require_key: bool = False,
+) -> int:
     """Serves until interrupted (0); 2 when the instances do not answer or do not fit; with
-    `watch` (instance processes this command started), 1 as soon as one of them dies."""
+    `watch` (instance processes this command started), 1 as soon as one of them dies. `keys`: the
+    API keys clients must present (server/auth.py); the first is also what the router presents."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = build_router_app(PDRouter(prefill, decode, replicas))
+    app = build_router_app(PDRouter(prefill, decode, replicas, keys), keys, metrics_require_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     state: dict = {}
     if watch:
@@ -342,6 +366,11 @@ def add_router_args(parser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port")
+    parser.add_argument(
+        "--api-key", action="append", default=None, help="require this key (repeat for several; or AFD_API_KEY)"
+    )
+    parser.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
+    parser.add_argument("--metrics-require-key", action="store_true", help="/metrics requires the key too")
 
 
 def main(argv: list[str]) -> int:
@@ -353,7 +382,16 @@ def main(argv: list[str]) -> int:
     add_router_args(parser)
     ns = parser.parse_args(argv)
     try:
-        return run_router(ns.prefill, ns.decode, ns.host, ns.port, replicas=ns.replica)
+        keys = resolve_keys(ns.api_key, ns.api_key_file)
+        return run_router(
+            ns.prefill,
+            ns.decode,
+            ns.host,
+            ns.port,
+            replicas=ns.replica,
+            keys=keys,
+            metrics_require_key=ns.metrics_require_key,
+        )
     except ConfigError as exc:
         print(f"afd router: error: {exc}", file=sys.stderr)
         return 2

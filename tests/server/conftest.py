@@ -13,7 +13,7 @@ __all__ = ["Server", "free_port"]
 
 
 class Server:
-    def __init__(self, model_path: str, *extra: str, port: int | None = None) -> None:
+    def __init__(self, model_path: str, *extra: str, port: int | None = None, env: dict | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = afd_start(
@@ -29,6 +29,7 @@ class Server:
             "--served-model-name",
             "tiny",
             *extra,
+            env=env,
         )
         try:
             wait_healthy(self.url, 120, self.proc)
