@@ -12,25 +12,21 @@ from tests.process_helpers import afd_start, free_port, wait_healthy
 __all__ = ["Server", "free_port"]
 
 
+def serve_args(model_path: str, port: int) -> list[str]:
+    """`afd serve` of the tests' servers: the tiny model on one thread, served as "tiny"."""
+    return ["serve", "--model-path", model_path, "--port", str(port), "--num-threads", "1"] + [
+        "--kv-cache-memory-mb",
+        "16",
+        "--served-model-name",
+        "tiny",
+    ]
+
+
 class Server:
     def __init__(self, model_path: str, *extra: str, port: int | None = None, env: dict | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = afd_start(
-            "serve",
-            "--model-path",
-            model_path,
-            "--port",
-            str(self.port),
-            "--num-threads",
-            "1",
-            "--kv-cache-memory-mb",
-            "16",
-            "--served-model-name",
-            "tiny",
-            *extra,
-            env=env,
-        )
+        self.proc = afd_start(*serve_args(model_path, self.port), *extra, env=env)
         try:
             wait_healthy(self.url, 120, self.proc)
         except AssertionError:

@@ -17,7 +17,7 @@ from afd_engine.server import auth
 from afd_engine.server.api_server import build_app
 from afd_engine.server.launch import ServerArgs
 from afd_engine.server.pd_router import PDRouter, build_router_app
-from tests.server.conftest import Server
+from tests.server.conftest import Server, serve_args
 
 KEY, OTHER = "k-1234-sesame", "k-5678-rotated"
 # what may answer without a key; everything else, and any route added later, must not
@@ -164,24 +164,8 @@ def https_server(tiny_v3, tmp_path, *flags: str):
     cert.private_key_pem.write_to_path(str(key_pem))
     cert.cert_chain_pems[0].write_to_path(str(cert_pem))
     port = free_port()
-    proc = afd_start(
-        "serve",
-        "--model-path",
-        tiny_v3,
-        "--port",
-        str(port),
-        "--num-threads",
-        "1",
-        "--kv-cache-memory-mb",
-        "16",
-        "--served-model-name",
-        "tiny",
-        "--ssl-keyfile",
-        str(key_pem),
-        "--ssl-certfile",
-        str(cert_pem),
-        *flags,
-    )
+    tls = ["--ssl-keyfile", str(key_pem), "--ssl-certfile", str(cert_pem)]
+    proc = afd_start(*serve_args(tiny_v3, port), *tls, *flags)
     return proc, f"https://127.0.0.1:{port}", ca
 
 
