@@ -7,6 +7,7 @@ channel has found a desynchronised peer: it raises at once instead of waiting or
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import msgpack
@@ -25,6 +26,15 @@ class CommTimeout(CommError):
 
 class KeyMismatchError(CommError):
     pass
+
+
+class MalformedMessage(CommError):
+    """Bytes that are not a message of this protocol (a stray or hostile peer, a truncated frame):
+    the receiver drops them, logs, and goes on. Checked before anything a header claims is
+    allocated."""
+
+
+MAX_DIMS = 8  # a tensor on the wire has at most this many dimensions
 
 
 @dataclass(frozen=True, order=True)
@@ -58,8 +68,20 @@ class Message:
 
     @staticmethod
     def parse_header(raw) -> tuple[Message, list[tuple[torch.dtype, list[int]]]]:
-        """The inverse of `header`: the message without its tensors, and each tensor's (dtype, shape)."""
-        kind, step, layer, micro_batch, src, meta, specs = msgpack.unpackb(raw, strict_map_key=False)
+        """The inverse of `header`: the message without its tensors, and each tensor's (dtype, shape).
+        Raises MalformedMessage for anything `header` could not have written."""
+        try:
+            fields_ = msgpack.unpackb(raw, strict_map_key=False)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several kinds for bad bytes
+            raise MalformedMessage(f"the header is not msgpack: {type(exc).__name__}") from None
+        if not (isinstance(fields_, list) and len(fields_) == 7):
+            raise MalformedMessage("the header is not a 7-field array")
+        kind, step, layer, micro_batch, src, meta, specs = fields_
+        ints = (step, layer, micro_batch, src)
+        if not (isinstance(kind, str) and all(type(v) is int for v in ints) and isinstance(meta, dict)):
+            raise MalformedMessage("the header's kind, key, source or meta has the wrong type")
+        if not isinstance(specs, list) or not all(_valid_spec(spec) for spec in specs):
+            raise MalformedMessage("a tensor spec is not [known dtype, shape of at most 8 sizes >= 0]")
         return Message(kind, MsgKey(step, layer, micro_batch), src, [], meta), [(_DTYPES[d], s) for d, s in specs]
 
     def encode(self) -> list[bytes | memoryview]:
@@ -68,7 +90,17 @@ class Message:
 
     @staticmethod
     def decode(frames: list) -> Message:
+        """The inverse of `encode`; MalformedMessage unless the frames are exactly the header and
+        one frame per tensor of the size its dtype and shape give (checked before any copy)."""
+        if not frames:
+            raise MalformedMessage("no frames")
         msg, specs = Message.parse_header(frames[0])
+        if len(frames) != 1 + len(specs):
+            raise MalformedMessage(f"{len(frames) - 1} payload frames for {len(specs)} tensors")
+        for buf, (dtype, shape) in zip(frames[1:], specs):
+            want = math.prod(shape) * dtype.itemsize
+            if len(memoryview(buf)) != want:
+                raise MalformedMessage(f"a {dtype} {list(shape)} tensor needs {want} bytes, its frame has {len(buf)}")
         msg.tensors = [_tensor(buf, dtype, shape) for buf, (dtype, shape) in zip(frames[1:], specs)]
         return msg
 
@@ -79,6 +111,14 @@ _DTYPES = {  # wire name -> dtype, for every dtype a tensor can travel in
     + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 }
 _NAMES = {dt: name for name, dt in _DTYPES.items()}
+
+
+def _valid_spec(spec) -> bool:
+    """Whether `spec` is [dtype name, shape] as `header` writes it."""
+    if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in _DTYPES and isinstance(spec[1], list)):
+        return False
+    shape = spec[1]
+    return len(shape) <= MAX_DIMS and all(type(n) is int and n >= 0 for n in shape)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

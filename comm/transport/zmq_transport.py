@@ -25,20 +25,31 @@ Socket options, and why:
   * LINGER = `linger_ms` (default 1000): close() flushes what is still queued for at most 1 s,
     then gives up, so closing can never hang on a dead peer.
   * RECONNECT_IVL 50 ms (backing off to 500 ms): a peer that starts late is reached quickly.
+  * MAXMSGSIZE = `max_frame_bytes` (default 1 GiB) on the receiving socket: a peer that sends a
+    larger frame is disconnected by ZeroMQ before the frame is held in memory (a DeepSeek-V3
+    dispatch of 4,096 tokens is 59 MB in bf16).
+
+Bytes that are not a message (a stray or hostile connection, a truncated frame: `MalformedMessage`)
+are dropped and logged, and the receiver goes on; only its own failure wakes the waiters with an
+error. A well-formed message from a peer that is not one of the deployment's is not told apart
+here: the ports between machines must be on a private network (README, Security).
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections.abc import Iterable
 
 import zmq
 
-from comm.messages import CommError, Message, MsgKey
+from comm.messages import CommError, MalformedMessage, Message, MsgKey
 from comm.transport.base import Inbox, Transport, make_inbox
 
 _POLL_MS = 50  # how often the receiver thread checks whether it should stop
+MAX_FRAME_BYTES = 1 << 30
+log = logging.getLogger("comm.zmq")
 
 
 class ZmqTransport(Transport):
@@ -56,11 +67,13 @@ class ZmqTransport(Transport):
         linger_ms: int = 1000,
         link_delay_s: float = 0.0,
         inbox: Inbox | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         if endpoint not in addresses and bind_address is None:
             raise CommError(f"endpoint {endpoint} has no address in {addresses}")
         self.endpoint, self.addresses = endpoint, dict(addresses)
-        self._hwm, self._linger_ms = hwm, linger_ms
+        self._hwm, self._linger_ms, self._max_frame = hwm, linger_ms, max_frame_bytes
+        self.dropped = 0  # messages dropped as malformed
         self._ctx = zmq.Context()
         self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)  # delay: experiments
         self._senders: dict[int, zmq.Socket] = {}
@@ -84,6 +97,7 @@ class ZmqTransport(Transport):
 
     def _bind(self, address: str) -> zmq.Socket:
         sock = self._socket(zmq.PULL)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         try:
             sock.bind(address)
         except zmq.ZMQError as e:
@@ -155,7 +169,14 @@ class ZmqTransport(Transport):
 
     def _receive_one(self) -> None:
         frames = self._pull.recv_multipart(copy=False)
-        self._inbox.put(Message.decode([frame.buffer for frame in frames]))
+        try:
+            msg = Message.decode([frame.buffer for frame in frames])
+        except MalformedMessage as exc:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:  # a flood must not flood the log too
+                log.warning("endpoint %d dropped %d malformed message(s); last: %s", self.endpoint, self.dropped, exc)
+            return
+        self._inbox.put(msg)
 
 
 def free_tcp_addresses(n: int, host: str = "127.0.0.1") -> list[str]:
