@@ -18,6 +18,8 @@ rewritten after every part, so a run cut short still leaves all it measured:
                         against transformers on the same device: token-exact
     engine_single_bf16  the same in bf16: matching tokens and the largest logprob difference
     engine_afd_1a1f     1 attention + 1 FFN rank on one GPU (processes, shm/ZeroMQ): the single tokens
+    engine_graphs       decode steps from CUDA graphs against eager ones, requests arriving two at a
+                        time (buckets change, prefill mixes in): token-equal
     kernels_timing      bench_kernels.py's rows at DeepSeek-V3 shapes, MLA decode over batch x context,
                         fused MoE (bf16, fp8) over tokens per expert: time, GB/s, TFLOP/s, peak fractions
     decode_step_time    the single engine's decode step at batch 1, 8, 64: torch backend eager, triton
@@ -80,6 +82,7 @@ PART_LIMITS_S = {
     "engine_single_fp32": 60,
     "engine_single_bf16": 60,
     "engine_afd_1a1f": 75,
+    "engine_graphs": 60,
     "kernels_timing": 100,
     "decode_step_time": 90,
 }
@@ -724,12 +727,45 @@ def decode_step_time(ctx: Context) -> dict:
 
 
 # correctness first: should the time run out, what is left undone is speed
+def engine_graphs(ctx: Context) -> dict:
+    """Decode steps replayed from CUDA graphs against eager ones, fp32, with requests arriving two at
+    a time (tests.engine_helpers.run_staggered): the batch moves across buckets, prefill steps mix
+    in, and with overlap each step's inputs hold the last step's placeholders: token-equal. On the
+    CPU the same static, padded path runs eagerly (GraphRunner with capture off, triton replaced by
+    the torch backend that the interpreter would make slow)."""
+    from afd_engine.runtime.cuda_graph import GraphRunner
+    from afd_engine.sampling_params import SamplingParams
+    from tests.engine_helpers import run_staggered
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (3, 17, 1, 9, 30, 5, 12, 2)]
+    params = SamplingParams(max_new_tokens=4 if ctx.dry_run else 20, temperature=0.0, ignore_eos=True)
+    backend = "torch" if ctx.dry_run else "triton"
+    runs = {}
+    for graphs in (False, True):
+        with make_engine(ctx, "deepseek_v3", "float32", backend, {"disable_cuda_graph": not graphs}) as engine:
+            if graphs and ctx.device.type != "cuda":
+                pool = engine.pool
+                engine.runner.graphs = GraphRunner(engine.model, pool, [1, 2, 4], True, engine.load_recorder, False)
+            tokens = run_staggered(engine, prompts, params, every=2)
+            runner = engine.runner.graphs
+            runs["graphs" if graphs else "eager"] = {"tokens": tokens, "replays": runner.replays if runner else 0}
+    equal = sum(a == b for x, y in zip(runs["graphs"]["tokens"], runs["eager"]["tokens"]) for a, b in zip(x, y))
+    total = sum(len(t) for t in runs["eager"]["tokens"])
+    failures = [] if equal == total else [f"{total - equal} of {total} tokens differ between graphs and eager"]
+    if not runs["graphs"]["replays"]:
+        failures.append("no decode step was replayed from a graph")
+    headline = f"graphs vs eager: {equal}/{total} tokens equal, {runs['graphs']['replays']} steps replayed"
+    return {"failures": failures, "headline": headline, "runs": runs}
+
+
 PARTS = {
     "ceilings": ceilings,
     "kernels_correct": kernels_correct,
     "engine_single_fp32": functools.partial(engine_single, dtype="float32"),
     "engine_single_bf16": functools.partial(engine_single, dtype="bfloat16"),
     "engine_afd_1a1f": engine_afd,
+    "engine_graphs": engine_graphs,
     "kernels_timing": kernels_timing,
     "decode_step_time": decode_step_time,
 }

@@ -103,6 +103,15 @@ def test_engine_parts_are_token_exact(dry_run):
         assert run["tokens_equal"] == run["tokens"] == 9 and run["afd_tokens"] == afd["single_tokens"]
 
 
+def test_graph_decode_steps_give_the_eager_tokens(dry_run):
+    """On the CPU the static, padded path of the CUDA graph runner (seen red with a position left
+    uncopied into its buffers: 25 of 32 tokens equal)."""
+    part = dry_run[1]["parts"]["engine_graphs"]
+    assert part["ok"] and part["headline"].startswith("graphs vs eager: 32/32 tokens equal")
+    assert part["runs"]["graphs"]["replays"] > 0 and part["runs"]["eager"]["replays"] == 0
+    assert part["runs"]["graphs"]["tokens"] == part["runs"]["eager"]["tokens"]
+
+
 def test_decode_step_times_per_batch(dry_run):
     part = dry_run[1]["parts"]["decode_step_time"]
     assert [r["batch"] for r in part["rows"]] == [1, 8, 64] and all(r["step_ms"] > 0 for r in part["rows"])
