@@ -8,7 +8,8 @@ rule names what stays open, not what is guarded, so a route added later is guard
 key nobody learns which paths exist.
 
 Keys come from `--api-key` (several times, for rotation), `--api-key-file` (one key per line) and
-the `AFD_API_KEY` environment variable, the last two keeping the key out of `ps`. A presented key
+the `AFD_API_KEY` environment variable (one key, or several one per line; how `afd serve --pd`
+hands its keys to its instances), the last two keeping the key out of `ps`. A presented key
 is compared with every configured one in constant time (`hmac.compare_digest`), and no log line or
 error message ever holds a key.
 """
@@ -40,8 +41,7 @@ def resolve_keys(api_key: str | Iterable[str] | None, api_key_file: str | None, 
         if not from_file:
             raise ConfigError(f"--api-key-file={api_key_file}: holds no key (one per line)")
         keys += from_file
-    if environ.get(ENV_KEY, "").strip():
-        keys.append(environ[ENV_KEY].strip())
+    keys += [line.strip() for line in environ.get(ENV_KEY, "").splitlines() if line.strip()]  # one per line
     if any(not k or k != k.strip() for k in keys):
         raise ConfigError("an API key is empty or starts or ends with whitespace")
     return tuple(dict.fromkeys(keys))

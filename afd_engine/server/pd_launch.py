@@ -12,6 +12,7 @@ instances with `afd serve --disaggregation-mode ...` and `afd router` yourself (
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import signal
 import subprocess
@@ -25,6 +26,8 @@ from afd_engine.errors import ConfigError
 
 log = logging.getLogger("afd.serve")
 OWN_FLAGS = {"--pd": 0, "--prefill-mode": 1, "--decode-mode": 1, "--prefill-args": 1, "--decode-args": 1, "--port": 1}
+# the API keys reach the instances through their environment (instance_env), never their command line
+OWN_FLAGS |= {"--api-key": 1, "--api-key-file": 1}
 READY_TIMEOUT_S = 900
 
 
@@ -46,6 +49,18 @@ def instance_argv(argv: list[str], mode: str, role: str, port: int, extra: str, 
     return out + shlex.split(extra)
 
 
+def instance_env(keys: tuple[str, ...]) -> dict:
+    """The instances' environment: this one's, with every API key in AFD_API_KEY (one per line),
+    so that no key shows in `ps` (server/auth.py)."""
+    from afd_engine.server.auth import ENV_KEY
+
+    env = dict(os.environ)
+    env.pop(ENV_KEY, None)
+    if keys:
+        env[ENV_KEY] = "\n".join(keys)
+    return env
+
+
 def serve_pd(argv: list[str], ns) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if ns.ssl_certfile:
@@ -60,8 +75,12 @@ def serve_pd(argv: list[str], ns) -> int:
         "prefill": instance_argv(argv, ns.prefill_mode, "prefill", p_port, ns.prefill_args, bootstrap),
         "decode": instance_argv(argv, ns.decode_mode, "decode", d_port, ns.decode_args, None),
     }
+    from afd_engine.server.auth import resolve_keys
+
+    keys = resolve_keys(ns.api_key, ns.api_key_file)
+    env = instance_env(keys)
     procs = {
-        role: subprocess.Popen([sys.executable, "-m", "afd_engine.cli", "serve", *cmd])
+        role: subprocess.Popen([sys.executable, "-m", "afd_engine.cli", "serve", *cmd], env=env)
         for role, cmd in commands.items()
     }
     try:
@@ -69,7 +88,6 @@ def serve_pd(argv: list[str], ns) -> int:
             if not wait_healthy(f"http://{host}:{port}", procs[role]):
                 log.error("the %s instance did not start", role)
                 return 2
-        from afd_engine.server.auth import resolve_keys
         from afd_engine.server.pd_router import run_router
 
         return run_router(
@@ -78,7 +96,7 @@ def serve_pd(argv: list[str], ns) -> int:
             ns.host,
             ns.port,
             watch=list(procs.values()),
-            keys=resolve_keys(ns.api_key, ns.api_key_file),  # the instances take the same flags
+            keys=keys,  # the instances' own
             metrics_require_key=ns.metrics_require_key,
         )
     finally:

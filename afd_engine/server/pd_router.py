@@ -147,6 +147,8 @@ class PDRouter:
                 self.in_flight.labels(inst.url).set(inst.in_flight)
             if not prefill.done():
                 prefill.cancel()  # closes the connection: the prefill instance aborts the request
+            elif not prefill.cancelled():
+                prefill.exception()  # seen (a failure the answer already reports): no "never retrieved" at exit
 
         # (a JSON answer's headers come when the decode instance has finished: the prefill side's
         # failure must be seen while waiting for them too)

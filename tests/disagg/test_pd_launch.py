@@ -23,3 +23,17 @@ def test_each_instance_gets_the_shared_flags_its_role_and_its_own_flags():
 def test_the_roles_flags_are_its_own(flag):
     with pytest.raises(ConfigError, match="afd serve --pd sets --"):
         instance_argv(["--pd", flag, "x"], "single", "prefill", 7, "", None)
+
+
+def test_the_api_keys_reach_the_instances_by_environment_not_command_line(monkeypatch):
+    """`ps` shows every process's command line: the keys travel in AFD_API_KEY, one per line."""
+    from afd_engine.server.auth import ENV_KEY, resolve_keys
+    from afd_engine.server.pd_launch import instance_env
+
+    argv = ["--pd", "--api-key", "k1", "--api-key=k2", "--api-key-file", "/keys", "--model-path", "m"]
+    cmd = instance_argv(argv, "single", "prefill", 7, "", None)
+    assert not [a for a in cmd if "k1" in a or "k2" in a or "/keys" in a or a.startswith("--api-key")]
+    monkeypatch.setenv(ENV_KEY, "stale")
+    env = instance_env(("k1", "k2", "k3"))
+    assert env[ENV_KEY] == "k1\nk2\nk3" and resolve_keys(None, None, env) == ("k1", "k2", "k3")
+    assert ENV_KEY not in instance_env(())  # no key: the instances run open, as the router does
