@@ -17,7 +17,7 @@ from afd_engine.server import auth
 from afd_engine.server.api_server import build_app
 from afd_engine.server.launch import ServerArgs
 from afd_engine.server.pd_router import PDRouter, build_router_app
-from tests.server.conftest import Server, serve_args
+from tests.server.conftest import serve_args
 
 KEY, OTHER = "k-1234-sesame", "k-5678-rotated"
 # what may answer without a key; everything else, and any route added later, must not
@@ -124,35 +124,10 @@ def test_each_key_is_compared_in_constant_time_every_time(monkeypatch):
         assert not auth.key_matches(header, keys), header
 
 
-def test_a_server_takes_keys_from_the_environment_a_file_and_flags(tiny_v3, tmp_path):
-    keys_file = tmp_path / "keys"
-    keys_file.write_text("from-a-file\n")
-    srv = Server(
-        tiny_v3, "--api-key", KEY, "--api-key", OTHER, "--api-key-file", str(keys_file), env={auth.ENV_KEY: "from-env"}
-    )
-    try:
-        for key in (KEY, OTHER, "from-a-file", "from-env"):
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
-            assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
-        with pytest.raises(openai.AuthenticationError) as err:
-            openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
-        assert "wrong" not in str(err.value)
-        native = httpx.post(srv.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
-        assert native.status_code == 401 and native.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(srv.url + "/health").status_code == 200
-        assert httpx.get(srv.url + "/metrics").status_code == 200
-    finally:
-        srv.stop()
-    log = srv.proc.stdout.read()
-    assert "Authorization: Bearer $AFD_API_KEY" in log  # the banner's example names the variable
-    for key in (KEY, OTHER, "from-a-file", "from-env"):
-        assert key not in log
-
-
 # -- TLS -------------------------------------------------------------------------------------------
 
 
-def https_server(tiny_v3, tmp_path, *flags: str):
+def https_server(tiny_v3, tmp_path, *flags: str, env: dict | None = None):
     """`afd serve` over HTTPS with a certificate for 127.0.0.1 from a CA made here: (proc, url, ca)."""
     import trustme
 
@@ -165,7 +140,7 @@ def https_server(tiny_v3, tmp_path, *flags: str):
     cert.cert_chain_pems[0].write_to_path(str(cert_pem))
     port = free_port()
     tls = ["--ssl-keyfile", str(key_pem), "--ssl-certfile", str(cert_pem)]
-    proc = afd_start(*serve_args(tiny_v3, port), *tls, *flags)
+    proc = afd_start(*serve_args(tiny_v3, port), *tls, *flags, env=env)
     return proc, f"https://127.0.0.1:{port}", ca
 
 
@@ -188,47 +163,57 @@ def stop(proc) -> None:
     proc.wait(timeout=15)
 
 
-def test_https_with_the_official_client(tiny_v3, tmp_path):
-    proc, url, ca = https_server(tiny_v3, tmp_path, "--api-key", KEY)
+def test_one_server_with_keys_from_everywhere_over_mutual_tls(tiny_v3, tmp_path):
+    """One server (each costs seconds): keys from two flags, a file and the environment, HTTPS with
+    a certificate from a CA made here, client certificates required (mutual TLS), the official client."""
+    import trustme
+
+    client_ca = trustme.CA()
+    client_ca_pem, keys_file = tmp_path / "clients.pem", tmp_path / "keys"
+    client_ca.cert_pem.write_to_path(str(client_ca_pem))
+    keys_file.write_text("# one per line\nfrom-a-file\n")
+    flags = ["--api-key", KEY, "--api-key", OTHER, "--api-key-file", str(keys_file)]
+    flags += ["--ssl-ca-certs", str(client_ca_pem)]
+    proc, url, ca = https_server(tiny_v3, tmp_path, *flags, env={auth.ENV_KEY: "from-env"})
+    keys = (KEY, OTHER, "from-a-file", "from-env")
+    mine = client_ca.issue_cert("client@example.org").private_key_and_cert_chain_pem
     try:
-        with ca.cert_pem.tempfile() as ca_file:
-            trusted = ssl.create_default_context(cafile=ca_file)
-            wait_https(url, proc, verify=trusted)
-            client = openai.OpenAI(
-                base_url=url + "/v1", api_key=KEY, max_retries=0, http_client=httpx.Client(verify=trusted)
+        with ca.cert_pem.tempfile() as ca_file, mine.tempfile() as mine_file:
+            tls = ssl.create_default_context(cafile=ca_file)
+            tls.load_cert_chain(mine_file)
+            wait_https(url, proc, verify=tls)
+            for key in keys:
+                client = openai.OpenAI(
+                    base_url=url + "/v1", api_key=key, max_retries=0, http_client=httpx.Client(verify=tls)
+                )
+                reply = client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+                assert reply.usage.completion_tokens == 2
+            wrong = openai.OpenAI(
+                base_url=url + "/v1", api_key="wrong", max_retries=0, http_client=httpx.Client(verify=tls)
             )
-            reply = client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
-            )
-            assert reply.usage.completion_tokens == 3
+            with pytest.raises(openai.AuthenticationError) as err:
+                wrong.models.list()
+            assert "wrong" not in str(err.value)
+            gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+            native = httpx.post(url + "/generate", json=gen, verify=tls)
+            assert native.status_code == 401 and native.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(url + "/health", verify=tls).status_code == 200
+            assert httpx.get(url + "/metrics", verify=tls).status_code == 200
+            with pytest.raises(httpx.TransportError):  # no client certificate: the handshake fails
+                httpx.get(url + "/health", verify=ssl.create_default_context(cafile=ca_file)).raise_for_status()
         with pytest.raises(httpx.ConnectError, match="(?i)certificate verify failed"):
-            httpx.get(url + "/health")  # a certificate nobody's CA signed: refused by default
+            httpx.get(url + "/health")  # a certificate from a CA the client does not trust
         with pytest.raises(httpx.TransportError):
             httpx.get(url.replace("https", "http") + "/health")  # no plain HTTP on the port
     finally:
         stop(proc)
-    assert f"ready; try:\n  curl {url}/v1/chat/completions" in proc.stdout.read()
-
-
-def test_mutual_tls_requires_a_client_certificate(tiny_v3, tmp_path):
-    import trustme
-
-    client_ca = trustme.CA()
-    client_ca_pem = tmp_path / "clients.pem"
-    client_ca.cert_pem.write_to_path(str(client_ca_pem))
-    proc, url, ca = https_server(tiny_v3, tmp_path, "--ssl-ca-certs", str(client_ca_pem))
-    try:
-        with ca.cert_pem.tempfile() as ca_file:
-            ctx = client_ca.issue_cert("client@example.org")
-            with ctx.private_key_and_cert_chain_pem.tempfile() as both:
-                good = ssl.create_default_context(cafile=ca_file)
-                good.load_cert_chain(both)
-                wait_https(url, proc, verify=good)
-                assert httpx.get(url + "/health", verify=good).status_code == 200
-            with pytest.raises(httpx.TransportError):  # no client certificate: the handshake fails
-                httpx.get(url + "/health", verify=ssl.create_default_context(cafile=ca_file)).raise_for_status()
-    finally:
-        stop(proc)
+    log = proc.stdout.read()
+    # the banner's example: the HTTPS URL, and the variable rather than any key
+    assert f"ready; try:\n  curl {url}/v1/chat/completions" in log and "Bearer $AFD_API_KEY" in log
+    for key in keys:
+        assert key not in log
 
 
 def test_tls_flags_are_checked_before_anything_starts(tmp_path):
