@@ -21,7 +21,7 @@ from afd_engine.model_config import ModelConfig
 from afd_engine.models import Kernels, load_model
 from afd_engine.models.checkpoint import inspect_checkpoint
 from afd_engine.offline import OfflineEngine
-from afd_engine.runtime.cuda_graph import GraphRunner, graph_safe_backends, needs_slot_tables
+from afd_engine.runtime.cuda_graph import GraphRunner, graph_safe_moe, needs_slot_tables
 from afd_engine.runtime.host_memory import retain_freed_memory
 from afd_engine.runtime.kv_cache import KVPool, pages_for
 from afd_engine.runtime.model_runner import ModelRunner, StepRunner
@@ -122,7 +122,7 @@ class Engine(OfflineEngine):
         args = self.args
         if self.device.type != "cuda" or args.disable_cuda_graph:
             return None
-        if not graph_safe_backends(args.attention_backend, args.moe_backend):
+        if not graph_safe_moe(args.moe_backend):
             log.info("CUDA graphs off: the %s MoE backend reads the host during a step", args.moe_backend)
             return None
         graphs = GraphRunner(

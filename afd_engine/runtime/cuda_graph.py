@@ -31,6 +31,8 @@ between them is graph-safe (the same test traces it) but piecewise capture is no
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from afd_engine.runtime.forward_batch import ForwardBatch
@@ -189,8 +191,6 @@ class GraphRunner:
     def capture_all(self) -> float:
         """Captures every bucket, largest first, into one memory pool; returns the seconds it took.
         Each bucket runs twice eagerly first (Triton compiles, library handles), on a side stream."""
-        import time
-
         if not self.capture:
             return 0.0
         start = time.perf_counter()
@@ -224,9 +224,9 @@ class GraphRunner:
         return out[rows]  # a new tensor: the next replay may overwrite the graph's output
 
 
-def graph_safe_backends(attention_backend: str, moe_backend: str) -> bool:
-    """Whether the named kernel backends decode without host reads on a GPU: the torch MoE
-    reference sizes its blocks by host reads (kernels/moe.py), so it runs eagerly."""
+def graph_safe_moe(moe_backend: str) -> bool:
+    """Whether the named MoE backend decodes without host reads on a GPU (every attention backend
+    does): the torch MoE reference sizes its blocks by host reads (kernels/moe.py), so it runs eagerly."""
     return moe_backend != "torch"
 
 
