@@ -7,6 +7,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -22,6 +23,7 @@ from afd_engine.models import Kernels, load_model
 from afd_engine.models.checkpoint import inspect_checkpoint
 from afd_engine.offline import OfflineEngine
 from afd_engine.runtime.cuda_graph import GraphRunner, graph_safe_moe, needs_slot_tables
+from afd_engine.runtime.grammar import GrammarCompiler
 from afd_engine.runtime.host_memory import retain_freed_memory
 from afd_engine.runtime.kv_cache import KVPool, pages_for
 from afd_engine.runtime.model_runner import ModelRunner, StepRunner
@@ -111,6 +113,9 @@ class Engine(OfflineEngine):
             overlap=args.overlap_on(self.device) and args.disaggregation_mode != "prefill",
         )
         self.disagg = make_side(self)  # prefill-decode disaggregation: None unless --disaggregation-mode
+        # constrained requests wait here for their grammar, compiled on a worker thread
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(eos))
+        self._compiling: list[tuple[Request, Future, Callable[[Request], None]]] = []
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(args.seed)
@@ -172,17 +177,49 @@ class Engine(OfflineEngine):
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        if params.logit_bias and max(t for t, _ in params.logit_bias) >= self.config.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias token ids must be below the vocabulary size ({self.config.vocab_size})", param="logit_bias"
+            )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed)
         if self.disagg is None and disaggregation is None:
-            self.scheduler.add(req)
+            self.scheduler.check(req)
+            admit = self.scheduler.add
         else:
             self._check_disaggregation(disaggregation)
             req.disagg_room, req.disagg_bootstrap = disaggregation["room"], disaggregation.get("bootstrap")
             self.scheduler.check(req)
-            self.disagg.add(req)
+            admit = self.disagg.add
+        if params.guide is None:
+            admit(req)
+        else:  # scheduled once its grammar is compiled
+            self._compiling.append((req, self.grammars.submit(params.guide), admit))
         self._requests[rid] = req
         return rid
+
+    def _admit_compiled(self) -> list[Request]:
+        """Schedules the constrained requests whose grammar is ready; returns those whose grammar
+        failed to compile (they end with an error)."""
+        waiting, failed = [], []
+        for req, future, admit in self._compiling:
+            if req.finish_reason is not None:  # aborted while it waited
+                continue
+            if not future.done():
+                waiting.append((req, future, admit))
+            elif future.exception() is not None:
+                req.finish_reason, req.error = "error", f"the request's grammar did not compile: {future.exception()}"
+                failed.append(req)
+            else:
+                req.grammar = future.result()
+                admit(req)
+        self._compiling = waiting
+        return failed
+
+    @property
+    def compiling(self) -> bool:
+        """Whether requests wait for their grammar (and for nothing else)."""
+        return bool(self._compiling)
 
     def _check_disaggregation(self, d: dict | None) -> None:
         mode = self.args.disaggregation_mode
@@ -218,7 +255,9 @@ class Engine(OfflineEngine):
         return self._output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or (self.disagg is not None and self.disagg.has_work())
+        return (
+            self.scheduler.has_work() or bool(self._compiling) or (self.disagg is not None and self.disagg.has_work())
+        )
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling round; returns the requests that finished in the step it finished
@@ -265,7 +304,7 @@ class Engine(OfflineEngine):
     def _step(self) -> tuple[list[Request], list[Request], list[Request]]:
         """(requests whose first token came from a prefill instance, requests that got a token,
         requests that finished) of one step."""
-        arrived = []
+        arrived, failed = [], self._admit_compiled() if self._compiling else []
         if self.disagg is None:
             sampled, done = self.stepper.step()
         else:
@@ -277,6 +316,7 @@ class Engine(OfflineEngine):
             for req in handed_off:
                 self.scheduler.remove(req)
             done = ended + done + handed_off
+        done = failed + done if failed else done
         for req in done:
             self._requests.pop(req.rid, None)
         return arrived, sampled, done
@@ -341,6 +381,7 @@ class Engine(OfflineEngine):
         for rid in list(self._requests):
             self.abort(rid)
         self.stepper.close()
+        self.grammars.close()
         self.runner.close()
         if self.disagg is not None:
             self.disagg.close()

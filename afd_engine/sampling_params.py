@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from afd_engine.errors import InvalidRequestError
 
+# What a request's output can be constrained to (SamplingParams.guide).
+GUIDE_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -33,6 +36,22 @@ class SamplingParams:
     # may be 0 (score the prompt, generate nothing).
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 0
+    # Logit processing (vLLM's semantics). presence/frequency penalties subtract from the logit of
+    # each token already generated (once / once per occurrence); repetition_penalty divides
+    # positive and multiplies negative logits of tokens in the prompt or the output; min_p drops
+    # tokens less likely than min_p times the most likely one; EOS and stop_token_ids are
+    # forbidden (and stop strings ignored) until min_tokens are out; logit_bias adds its value to
+    # its token's logit, as (token id, bias) pairs (a dict is accepted).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Constrained decoding: (kind, spec) with kind one of GUIDE_KINDS; the output is guaranteed to
+    # match (a JSON schema, any JSON object, a regular expression, an EBNF grammar, or an xgrammar
+    # structural tag such as a tool call format). `runtime/grammar.py` compiles it.
+    guide: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -41,11 +60,28 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        try:
+            object.__setattr__(self, "logit_bias", tuple((k, v) for k, v in bias))
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias") from None
+        if self.guide is not None and not isinstance(self.guide, str):
+            object.__setattr__(self, "guide", tuple(self.guide))
         self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits depend on the tokens seen so far (presence, frequency, repetition)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether anything bends its logits before the sampler (penalties, bias, min_tokens, a guide)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.guide is not None
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -91,6 +127,35 @@ class SamplingParams:
             raise bad("stop", "stop strings must be valid Unicode (a lone UTF-16 surrogate is not)")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "must be a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "must be a number in (0, 2]")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be a number in [0, 1]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be a non-negative integer")
+        if self.min_tokens > self.max_new_tokens:
+            raise bad("min_tokens", f"must not exceed max_new_tokens ({self.max_new_tokens})")
+        for token, value in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise bad("logit_bias", f"token ids must be non-negative integers (got {token!r})")
+            if not _is_number(value) or not -100.0 <= value <= 100.0:
+                raise bad("logit_bias", f"the bias of token {token} must be a number in [-100, 100]")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise bad("logit_bias", "a token id appears twice")
+        if self.guide is not None and (
+            len(self.guide) != 2
+            or self.guide[0] not in GUIDE_KINDS
+            or not isinstance(self.guide[1], str)
+            or (self.guide[0] != "json_object" and not self.guide[1])
+        ):
+            raise bad("guide", f"must be (kind, spec) with kind one of {', '.join(GUIDE_KINDS)} and a non-empty spec")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # (not NaN)
 
 
 def _is_unicode(text: str) -> bool:

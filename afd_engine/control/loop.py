@@ -30,6 +30,8 @@ LOCKSTEP_IDLE_MS = 50
 # A rank whose only work is waiting on a disaggregation peer checks its timeouts this often (a
 # message from the peer wakes it at once).
 DISAGG_POLL_MS = 50
+# A rank whose only work is requests waiting for their grammar looks for finished compiles this often.
+GRAMMAR_POLL_MS = 2
 log = logging.getLogger("afd.engine")
 _WAKE = msgs.encode(msgs.Wake())
 
@@ -108,6 +110,8 @@ class EngineLoop:
                 timeout = 0
             elif not engine.has_unfinished():
                 timeout = idle_ms
+            elif engine.compiling and not engine.scheduler.has_work():
+                timeout = GRAMMAR_POLL_MS
             elif self.disagg is not None and not engine.scheduler.has_work():
                 timeout = DISAGG_POLL_MS  # only waiting on a disaggregation peer, whose messages wake us
             else:
@@ -209,6 +213,7 @@ def run_engine_process(
             "ok": True,
             "model_path": str(engine.model_path),
             "context_len": engine.context_len,
+            "vocab_size": engine.config.vocab_size,
             "architecture": engine.config.architecture,
             "disagg_address": engine.disagg.address if engine.disagg is not None else None,
             "disagg_description": engine.disagg.description if engine.disagg is not None else None,

@@ -94,6 +94,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
     return logits.masked_fill(drop, float("-inf"))
 
 
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token whose probability is below min_p times the most likely token's.
+
+    logits: [B, V] float32 (already divided by the temperature); min_ps [B] float32, 0 keeps all.
+    p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p), with no softmax needed.
+    """
+    top = logits.max(dim=-1, keepdim=True).values  # [B, 1]
+    threshold = top + torch.log(min_ps)[:, None]  # log(0) = -inf: nothing dropped
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling parameters of one step, as tensors. Shapes [B]."""
@@ -106,12 +117,13 @@ class SamplingBatch:
     all_greedy: bool
     # False when no sampled row uses top-k or top-p: the sampler then skips the [B, V] sort.
     any_top_k_top_p: bool = True
+    min_ps: torch.Tensor | None = None  # float32 [B], None when no sampled row uses min_p
 
     @staticmethod
     def greedy(device: torch.device | str = "cpu") -> SamplingBatch:
         """A batch whose rows all take the argmax: no per-row settings to gather."""
         none = torch.empty(0, device=device)
-        return SamplingBatch(none, none, none.long(), none.long(), none.long(), True, False)
+        return SamplingBatch(none, none, none.long(), none.long(), none.long(), True, False, None)
 
     @staticmethod
     def build(
@@ -139,6 +151,9 @@ class SamplingBatch:
             offsets=tensor(list(offsets), torch.int64),
             all_greedy=not any(sampled),
             any_top_k_top_p=filtered,
+            min_ps=tensor([float(p.min_p) for p in params], torch.float32)
+            if any(s and p.min_p > 0.0 for s, p in zip(sampled, params))
+            else None,
         )
 
 
@@ -160,6 +175,8 @@ class Sampler:
         """Temperature, top-k/top-p, then Gumbel-max; greedy rows get a dummy temperature of 1."""
         temperatures = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)
         scaled = logits / temperatures[:, None]  # [B, V]
+        if batch.min_ps is not None:
+            scaled = apply_min_p(scaled, batch.min_ps)
         if batch.any_top_k_top_p:
             scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
         uniforms = random_uniforms(batch.seeds, batch.offsets, logits.shape[-1])  # [B, V]

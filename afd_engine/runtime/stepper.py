@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from afd_engine.eplb.recorder import ExpertLoadRecorder
+from afd_engine.runtime.logits_process import LogitControls
 from afd_engine.runtime.model_runner import PreparedStep, Scored, StepRunner, commit
 from afd_engine.runtime.request import Request, TokenLogprob
 from afd_engine.runtime.sampler import Sampler, SamplingBatch
@@ -42,7 +43,8 @@ from afd_engine.runtime.stop_checker import StopChecker
 class _Step:
     prepared: PreparedStep
     sampling: SamplingBatch | None
-    result: Future | None = None  # of (logits, sampled tokens), or None when the step did not run
+    controls: LogitControls | None = None  # grammars, penalties, bias, min_tokens of its samplers
+    result: Future | None = None  # of (logits, sampled tokens, rows whose grammar ended), or None
 
 
 class Stepper:
@@ -110,15 +112,16 @@ class Stepper:
         samplers = prepared.inputs.samplers
         sampling, device = None, self.scheduler.pool.device
         params = [r.params for r in samplers]
+        offsets = [len(r.output_ids) + len(r.inflight) for r in samplers]
         if params and all(p.greedy for p in params):  # argmax only: no per-row settings
             sampling = SamplingBatch.greedy(device)
         elif params:
-            offsets = [len(r.output_ids) + len(r.inflight) for r in samplers]
             sampling = SamplingBatch.build(params, [r.seed for r in samplers], offsets, self.vocab_size, device)
+        controls = LogitControls.build(samplers, offsets, self.stop_checker.eos_token_ids, self.vocab_size, device)
         commit(plan)
         for row, req in enumerate(samplers):
             req.inflight.append(row)
-        return _Step(prepared, sampling), plan.finished
+        return _Step(prepared, sampling, controls), plan.finished
 
     @torch.inference_mode()
     def _execute(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -130,11 +133,16 @@ class Stepper:
         step.prepared.resolve(self._previous_tokens)
         logits = self.runner.execute(step.prepared)
         self.load_recorder.end_step()
-        inputs, tokens = step.prepared.inputs, None
+        inputs, tokens, ended = step.prepared.inputs, None, []
         if inputs.samplers:
-            tokens = self.sampler(logits[inputs.sample_rows] if inputs.scored else logits, step.sampling)
+            sample_logits = logits[inputs.sample_rows] if inputs.scored else logits
+            if step.controls is not None:
+                sample_logits = step.controls.apply(sample_logits)
+            tokens = self.sampler(sample_logits, step.sampling)
+            if step.controls is not None:
+                ended = step.controls.accept(tokens)
         self._previous_tokens = tokens
-        return logits, tokens
+        return logits, tokens, ended
 
     def _finish(self, step: _Step, result) -> tuple[list[Request], list[Request]]:
         plan, inputs = step.prepared.plan, step.prepared.inputs
@@ -142,13 +150,13 @@ class Stepper:
             req.inflight.pop(0)
         if result is None:
             return [], []
-        logits, tokens = result
+        logits, tokens, ended = result
         done = []
         if inputs.scored:
             _record_prompt_logprobs(inputs.scored, logits)
         if inputs.samplers:
             sample_logits = logits[inputs.sample_rows] if inputs.scored else logits
-            done += self._append_tokens(inputs.samplers, sample_logits, tokens)
+            done += self._append_tokens(inputs.samplers, sample_logits, tokens, ended)
         for req in inputs.scoring_done:  # scored its prompt, generates nothing
             if req.finish_reason is None:
                 req.finish_reason = "length"
@@ -159,16 +167,22 @@ class Stepper:
         live = [r for r in inputs.samplers if r.finish_reason is None or r in done]
         return live, done
 
-    def _append_tokens(self, reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> list[Request]:
+    def _append_tokens(
+        self, reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor, grammar_ended: list[int]
+    ) -> list[Request]:
         """Appends each live request's token; returns those that finish with it. A request that
-        ended (or was aborted) while its token was under way takes nothing."""
+        ended (or was aborted) while its token was under way takes nothing. A constrained request
+        whose grammar ended with its token stops there (its output is complete)."""
         _record_logprobs(reqs, logits, tokens)
         finished = []
-        for req, token in zip(reqs, tokens.tolist()):
+        ended = set(grammar_ended)
+        for row, (req, token) in enumerate(zip(reqs, tokens.tolist())):
             if req.finish_reason is not None:
                 continue
             req.output_ids.append(token)
             reason, req.text_trim = self.stop_checker.check(req.output_ids, req.params)
+            if reason is None and row in ended:
+                reason = "stop"
             if reason is None and req.known_len >= self.context_len:
                 reason = "length"
             if reason is not None:

@@ -76,8 +76,11 @@ class StopChecker:
         stop string) or "length" (max_new_tokens reached). ``trim`` is, for a stop string,
         the character index in the full decoded output text where the text must be cut
         (before the stop string, or after it with include_stop_str_in_output); else None.
-        A stop on the same step as reaching max_new_tokens is reported as "stop".
+        A stop on the same step as reaching max_new_tokens is reported as "stop". Before
+        min_tokens tokens nothing stops it (EOS and stop token ids are also masked out then).
         """
+        if len(output_ids) < params.min_tokens:
+            return None, None
         last = output_ids[-1]
         if (last in self.eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids:
             return "stop", None

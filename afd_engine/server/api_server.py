@@ -13,6 +13,7 @@ every other client's stream). Every error, FastAPI's own included, is OpenAI's e
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -26,7 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from afd_engine.control.loop import ControlAddrs
 from afd_engine.control.router import Router
-from afd_engine.errors import AFDError
+from afd_engine.errors import AFDError, InvalidRequestError
+from afd_engine.runtime.grammar import check_guide
+from afd_engine.sampling_params import SamplingParams
 from afd_engine.server import protocol as P
 from afd_engine.server import renderers as R
 from afd_engine.server.admin import admin_routes
@@ -45,6 +48,7 @@ from afd_engine.server.errors import (
 )
 from afd_engine.server.metrics import ServerMetrics
 from afd_engine.server.state import ServerState
+from afd_engine.server.tool_calls import default_tool_messages, template_supports_tools
 
 DISCONNECT_POLL_S = 0.25
 log = logging.getLogger("afd.serve")
@@ -89,6 +93,8 @@ def build_app(
             P.LogprobFormatter(tokenizer),
             server_args.max_prompt_chars,
             P.generation_defaults(model_path),
+            info.get("vocab_size") or len(tokenizer),
+            _tool_call_parser(server_args, info.get("architecture", "")),
             mode,
             engine_args.disaggregation_bootstrap_port if mode == "prefill" else None,
         )
@@ -239,7 +245,8 @@ def _routes(app: FastAPI, state: Callable[[], ServerState]) -> None:
         s = state()
         _check_model(s, body.model)
         _check_prompt_chars(s, body.text_chars(), "messages")
-        return await _serve(s, request, body, [await _render_chat(s, body.template_messages())], "chat")
+        body.with_tool_parser(s.tool_call_parser)
+        return await _serve(s, request, body, [await _render_chat(s, body)], "chat")
 
     @app.post(
         "/v1/completions",
@@ -268,6 +275,14 @@ def _routes(app: FastAPI, state: Callable[[], ServerState]) -> None:
         return await _serve(s, request, body, [ids], "generate")
 
 
+def _tool_call_parser(server_args, architecture: str) -> str:
+    """--tool-call-parser, or for auto the format of the checkpoint's family."""
+    parser = getattr(server_args, "tool_call_parser", "auto")
+    if parser != "auto":
+        return parser
+    return "qwen25" if architecture.lower().startswith("qwen") else "deepseekv3"
+
+
 def _check_model(s: ServerState, model: str) -> None:
     if model != s.model_name:
         raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
@@ -283,19 +298,35 @@ def _check_prompt_chars(s: ServerState, chars: int, param: str) -> None:
         )
 
 
-async def _render_chat(s: ServerState, messages: list[dict[str, str]]) -> list[int]:
+async def _render_chat(s: ServerState, body: P.ChatCompletionRequest) -> list[int]:
     """The prompt's token ids through the model's chat template, in a worker thread.
 
+    Tools go to a template that renders them; for one that cannot, the conversation is rewritten
+    in the documented default form (server/tool_calls.py: default_tool_messages).
     A template refuses what it cannot render (a role it does not know, turns out of order) by
     raising; that is the client's request, so it is a 400 quoting the template's reason.
     """
+    messages, tools = body.template_messages(), body.active_tools()
+    kwargs = {}
+    uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if uses_tools and template_supports_tools(_template_text(s.tokenizer)):
+        kwargs["tools"] = tools
+    elif uses_tools:
+        messages = default_tool_messages(s.tool_call_parser, messages, tools)
     try:
         encoded = await asyncio.to_thread(
-            s.tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True
+            s.tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True, **kwargs
         )
     except TemplateError as exc:
         raise APIError(400, f"The model's chat template cannot render these messages: {exc}", param="messages") from exc
     return list(encoded["input_ids"])
+
+
+def _template_text(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one, or the tool-use one
+        template = template.get("tool_use") or template.get("default")
+    return template if isinstance(template, str) else None
 
 
 async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]], endpoint: str):
@@ -305,6 +336,7 @@ async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]
         else [body.to_sampling_params(_max_tokens_left(s, prompts), s.sampling_defaults)]
     )
     _check_lengths(s, prompts, params[0].max_new_tokens)
+    await _check_processing(s, body, params[0])
     choices = make_choices(s.tokenizer, P.random_id("req"), prompts, params, body)
     start = time.monotonic()
     stream = run_choices(s.client, choices, s.metrics, start)
@@ -342,6 +374,30 @@ def _check_lengths(s: ServerState, prompts: list[list[int]], max_new: int) -> No
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+
+
+async def _check_processing(s: ServerState, body, params: SamplingParams) -> None:
+    """400s for what only the model knows: logit_bias ids past its vocabulary, a guide that does
+    not build into a grammar (checked in a worker thread; repeated guides from a cache)."""
+    if params.logit_bias and max(t for t, _ in params.logit_bias) >= s.vocab_size:
+        param = "sampling_params.logit_bias" if isinstance(body, P.GenerateRequest) else "logit_bias"
+        bad = max(t for t, _ in params.logit_bias)
+        raise APIError(400, f"logit_bias token id {bad} is outside the vocabulary (size {s.vocab_size})", param=param)
+    guide = body.guide()
+    if guide is not None:
+        (kind, spec), param = guide
+        error = await asyncio.to_thread(_guide_error, kind, spec, param)
+        if error is not None:
+            raise APIError(400, error, param=param)
+
+
+@functools.lru_cache(maxsize=256)
+def _guide_error(kind: str, spec: str, param: str) -> str | None:
+    try:
+        check_guide(kind, spec, param)
+    except InvalidRequestError as exc:
+        return str(exc)
+    return None
 
 
 async def _drain(stream: AsyncIterator) -> bool:

@@ -34,6 +34,9 @@ class Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, once the prompt is scored
     disaggregation: dict | None = None  # {"room": ...} of a request `afd router` sent
     timeline: dict | None = None  # disaggregated: the decode instance's TTFT split
+    # with skip_special_tokens false: the EOS token id, whose text is left out of the output when it
+    # ends the choice (it is the stop, not content; a tool-call parser would read it as text)
+    hidden_eos: int | None = None
 
     def absorb(self, update: TokenUpdate) -> str:
         """Takes one update; returns the text that became safe to show."""
@@ -44,7 +47,10 @@ class Choice:
             self.prompt_logprobs = update.prompt_logprobs
         if update.timeline is not None:
             self.timeline = update.timeline
-        delta = self.detok.add(update.token_ids)
+        shown = update.token_ids
+        if update.finish_reason == "stop" and shown and shown[-1] == self.hidden_eos:
+            shown = shown[:-1]
+        delta = self.detok.add(shown)
         if update.finish_reason is not None:
             self.finish_reason = "stop" if update.finish_reason == "stop" else update.finish_reason
             delta += self.detok.finish(update.text_trim)
@@ -66,7 +72,8 @@ def make_choices(
             index = p * len(params) + c
             detok = IncrementalDetokenizer(tokenizer, sp.skip_special_tokens, sp.stop)
             disaggregation = body.disaggregation(index) if body is not None else None
-            out.append(Choice(index, f"{rid}-{index}", ids, sp, detok, disaggregation=disaggregation))
+            eos = None if sp.skip_special_tokens else getattr(tokenizer, "eos_token_id", None)
+            out.append(Choice(index, f"{rid}-{index}", ids, sp, detok, disaggregation=disaggregation, hidden_eos=eos))
     return out
 
 

@@ -51,6 +51,12 @@ class ServerArgs:
     # About 4 characters a token covers a 128k-token context with room to spare, yet bounds the
     # tokenizer's work.
     max_prompt_chars: int = opt(1_000_000, "characters of text one request may send to the tokenizer (400 beyond)")
+    tool_call_parser: str = opt(
+        "auto",
+        "the model's tool-call format: deepseekv3 (DeepSeek-V2/V3) or qwen25 (Qwen's <tool_call> blocks); "
+        "auto picks by the checkpoint's architecture",
+        choices=("auto", "deepseekv3", "qwen25"),
+    )
 
     def __post_init__(self) -> None:
         self.validate()

@@ -39,6 +39,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainValidator,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -50,6 +51,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from afd_engine.sampling_params import SamplingParams
+from afd_engine.server.tool_calls import check_tool_choice, check_tools, tool_call_guide
 
 # --------------------------------------------------------------------------------------------
 # Field types
@@ -64,6 +66,45 @@ OpenAITemperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
 TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 # top_k is our extension: -1 or 0 disable it, as in SamplingParams.
 TopK = Annotated[StrictInt, Field(ge=-1)]
+
+# Logit processing (vLLM's semantics; SamplingParams documents them).
+Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[StrictFloat, Field(gt=0.0, le=2.0)]
+MinP = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
+MAX_LOGIT_BIAS = 1024  # entries per request
+
+
+def _validate_logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's ``{"token id": bias}`` (ids as decimal strings) as (id, bias) pairs."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise PydanticCustomError("logit_bias", "logit_bias must be an object mapping token ids to biases")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise PydanticCustomError("logit_bias", "logit_bias has more than {n} entries", {"n": MAX_LOGIT_BIAS})
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()) or len(key) > 12:
+            raise PydanticCustomError(
+                "logit_bias", "logit_bias keys must be token ids (decimal strings), not {key}", {"key": repr(key)}
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise PydanticCustomError("logit_bias", "logit_bias values must be numbers in [-100, 100]")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
+LogitBias = Annotated[
+    tuple[tuple[int, float], ...] | None,
+    PlainValidator(
+        _validate_logit_bias,
+        json_schema_input_type=Annotated[
+            dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None,
+    ),
+]
 
 _SEED_MODULUS = 2**63
 MAX_OPENAI_STOP = 4  # OpenAI's limit on the number of stop sequences
@@ -163,18 +204,40 @@ def _is_empty(value: Any, kind: type) -> bool:
     return isinstance(value, kind) and not value
 
 
-class ResponseFormatText(BaseModel):
-    type: Literal["text"]
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the output must be JSON valid against ``schema``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("json_schema", 'response_format of type "json_schema" needs a json_schema object')
+        return self
+
+    def guide(self) -> tuple[str, str] | None:
+        if self.type == "json_object":
+            return ("json_object", "")
+        if self.type == "json_schema":
+            return ("json_schema", json.dumps(self.json_schema.schema_ or {}))
+        return None
 
 
 EmptyList = Annotated[list[Any], Field(max_length=0)]
 NoTools = no_op_only(lambda v: _is_empty(v, list), EmptyList, "an empty list")
 NoToolChoice = no_op_only(lambda v: v == "none", Literal["none"], '"none"')
-NoLogitBias = no_op_only(
-    lambda v: _is_empty(v, dict), Annotated[dict[str, Any], Field(max_length=0)], "an empty object"
-)
-ZeroPenalty = no_op_only(lambda v: _is_number(v, 0), Literal[0], "0")
-TextOnly = no_op_only(lambda v: v == {"type": "text"}, ResponseFormatText, '{"type": "text"}')
 TextModalities = no_op_only(
     lambda v: v == ["text"], Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)], '["text"]'
 )
@@ -249,21 +312,35 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class MessageToolCallFunction(BaseModel):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: MessageToolCallFunction
+
+
 class ChatMessage(_NullMeansDefault):
     """One input message. Text parts are joined into ``content``; unknown keys are ignored.
 
-    An assistant turn's ``tool_calls`` / ``function_call`` are refused rather than dropped: the
-    template would render the turn without them and the model would see a different history.
+    An assistant turn's ``tool_calls`` go to the template with it; the legacy ``function_call`` is
+    refused rather than dropped: the template would render the turn without it and the model would
+    see a different history.
     """
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: MessageContent = None
     name: Text | None = None
     tool_call_id: Text | None = None  # of a "tool" message; handed to the template as is
-    tool_calls: NoTools = None
+    tool_calls: list[MessageToolCall] | None = None
     function_call: NullOnly = None
 
-    def template_message(self) -> dict[str, str]:
+    def template_message(self) -> dict[str, Any]:
         """The message as chat templates expect it: plain-string content, "developer" as "system".
 
         "developer" is OpenAI's newer name for the system role; open-model templates only know
@@ -274,7 +351,68 @@ class ChatMessage(_NullMeansDefault):
         for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return out
+
+
+# --------------------------------------------------------------------------------------------
+# Tools
+# --------------------------------------------------------------------------------------------
+
+
+class FunctionSchema(BaseModel):
+    """What the OpenAPI document shows of a tool's function (server/tool_calls.py checks it)."""
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSchema(BaseModel):
+    type: Literal["function"]
+    function: FunctionSchema
+
+
+class NamedToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
+
+
+def _custom_error(kind: str, exc: Exception) -> PydanticCustomError:
+    return PydanticCustomError(kind, "{message}", {"message": str(exc)})
+
+
+def _validate_tools(value: Any) -> list[dict] | None:
+    if value is None:
+        return None
+    try:
+        return check_tools(value)
+    except ValueError as exc:
+        raise _custom_error("tools", exc) from None
+
+
+def _validate_tool_choice(value: Any, info: ValidationInfo) -> str | dict | None:
+    if value is None:
+        return None
+    try:
+        return check_tool_choice(value, info.data.get("tools"))
+    except ValueError as exc:
+        raise _custom_error("tool_choice", exc) from None
+
+
+Tools = Annotated[list[dict] | None, PlainValidator(_validate_tools, json_schema_input_type=list[ToolSchema] | None)]
+ToolChoice = Annotated[
+    str | dict | None,
+    PlainValidator(
+        _validate_tool_choice, json_schema_input_type=Literal["none", "auto", "required"] | NamedToolChoice | None
+    ),
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,12 +464,16 @@ class _OpenAISamplingRequest(_NullMeansDefault, _Disaggregated):
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    # 0 is what many clients send by default, and a no-op; another value would change the output.
-    presence_penalty: ZeroPenalty = None
-    frequency_penalty: ZeroPenalty = None
-    logit_bias: NoLogitBias = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias = None
+    response_format: ResponseFormat | None = None
     user: Text | None = None
-    ignore_eos: StrictBool = False  # extension
+    # extensions (vLLM's names)
+    ignore_eos: StrictBool = False
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: MinP | None = None
+    min_tokens: NonNegativeInt | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -374,7 +516,20 @@ class _OpenAISamplingRequest(_NullMeansDefault, _Disaggregated):
                 kwargs[name] = value
         kwargs["logprobs"] = self._logprobs()
         kwargs.update(self._prompt_scoring())
+        kwargs.update(_processing(self))
+        kwargs.update(self._extra_params())
+        guide = self.guide()
+        if guide is not None:
+            kwargs["guide"] = guide[0]
         return SamplingParams(**kwargs)
+
+    def _extra_params(self) -> dict[str, Any]:
+        return {}
+
+    def guide(self) -> tuple[tuple[str, str], str] | None:
+        """(the guide constraining the output, the request field that set it), or None."""
+        guide = self.response_format.guide() if self.response_format is not None else None
+        return None if guide is None else (guide, "response_format")
 
     def _prompt_scoring(self) -> dict[str, Any]:
         """SamplingParams for the prompt's own logprobs (completions' echo); none by default."""
@@ -415,11 +570,11 @@ class ChatCompletionRequest(_OpenAISamplingRequest):
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    tools: NoTools = None
-    tool_choice: NoToolChoice = None
+    tools: Tools = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: StrictBool = True
     functions: NoTools = None
     function_call: NoToolChoice = None
-    response_format: TextOnly = None
     modalities: TextModalities = None
     audio: NullOnly = None
     prediction: NullOnly = None
@@ -441,9 +596,43 @@ class ChatCompletionRequest(_OpenAISamplingRequest):
             return None
         return self.top_logprobs or 0
 
-    def template_messages(self) -> list[dict[str, str]]:
+    _parser: str = PrivateAttr("deepseekv3")  # the server's tool-call format (set by the route)
+
+    def template_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates expect them (see :meth:`ChatMessage.template_message`)."""
         return [m.template_message() for m in self.messages]
+
+    def tool_mode(self) -> str | dict:
+        """ "none", "auto", "required" or a named function (OpenAI's default: auto with tools)."""
+        return check_tool_choice(self.tool_choice, self.tools)
+
+    def active_tools(self) -> list[dict] | None:
+        """The tools the model is shown and may call (none when tool_choice is "none")."""
+        return self.tools if self.tools and self.tool_mode() != "none" else None
+
+    def with_tool_parser(self, parser: str) -> ChatCompletionRequest:
+        self._parser = parser
+        return self
+
+    @property
+    def tool_parser(self) -> str:
+        return self._parser
+
+    def guide(self) -> tuple[tuple[str, str], str] | None:
+        """Tool calls the model must make (required, a named function) are enforced by a grammar,
+        as are the calls it chooses to make (auto: once it opens a call, the call is well formed);
+        else response_format's guide."""
+        mode, tools = self.tool_mode(), self.active_tools()
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        if tools and (mode != "auto" or not formatted):
+            spec = tool_call_guide(self._parser, tools, mode, self.parallel_tool_calls)
+            if spec is not None:
+                return ("structural_tag", spec), "tools"
+        return super().guide()
+
+    def _extra_params(self) -> dict[str, Any]:
+        # a checkpoint's tool-call markers are special tokens: the parser must see them
+        return {"skip_special_tokens": False} if self.active_tools() else {}
 
     def text_chars(self) -> int:
         """Characters of text that go through the chat template, for the server's prompt limit."""
@@ -566,6 +755,27 @@ class GenerateSamplingParams(_NullMeansDefault):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: MinP | None = None
+    min_new_tokens: NonNegativeInt | None = None
+    logit_bias: LogitBias = None
+    # constrained decoding (SGLang's names): at most one of them
+    json_schema: Text | None = None
+    regex: Text | None = None
+    ebnf: Text | None = None
+    structural_tag: Text | None = None
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> GenerateSamplingParams:
+        given = [name for name in GENERATE_GUIDES if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise PydanticCustomError("guide", "give at most one of {names}", {"names": ", ".join(given)})
+        return self
+
+
+GENERATE_GUIDES = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class GenerateRequest(_NullMeansDefault, _Disaggregated):
@@ -627,10 +837,32 @@ class GenerateRequest(_NullMeansDefault, _Disaggregated):
             if self.logprob_start_len >= 0:
                 kwargs["prompt_logprobs"] = self.top_logprobs_num
                 kwargs["prompt_logprobs_start"] = self.logprob_start_len
+        kwargs.update(_processing(sp))
+        guide = self.guide()
+        if guide is not None:
+            kwargs["guide"] = guide[0]
         return SamplingParams(**kwargs)
+
+    def guide(self) -> tuple[tuple[str, str], str] | None:
+        for name in GENERATE_GUIDES:
+            spec = getattr(self.sampling_params, name)
+            if spec is not None:
+                return (name, spec), f"sampling_params.{name}"
+        return None
 
     def text_chars(self) -> int:
         return len(self.text or "")
+
+
+def _processing(fields) -> dict[str, Any]:
+    """The logit-processing SamplingParams of a request (or /generate's sampling_params) that sets them."""
+    out = {name: getattr(fields, name) for name in _PROCESSING if getattr(fields, name, None) is not None}
+    if getattr(fields, "min_new_tokens", None) is not None:  # SGLang's name
+        out["min_tokens"] = fields.min_new_tokens
+    return out
+
+
+_PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
 
 
 def _or_default(value, name: str, model_defaults: dict | None):

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from afd_engine.server import protocol as P
 from afd_engine.server.choices import Choice
 from afd_engine.server.state import ServerState
+from afd_engine.server.tool_calls import ToolCallStream, parse_tool_calls
 
 
 def usage(choices: list[Choice]) -> P.UsageInfo:
@@ -32,16 +33,35 @@ def _chat_logprobs(s: ServerState, c: Choice, token_ids: list[int], lps) -> P.Ch
     return s.logprob_format.chat_logprobs(token_ids, *P.LogprobFormatter.unpack(lps))
 
 
+def _tool_finish(finish_reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's finish reason of a turn that ended after making tool calls."""
+    return "tool_calls" if made_calls and finish_reason == "stop" else finish_reason
+
+
+def _chat_message(body, c: Choice) -> tuple[P.ChatResponseMessage, str | None]:
+    """The assistant message of a choice (tool calls parsed out when the request has tools) and
+    its finish reason."""
+    if not body.active_tools():
+        return P.ChatResponseMessage(content=c.text), c.finish_reason
+    content, calls = parse_tool_calls(body.tool_parser, c.text)
+    if not calls:
+        return P.ChatResponseMessage(content=c.text), c.finish_reason
+    tool_calls = [P.ToolCallOut(function=P.ToolCallFunction(name=t.name, arguments=t.arguments)) for t in calls]
+    return P.ChatResponseMessage(content=content, tool_calls=tool_calls), _tool_finish(c.finish_reason, True)
+
+
 def chat_response(s: ServerState, body, choices: list[Choice]) -> P.ChatCompletionResponse:
-    out = [
-        P.ChatCompletionChoice(
-            index=c.index,
-            message=P.ChatResponseMessage(content=c.text),
-            finish_reason=c.finish_reason,
-            logprobs=_chat_logprobs(s, c, c.token_ids, c.logprobs),
+    out = []
+    for c in choices:
+        message, finish = _chat_message(body, c)
+        out.append(
+            P.ChatCompletionChoice(
+                index=c.index,
+                message=message,
+                finish_reason=finish,
+                logprobs=_chat_logprobs(s, c, c.token_ids, c.logprobs),
+            )
         )
-        for c in choices
-    ]
     return P.ChatCompletionResponse(model=s.model_name, choices=out, usage=usage(choices))
 
 
@@ -58,6 +78,10 @@ async def chat_events(s: ServerState, body, choices: list[Choice], stream) -> As
     plain = P.ChunkWriter("chat", rid, s.model_name)  # the chunks without logprobs
     for c in choices:
         yield plain.event(c.index, "", None, role=True)
+    if body.active_tools():
+        async for event in _tool_call_events(s, body, stream, chunk, plain):
+            yield event
+        stream = _nothing()
     async for c, delta, update in stream:
         if delta or update.logprobs:
             lps = _chat_logprobs(s, c, update.token_ids, update.logprobs or [])
@@ -70,6 +94,51 @@ async def chat_events(s: ServerState, body, choices: list[Choice], stream) -> As
             yield plain.event(c.index, None, c.finish_reason)
     if body.include_usage:
         yield P.ChatCompletionChunk(id=rid, model=s.model_name, choices=[], usage=usage(choices))
+
+
+async def _nothing() -> AsyncIterator:
+    return
+    yield
+
+
+async def _tool_call_events(s: ServerState, body, stream, chunk, plain) -> AsyncIterator:
+    """A chat stream whose text is parsed for tool calls as it comes: content goes out as content
+    deltas, each call as a delta with its id and name and then its arguments; a possible start of
+    a call is held back until it is decided."""
+    parsers: dict[int, ToolCallStream] = {}
+    made: dict[int, int] = {}  # choice index -> calls sent
+
+    def events(c: Choice, pieces) -> list:
+        out = []
+        for piece in pieces:
+            if piece.content is not None:
+                out.append(plain.event(c.index, piece.content, None))
+                continue
+            if piece.name is not None:
+                made[c.index] = made.get(c.index, 0) + 1
+                call = P.DeltaToolCall(
+                    index=piece.index,
+                    id=P.random_id("call"),
+                    type="function",
+                    function=P.DeltaFunction(name=piece.name, arguments=""),
+                )
+            else:
+                call = P.DeltaToolCall(index=piece.index, function=P.DeltaFunction(arguments=piece.arguments))
+            out.append(chunk(c, P.DeltaMessage(tool_calls=[call])))
+        return out
+
+    async for c, delta, update in stream:
+        parser = parsers.setdefault(c.index, ToolCallStream(body.tool_parser))
+        for event in events(c, parser.feed(delta) if delta else []):
+            yield event
+        if update.logprobs:
+            lps = _chat_logprobs(s, c, update.token_ids, update.logprobs)
+            if lps is not None:
+                yield chunk(c, P.DeltaMessage(), logprobs=lps)
+        if update.finish_reason is not None:
+            for event in events(c, parser.finish()):
+                yield event
+            yield plain.event(c.index, None, _tool_finish(c.finish_reason, made.get(c.index, 0) > 0))
 
 
 # -- completions ------------------------------------------------------------------------------

@@ -82,9 +82,46 @@ class CompletionLogprobs(BaseModel):
 FinishReason = str | None  # "stop" | "length" | "abort" | ...; null while a stream goes on
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # the arguments as JSON text
+
+
+class ToolCallOut(BaseModel):
+    """One tool call the model made (``message.tool_calls[i]``)."""
+
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first one of a call carries its id, type and name,
+    later ones argument text (``delta.tool_calls[j]``, by ``index``)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionChoice(BaseModel):
@@ -108,6 +145,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

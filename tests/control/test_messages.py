@@ -79,6 +79,13 @@ def test_an_add_request_round_trips_with_every_sampling_field():
         logprobs=2,
         prompt_logprobs=1,
         prompt_logprobs_start=1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=2,
+        logit_bias={7: -3.5, 9: 1.0},
+        guide=("json_schema", '{"type": "object"}'),
     )
     default = SamplingParams()
     unset = [f.name for f in dataclasses.fields(SamplingParams) if getattr(params, f.name) == getattr(default, f.name)]

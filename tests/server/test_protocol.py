@@ -173,8 +173,14 @@ def test_generate_request_parses():
         ({"stop": ["a", 1]}, "stop"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"model": 3}, "model"),
     ],
 )
@@ -191,7 +197,7 @@ def test_error_messages_read_well():
     assert err["message"] == "Invalid value for 'max_tokens': Input should be a valid integer (got \"5\")."
     _, err = error_of(ChatCompletionRequest, {"messages": CHAT["messages"]})
     assert err["param"] == "model" and err["message"] == "Missing required parameter: 'model'."
-    _, err = error_of(ChatCompletionRequest, {**CHAT, "presence_penalty": 1})
+    _, err = error_of(ChatCompletionRequest, {**CHAT, "audio": {"voice": "alloy"}})
     assert "not supported" in err["message"]
     _, err = error_of(ChatCompletionRequest, [1, 2])
     assert err["param"] is None and err["message"].startswith("Invalid request body")
