@@ -741,7 +741,19 @@ class GenerateSamplingParams(_NullMeansDefault):
     misspelt ``max_tokens`` silently falling back to the default would be a trap.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        # at most one guide: no two of them together (what _one_guide enforces)
+        json_schema_extra={
+            "not": {
+                "anyOf": [
+                    {"required": [a, b]}
+                    for i, a in enumerate(("json_schema", "regex", "ebnf", "structural_tag"))
+                    for b in ("json_schema", "regex", "ebnf", "structural_tag")[i + 1 :]
+                ]
+            }
+        },
+    )
 
     max_new_tokens: NonNegativeInt | None = None  # 0: score the prompt only (return_logprob)
     # SamplingParams enforces the upper bound (with its own message); the schema shows it.
