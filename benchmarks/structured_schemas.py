@@ -211,3 +211,25 @@ TOOLS: list[dict] = [
         },
     },
 ]
+
+# bench_structured.py's overhead part: long enough that 32 constrained requests all decode for the
+# whole timed window (at least 12 records of about 10 tokens each).
+LONG_SCHEMA: dict = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "tag": {"enum": ["alpha", "beta", "gamma", "delta"]},
+                },
+                "required": ["id", "tag"],
+            },
+            "minItems": 12,
+            "maxItems": 16,
+        }
+    },
+    "required": ["records"],
+}
