@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from afd_engine.errors import InvalidRequestError
@@ -73,12 +74,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property  # (read per request on every step: computed once)
     def penalized(self) -> bool:
         """Whether its logits depend on the tokens seen so far (presence, frequency, repetition)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
+    @functools.cached_property
     def processed(self) -> bool:
         """Whether anything bends its logits before the sampler (penalties, bias, min_tokens, a guide)."""
         return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.guide is not None
