@@ -6,7 +6,7 @@ Starts ``afd serve`` (a process group of its own, a free port, the embedded tiny
 ``--clients`` concurrent clients for ``--minutes``. Each client loops over requests drawn with a
 seeded RNG: chat and completions, streamed or not (``ignore_eos``, so lengths are exact); streams
 the client closes after a few chunks and requests it cancels mid-flight; malformed requests
-(invalid JSON, lone UTF-16 surrogates in prompt/stop/messages, ``tools``, too many stop strings,
+(invalid JSON, lone UTF-16 surrogates in prompt/stop/messages, a tool without a name, too many stop strings,
 wrong types, an unknown model), which must get a 4xx with OpenAI's error JSON.
 
 When the load stops and every client has finished its request, it reports:
@@ -113,7 +113,7 @@ def malformed_body(kind: str, model: str, rng: random.Random) -> tuple[str, byte
         "surrogate_prompt": ("/v1/completions", {**comp, "prompt": "abc \ud800 def"}),
         "surrogate_stop": ("/v1/chat/completions", {**chat, "stop": ["ok", "\udfff"]}),
         "surrogate_message": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x\ud83dy"}]}),
-        "tools": ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        "tools": ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"description": "f"}}]}),
         "oversized_stop": ("/v1/completions", {**comp, "stop": [f"s{i}" for i in range(rng.randint(5, 64))]}),
         "wrong_type": ("/v1/chat/completions", rng.choice([{**chat, "messages": "hi"}, {**chat, "max_tokens": "ten"}])),
         "unknown_model": ("/v1/completions", {**comp, "model": "no-such-model"}),

@@ -175,3 +175,25 @@ def test_a_guide_that_does_not_compile_fails_its_request_only(engine):
     outs = engine.generate(prompt_token_ids=[[5, 9], [5, 9]], sampling_params=[bad, PLAIN])
     assert outs[0].finish_reason == "error" and "grammar did not compile" in outs[0].error
     assert len(outs[1].token_ids) == 16
+
+
+def test_grammars_and_penalties_survive_preemption_and_chunked_prefill(tiny_v3):
+    """A small pool preempts (the output is kept, and with it the matcher and counts) and prefills
+    in chunks; every request gets the tokens it gets in a pool that holds them all."""
+    prompts = [[5 + i, 9, 12, 40 + i] * 5 for i in range(8)]
+    params = [
+        SamplingParams(max_new_tokens=40, temperature=0.0, guide=("regex", "[a-z]{8,24}")),
+        SamplingParams(
+            max_new_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.5, repetition_penalty=1.3
+        ),
+    ] * 4
+    runs = {}
+    for small in (True, False):
+        flags = dict(page_size=4, max_total_tokens=100, max_num_batched_tokens=16) if small else {}
+        with Engine(model_path=tiny_v3, dtype="float32", num_threads=1, **flags) as eng:
+            runs[small] = [o.token_ids for o in eng.generate(prompt_token_ids=prompts, sampling_params=params)]
+            if small:
+                assert eng.scheduler.num_preemptions > 0
+                texts = [eng.tokenizer.decode(t, skip_special_tokens=True) for t in runs[small][::2]]
+    assert runs[True] == runs[False]
+    assert all(re.fullmatch("[a-z]{8,24}", t) for t in texts), texts

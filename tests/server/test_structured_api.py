@@ -262,3 +262,22 @@ def test_afd_mode(tiny_v3):
             check_tool_calls(out.choices[0].message, out.choices[0].finish_reason)
     finally:
         srv.stop()
+
+
+def test_n_choices_each_follow_the_schema(default_server):
+    out = client(default_server).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "a record"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[15]}},
+        n=3,
+        temperature=1.0,
+        seed=5,
+        max_tokens=100,
+        stream=True,
+    )
+    texts = ["", "", ""]
+    for chunk in out:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMAS[15])

@@ -489,3 +489,65 @@ def test_check_tool_choice_errors(choice: object, tools: list[dict] | None, mess
     with pytest.raises(ValueError) as error:
         check_tool_choice(choice, tools)
     assert str(error.value) == message
+
+
+# --- rendering through the server's chat route -------------------------------------------------
+
+
+class RecordingTokenizer:
+    """Stands in for a tokenizer: records what the chat template would be given."""
+
+    def __init__(self, chat_template: str) -> None:
+        self.chat_template, self.seen = chat_template, None
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, **kwargs):
+        self.seen = (messages, kwargs)
+        return {"input_ids": [7, 8]}
+
+
+def render_chat(chat_template: str, body: dict) -> tuple[list, dict]:
+    import asyncio
+    import types
+
+    from afd_engine.server.api_server import _render_chat
+    from afd_engine.server.protocol import ChatCompletionRequest
+
+    tok = RecordingTokenizer(chat_template)
+    state = types.SimpleNamespace(tokenizer=tok, tool_call_parser="qwen25")
+    assert asyncio.run(_render_chat(state, ChatCompletionRequest.model_validate(body))) == [7, 8]
+    return tok.seen
+
+
+HISTORY = {
+    "model": "m",
+    "tools": TOOLS,
+    "messages": [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ],
+}
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_history_as_is():
+    messages, kwargs = render_chat("{% for tool in tools %}{{ tool }}{% endfor %}", HISTORY)
+    assert kwargs == {"tools": TOOLS}
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+    assert messages[2] == {"role": "tool", "content": "noon", "tool_call_id": "c1"}
+
+
+def test_a_template_without_tools_gets_the_default_rendering():
+    messages, kwargs = render_chat("{{ messages }}", HISTORY)
+    assert kwargs == {}
+    assert messages[0] == {"role": "system", "content": tools_system_prompt("qwen25", TOOLS)}
+    assert messages[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    }
+    assert messages[3] == {"role": "user", "content": "<tool_response>\nnoon\n</tool_response>"}
+    none, _ = render_chat("{{ messages }}", {**HISTORY, "tool_choice": "none"})
+    assert none[0]["role"] == "user"  # tools not offered: no tools message, the history still rewritten
