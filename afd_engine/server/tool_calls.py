@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import xgrammar as xgr
+from afd_engine.runtime.grammar import build_grammar
 
 __all__ = [
     "PARSERS",
@@ -625,7 +625,7 @@ def _check_parameters(parameters: object, where: str) -> None:
     if not isinstance(parameters, dict):
         raise ValueError(f"{where} must be an object")
     try:
-        xgr.Grammar.from_json_schema(json.dumps(parameters))
+        build_grammar("json_schema", json.dumps(parameters))
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"{where} is not a usable JSON schema: {_xgrammar_message(e)}") from None
 
