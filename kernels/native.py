@@ -80,7 +80,15 @@ def function(name: str, symbol: str, pointers: int, sizes: int, doubles: int = 0
     return fn
 
 
-@torch.compiler.assume_constant_result
+def assume_constant_result(fn: Callable) -> Callable:
+    """torch.compiler.assume_constant_result without its import of dynamo, which costs every process
+    1.2 s at start (most never compile): its whole effect is this mark, read when dynamo traces
+    (a test holds it to torch's own)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def built(kernel: Callable[[], object]) -> bool:
     """Whether `kernel()`, a backend's lookup of its C kernel, finds one. Tracing calls it once and
     keeps the answer as a constant: the lookup may build the library, nothing a graph can hold."""

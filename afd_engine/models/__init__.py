@@ -15,6 +15,7 @@ from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
 from afd_engine.models.deepseek import DeepseekForCausalLM
 from afd_engine.models.loader import load_weights
+from afd_engine.models.meta import on_meta
 from afd_engine.models.routed_experts import ExpertShard, RoutedExperts
 from kernels.registry import BackendUnavailableError, attention_backend, moe_backend
 
@@ -59,7 +60,7 @@ def load_model(
 ) -> DeepseekForCausalLM:
     """Builds the model for `cfg.architecture` in `dtype` on `device` and loads its weights from
     `model_path` (read on the host, copied to the device tensor by tensor)."""
-    with torch.device("meta"):  # no random init of weights that the checkpoint overwrites
+    with on_meta():  # no random init of weights that the checkpoint overwrites
         model = MODEL_REGISTRY[cfg.architecture](cfg, expert_slots, kernels or Kernels.named())
     model.to(dtype)
     for layer in model.model.layers:  # the router's bias stays fp32, as the checkpoint stores it
@@ -82,7 +83,7 @@ def load_expert_shard(
 ) -> ExpertShard:
     """Only the routed experts of `expert_slots` (per MoE layer, the logical expert of each slot):
     an FFN rank's weights, or the experts a rebalance stages."""
-    with torch.device("meta"):
+    with on_meta():
         shard = ExpertShard(cfg, expert_slots, kernels or Kernels.named())
     shard.to(dtype)
     _keep_fp32_scales(shard)

@@ -19,8 +19,6 @@ import re
 import struct
 from pathlib import Path
 
-import torch
-
 from afd_engine.errors import ModelLoadError
 from afd_engine.model_config import ModelConfig
 
@@ -34,8 +32,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """name -> shape of every tensor a complete checkpoint holds for the served layers (multi-token
     prediction layers are not served and not listed; block scales neither)."""
     from afd_engine.models import MODEL_REGISTRY, Kernels
+    from afd_engine.models.meta import on_meta
 
-    with torch.device("meta"):
+    with on_meta():
         model = MODEL_REGISTRY[cfg.architecture](cfg, None, Kernels.named(attention_kind=cfg.attention))
     out: dict[str, tuple[int, ...]] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

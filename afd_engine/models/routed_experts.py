@@ -13,6 +13,7 @@ from torch import nn
 
 from afd_engine.model_config import ModelConfig
 from afd_engine.models.experts import ExpertServer, expert_operations
+from afd_engine.models.meta import on_meta
 from afd_engine.operations.strategy import LayerOps, ModelOps
 
 
@@ -63,7 +64,7 @@ class RoutedExperts(nn.Module):
         for src in sources:
             for i, e in enumerate(src.slot_expert):
                 where.setdefault(e, (src, i))
-        with torch.device("meta"):
+        with on_meta():
             out = RoutedExperts(self.cfg, slot_expert, self.kernels)
         for name in self._weight_names():
             stacked = torch.stack([getattr(where[e][0], name)[where[e][1]] for e in slot_expert])
