@@ -38,10 +38,16 @@ from afd_engine import Engine, SamplingParams  # noqa: E402
 from afd_engine.default_model import resolve_model_path  # noqa: E402
 from afd_engine.runtime.grammar import GrammarCompiler  # noqa: E402
 from afd_engine.server.tool_calls import tool_call_guide  # noqa: E402
-from benchmarks.structured_schemas import LONG_SCHEMA, SCHEMAS, TOOLS  # noqa: E402
+from benchmarks.structured_schemas import (  # noqa: E402
+    LONG_SCHEMA,
+    PROMPTS,
+    SCHEMAS,
+    TOOLS,
+    ask_schema,
+    ask_tool_call,
+)
 
 RUNNING = 32
-PROMPTS = ["Describe the json module", "a record", "What is a tuple?", "Give me data", "pathlib", "x"]
 
 
 # -- overhead ----------------------------------------------------------------------------------
@@ -133,15 +139,7 @@ def compile_times(limit: int | None) -> dict:
 def _schema_ok(client, i: int) -> bool:
     import jsonschema
 
-    schema = SCHEMAS[i % len(SCHEMAS)]
-    out = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-        response_format={"type": "json_schema", "json_schema": {"name": f"s{i % 20}", "schema": schema}},
-        max_tokens=200,
-        temperature=0.0 if i % 2 == 0 else 1.0,
-        seed=i,
-    )
+    schema, out = ask_schema(client, i)
     try:
         jsonschema.validate(json.loads(out.choices[0].message.content), schema)
         return True
@@ -152,16 +150,7 @@ def _schema_ok(client, i: int) -> bool:
 def _tool_ok(client, i: int) -> bool:
     import jsonschema
 
-    out = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=220,
-        temperature=1.0,
-        seed=i,
-    )
+    out = ask_tool_call(client, i)
     calls = out.choices[0].message.tool_calls or []
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     try:

@@ -233,3 +233,36 @@ LONG_SCHEMA: dict = {
     },
     "required": ["records"],
 }
+
+PROMPTS = ["Describe the json module", "a record", "What is a tuple?", "Give me data", "pathlib", "x"]
+
+
+def ask_schema(client, i: int):
+    """Request i through an OpenAI client: schema i mod 20, greedy or sampled by parity. Returns
+    (the schema, the chat completion)."""
+    schema = SCHEMAS[i % len(SCHEMAS)]
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+        response_format={"type": "json_schema", "json_schema": {"name": f"s{i % 20}", "schema": schema}},
+        max_tokens=200,
+        temperature=0.0 if i % 2 == 0 else 1.0,
+        seed=i,
+    )
+    return schema, out
+
+
+def ask_tool_call(client, i: int, stream: bool = False, parallel: bool = False):
+    """Request i with all five tools and a call required. With parallel calls the tiny model tends
+    to go on calling until max_tokens (a deepseekv3 call costs it some 60 tokens of markers)."""
+    return client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        max_tokens=220,
+        temperature=1.0,
+        seed=i,
+        stream=stream,
+    )

@@ -13,10 +13,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from afd_engine.default_model import resolve_model_path
-from benchmarks.structured_schemas import SCHEMAS, TOOLS
+from benchmarks.structured_schemas import SCHEMAS, TOOLS, ask_schema, ask_tool_call
 from tests.server.conftest import Server
-
-PROMPTS = ["Describe the json module", "a record", "What is a tuple?", "Give me data"]
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +29,7 @@ def client(srv: Server) -> openai.OpenAI:
 
 
 def schema_request(c: openai.OpenAI, i: int) -> tuple[dict, str]:
-    """Request i: schema i mod 20, greedy or sampled; returns (schema, the reply's content)."""
-    schema = SCHEMAS[i % len(SCHEMAS)]
-    out = c.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-        response_format={"type": "json_schema", "json_schema": {"name": f"s{i % 20}", "schema": schema}},
-        max_tokens=200,
-        temperature=0.0 if i % 2 == 0 else 1.0,
-        seed=i,
-    )
+    schema, out = ask_schema(c, i)
     assert out.choices[0].finish_reason == "stop"
     return schema, out.choices[0].message.content
 
@@ -52,20 +41,7 @@ def check_schemas(srv: Server, n: int) -> None:
             jsonschema.validate(json.loads(content), schema)
 
 
-def required_tool_call(c: openai.OpenAI, i: int, stream: bool = False, parallel: bool = False):
-    """Request i with all five tools, a call required. With parallel calls the tiny model tends to
-    go on calling until max_tokens (a deepseekv3 call costs it some 60 tokens of markers)."""
-    return c.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=parallel,
-        max_tokens=220,
-        temperature=1.0,
-        seed=i,
-        stream=stream,
-    )
+required_tool_call = ask_tool_call
 
 
 def check_tool_calls(message, finish_reason: str, parallel: bool = False) -> None:
