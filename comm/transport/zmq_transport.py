@@ -31,8 +31,10 @@ Socket options, and why:
 
 Bytes that are not a message (a stray or hostile connection, a truncated frame: `MalformedMessage`)
 are dropped and logged, and the receiver goes on; only its own failure wakes the waiters with an
-error. A well-formed message from a peer that is not one of the deployment's is not told apart
-here: the ports between machines must be on a private network (README, Security).
+error. With `keys` (the deployment's cluster secret, comm/auth.py) every socket speaks CURVE: a peer
+without the secret never completes the handshake, is counted in `refused` and logged, and none of
+its bytes reach the receive loop. Without keys a well-formed message from a peer that is not one
+of the deployment's is not told apart: the ports must then be on a private network.
 """
 
 from __future__ import annotations
@@ -44,10 +46,18 @@ from collections.abc import Iterable
 
 import zmq
 
+from comm.auth import ClusterKeys, secure_socket, start_authenticator
 from comm.messages import CommError, MalformedMessage, Message, MsgKey
 from comm.transport.base import Inbox, Transport, make_inbox
 
 _POLL_MS = 50  # how often the receiver thread checks whether it should stop
+# what the PULL socket's monitor reports: a peer that failed the CURVE handshake
+_REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_EVENT_NAMES = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "not speaking CURVE, or a wrong key",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "denied: not the deployment's key",
+}
 MAX_FRAME_BYTES = 1 << 30
 log = logging.getLogger("comm.zmq")
 
@@ -68,19 +78,24 @@ class ZmqTransport(Transport):
         link_delay_s: float = 0.0,
         inbox: Inbox | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        keys: ClusterKeys | None = None,
     ) -> None:
         if endpoint not in addresses and bind_address is None:
             raise CommError(f"endpoint {endpoint} has no address in {addresses}")
         self.endpoint, self.addresses = endpoint, dict(addresses)
         self._hwm, self._linger_ms, self._max_frame = hwm, linger_ms, max_frame_bytes
         self.dropped = 0  # messages dropped as malformed
+        self.refused = 0  # connections refused at the CURVE handshake (with keys)
+        self._keys = keys
         self._ctx = zmq.Context()
+        self._auth = start_authenticator(self._ctx, keys) if keys is not None else None
         self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)  # delay: experiments
         self._senders: dict[int, zmq.Socket] = {}
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
         self._pull = self._bind(bind_address or addresses[endpoint])
+        self._monitor = self._pull.get_monitor_socket(_REFUSALS) if keys is not None else None
         self._receiver = threading.Thread(target=self._receive_loop, name=f"zmq-recv-{endpoint}", daemon=True)
         self._receiver.start()
 
@@ -98,6 +113,7 @@ class ZmqTransport(Transport):
     def _bind(self, address: str) -> zmq.Socket:
         sock = self._socket(zmq.PULL)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        secure_socket(sock, self._keys, server=True)
         try:
             sock.bind(address)
         except zmq.ZMQError as e:
@@ -113,6 +129,7 @@ class ZmqTransport(Transport):
             if dst not in self.addresses:
                 raise CommError(f"endpoint {self.endpoint}: no address for endpoint {dst}")
             sock = self._socket(zmq.PUSH)
+            secure_socket(sock, self._keys, server=False)
             sock.connect(self.addresses[dst])
             self._senders[dst] = sock
         return sock
@@ -151,8 +168,13 @@ class ZmqTransport(Transport):
             self._inbox.fail(CommError("transport closed"))
             self._stop.set()
             self._receiver.join()
+            if self._monitor is not None:
+                self._pull.disable_monitor()
+                self._monitor.close(0)
             for sock in [*self._senders.values(), self._pull]:
                 sock.close()
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
 
     # -- receiver thread -------------------------------------------------------------------
@@ -160,10 +182,15 @@ class ZmqTransport(Transport):
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(_POLL_MS):
-                    self._receive_one()
+                for sock, _ in poller.poll(_POLL_MS):
+                    if sock is self._pull:
+                        self._receive_one()
+                    else:
+                        self._refusal()
         except Exception as e:  # noqa: BLE001 - a bad message or a broken socket: wake every waiter
             self._inbox.fail(CommError(f"receiver thread died: {e!r}"))
 
@@ -177,6 +204,20 @@ class ZmqTransport(Transport):
                 log.warning("endpoint %d dropped %d malformed message(s); last: %s", self.endpoint, self.dropped, exc)
             return
         self._inbox.put(msg)
+
+    def _refusal(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(self._monitor)
+        self.refused += 1
+        if self.refused <= 10 or self.refused % 1000 == 0:
+            log.warning(
+                "endpoint %d refused a connection without the cluster secret (%s, %s; %d so far)",
+                self.endpoint,
+                _EVENT_NAMES.get(event["event"], event["event"]),
+                event.get("endpoint", b"").decode(errors="replace"),
+                self.refused,
+            )
 
 
 def free_tcp_addresses(n: int, host: str = "127.0.0.1") -> list[str]:
