@@ -95,7 +95,8 @@ def _launch(ns: argparse.Namespace) -> int:
     if not 0 <= ns.node_rank < args.ffn_nodes:
         raise ConfigError(f"--node-rank={ns.node_rank} must be in [0, --ffn-nodes={args.ffn_nodes})")
     host_ip = ns.host_ip or local_ip_towards(ns.dist_init_addr)
-    rdv = RendezvousSpec(ns.dist_init_addr, host_ip, ns.rendezvous_timeout)
+    keys = _cluster_keys(ns, args.transport)
+    rdv = RendezvousSpec(ns.dist_init_addr, host_ip, ns.rendezvous_timeout, keys)
     deployment = Deployment(args, role=ns.role, node_rank=ns.node_rank, rendezvous=rdv)
     if ns.role == "attention":
         return serve(args, ServerArgs.from_cli(ns), deployment)
@@ -104,6 +105,30 @@ def _launch(ns: argparse.Namespace) -> int:
         return deployment.wait()
     finally:
         deployment.stop()
+
+
+def _cluster_keys(ns: argparse.Namespace, transport: str):
+    """The deployment's cluster keys (--cluster-secret, else AFD_CLUSTER_SECRET). Required when the
+    rendezvous is not on this machine's loopback, unless --insecure-cluster says the network is private."""
+    from comm.auth import ENV, cluster_keys, is_loopback
+
+    try:
+        keys = cluster_keys(ns.cluster_secret)
+    except ValueError as exc:
+        raise ConfigError(f"--cluster-secret: {exc}") from None
+    across = not is_loopback(ns.dist_init_addr)
+    if across and keys is None and not ns.insecure_cluster:
+        raise ConfigError(
+            f"--dist-init-addr={ns.dist_init_addr} is reached over the network: give every role the same "
+            f"secret in {ENV} (or --cluster-secret, which `ps` shows), so that the rendezvous and the data "
+            "plane admit only the deployment's ranks; --insecure-cluster runs without it (a private network only)"
+        )
+    if across and keys is not None and transport == "torch" and not ns.insecure_cluster:
+        raise ConfigError(
+            "--transport torch between machines is not authenticated (gloo and NCCL admit any peer): use "
+            "--transport auto or zmq with the cluster secret, or --insecure-cluster on a private network"
+        )
+    return keys
 
 
 def _expert_load(ns: argparse.Namespace) -> int:
@@ -201,6 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="address peers reach this machine at (default: the route towards --dist-init-addr)",
     )
     launch.add_argument("--rendezvous-timeout", type=float, default=300.0, help="seconds to wait for all ranks")
+    launch.add_argument(
+        "--cluster-secret",
+        default=None,
+        help="a shared secret (16+ characters) every role must have: the rendezvous and the data plane between "
+        "machines admit only its holders (ZeroMQ CURVE). Prefer AFD_CLUSTER_SECRET: `ps` shows flags",
+    )
+    launch.add_argument(
+        "--insecure-cluster",
+        action="store_true",
+        help="run across machines without the cluster secret (the ports must be on a private network)",
+    )
     ServerArgs.add_cli_args(launch)
 
     demo = sub.add_parser("demo", help="offline generation demo on the embedded tiny model")

@@ -13,12 +13,16 @@ its process group. What stays ours: the key layout and the error messages.
 
 from __future__ import annotations
 
+import logging
 import socket
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from afd_engine.errors import ConfigError
+from comm.auth import ClusterKeys
+
+log = logging.getLogger("afd.rendezvous")
 
 _KEY = "afd/endpoint/{}"
 _HOST_KEY = "afd/host/{}"
@@ -32,6 +36,7 @@ class RendezvousSpec:
     address: str  # "host:port" of the rendezvous
     host_ip: str  # the address peers reach this machine at
     timeout: float = 300.0
+    keys: ClusterKeys | None = None  # --cluster-secret: entries signed, data plane over CURVE
 
 
 @dataclass(frozen=True)
@@ -80,13 +85,16 @@ class PeerTable:
     hosts: dict[int, str] = field(default_factory=dict)
     namespace: str = ""
     torch: TorchGroup | None = None
+    keys: ClusterKeys | None = None  # the ZeroMQ links between machines speak CURVE with these
 
     def transport(self, endpoint: int, device, link_delay_s: float = 0.0, spin_s: float = 0.0, spin_idle: bool = False):
         if self.torch is not None:
             return self.torch.transport(endpoint, device)
         from comm.transport.factory import peer_transport
 
-        return peer_transport(endpoint, self.addresses, self.hosts, self.namespace, link_delay_s, spin_s, spin_idle)
+        return peer_transport(
+            endpoint, self.addresses, self.hosts, self.namespace, link_delay_s, spin_s, spin_idle, self.keys
+        )
 
 
 def new_namespace() -> str:
@@ -137,8 +145,28 @@ def host_rendezvous(spec: RendezvousSpec):
         )
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"cannot host the rendezvous at {spec.address}: {exc}") from None
-    store.set(_RUN_KEY, new_namespace())
+    store.set(_RUN_KEY, _sign(spec.keys, new_namespace()))
     return store
+
+
+def _sign(keys: ClusterKeys | None, value: str) -> str:
+    return value if keys is None else keys.sign(value)
+
+
+def _read(store, key: str, keys: ClusterKeys | None) -> str:
+    """A rendezvous entry; with keys, only one signed with the deployment's secret (else ConfigError)."""
+    raw = store.get(key).decode()
+    if keys is None:
+        return raw
+    value = keys.verify(raw)
+    if value is None:
+        log.warning("refused the rendezvous entry %s: not signed with this deployment's cluster secret", key)
+        raise ConfigError(
+            f"the rendezvous entry {key} is not signed with this deployment's cluster secret: a peer "
+            "without the secret wrote it, or the roles were started with different secrets "
+            "(--cluster-secret / AFD_CLUSTER_SECRET)"
+        )
+    return value
 
 
 def host_local_store():
@@ -167,8 +195,9 @@ def register(
             f"within {spec.timeout:.0f} s: start every role with the same --dist-init-addr, and the "
             "attention role (which hosts it) on that address"
         ) from None
-    store.set(_HOST_KEY.format(endpoint), host_id)
-    store.set(_KEY.format(endpoint), f"tcp://{spec.host_ip}:{free_port(spec.host_ip)}")  # last: see _peers
+    store.set(_HOST_KEY.format(endpoint), _sign(spec.keys, host_id))
+    address = f"tcp://{spec.host_ip}:{free_port(spec.host_ip)}"
+    store.set(_KEY.format(endpoint), _sign(spec.keys, address))  # last: see _peers
     keys = [_KEY.format(i) for i in range(num_endpoints)]
     try:
         store.wait(keys, timeout)
@@ -179,17 +208,18 @@ def register(
             f"registered at {spec.address} within {spec.timeout:.0f} s (missing endpoints: "
             f"{missing}); start every role with the same topology flags"
         ) from None
-    table = _peers(store, num_endpoints)
+    table = _peers(store, num_endpoints, spec.keys)
     if torch_group:
         return PeerTable(torch=TorchGroup(num_endpoints, spec.address, f"afd/torch/{table.namespace}/", spec.timeout))
     return table
 
 
-def _peers(store, num_endpoints: int) -> PeerTable:
+def _peers(store, num_endpoints: int, keys: ClusterKeys | None = None) -> PeerTable:
     """The table once every endpoint's address is in (each rank sets its host id before it)."""
     ids = range(num_endpoints)
     return PeerTable(
-        {i: store.get(_KEY.format(i)).decode() for i in ids},
-        {i: store.get(_HOST_KEY.format(i)).decode() for i in ids},
-        store.get(_RUN_KEY).decode(),
+        {i: _read(store, _KEY.format(i), keys) for i in ids},
+        {i: _read(store, _HOST_KEY.format(i), keys) for i in ids},
+        _read(store, _RUN_KEY, keys),
+        keys=keys,
     )

@@ -73,14 +73,16 @@ def peer_transport(
     link_delay_s: float = 0.0,
     spin_s: float = 0.0,
     spin_idle: bool = False,
+    keys=None,
 ) -> Transport:
     """The transport of `endpoint` among peers: shared memory to those with its host id
     (`shm_transport.host_id()`; "" for none), ZeroMQ at `addresses` to the others. Every endpoint
     decides from the same tables, so both ends of each pair agree on the path. `spin_s` and
-    `spin_idle`: see ShmTransport (the shared-memory path only)."""
+    `spin_idle`: see ShmTransport (the shared-memory path only). `keys` (comm.auth.ClusterKeys):
+    the ZeroMQ links speak CURVE with them."""
     mine = hosts.get(endpoint, "")
     if not mine:
-        return make_transport("zmq", endpoint, addresses=addresses, link_delay_s=link_delay_s)
+        return make_transport("zmq", endpoint, addresses=addresses, link_delay_s=link_delay_s, keys=keys)
     local = {e for e, h in hosts.items() if h == mine}
     if not (set(addresses) | set(hosts)) - local:
         return make_transport(
@@ -101,4 +103,5 @@ def peer_transport(
         link_delay_s=link_delay_s,
         spin_s=spin_s,
         spin_idle=spin_idle,
+        keys=keys,
     )

@@ -19,7 +19,8 @@ from comm.transport.zmq_transport import ZmqTransport
 
 class HybridTransport(Transport):
     """addresses: endpoint id -> ZMQ address (this endpoint's is bound; used for the remote peers);
-    local: the peers on this host (reached through shared memory under `namespace`)."""
+    local: the peers on this host (reached through shared memory under `namespace`); keys: the
+    cluster secret's, for the ZeroMQ links (comm/auth.py)."""
 
     def __init__(
         self,
@@ -29,6 +30,7 @@ class HybridTransport(Transport):
         *,
         namespace: str,
         link_delay_s: float = 0.0,
+        keys=None,
         **shm_kwargs,
     ) -> None:
         self.endpoint = endpoint
@@ -36,7 +38,7 @@ class HybridTransport(Transport):
         self._inbox = make_inbox(endpoint, link_delay_s)
         self._shm = ShmTransport(endpoint, self.local, namespace=namespace, inbox=self._inbox, **shm_kwargs)
         try:
-            self._zmq = ZmqTransport(endpoint, addresses, inbox=self._inbox)
+            self._zmq = ZmqTransport(endpoint, addresses, inbox=self._inbox, keys=keys)
         except BaseException:
             self._shm.close()
             raise
