@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -33,51 +34,68 @@ def store_entry(rdv: str, key: str) -> str:
     return store.get(key).decode()
 
 
+def attack(address: str, rdv: str, ctx: zmq.Context) -> None:
+    """1,000 hostile frames from a ZeroMQ peer at a rank's data-plane address, and raw bytes at that
+    port and at the rendezvous."""
+    stranger = ctx.socket(zmq.PUSH)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(address)
+    rng = random.Random(0)
+    for frames in hostile_frames(rng, 1000):
+        try:
+            stranger.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:  # (with the secret: no pipe while its handshake is failing)
+            pass
+    host, data_port = address.removeprefix("tcp://").rsplit(":", 1)
+    rdv_host, rdv_port = rdv.rsplit(":", 1)
+    for i in range(40):
+        target = (host, int(data_port)) if i % 2 else (rdv_host, int(rdv_port))
+        with socket.create_connection(target, timeout=5) as raw:
+            raw.sendall(rng.randbytes(rng.randrange(1, 512)))
+    stranger.close(0)
+
+
 @pytest.mark.timeout(240)
-def test_roles_with_the_secret_serve_and_a_stranger_is_refused(tiny_v3):
+@pytest.mark.parametrize("secret", [True, False], ids=["secret", "no-secret"])
+def test_a_stranger_attacking_while_the_deployment_serves(tiny_v3, secret):
+    """With the secret the stranger is refused at the handshake and nothing of it reaches a rank;
+    without it its frames reach the rank's parser and are dropped. Either way every request is
+    token-exact and no rank exits."""
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
     common = one_by_one(rdv, tiny_v3, "--transport", "zmq", "--served-model-name", "tiny")
-    ffn = afd("launch", "--role", "ffn", "--node-rank", "0", *common, env=ENV)
-    attention = afd("launch", "--role", "attention", "--port", str(port), *common, env=ENV)
+    env = ENV if secret else {}
+    ffn = afd("launch", "--role", "ffn", "--node-rank", "0", *common, env=env)
+    attention = afd("launch", "--role", "attention", "--port", str(port), *common, env=env)
     ctx = zmq.Context()
-    ctx.setsockopt(zmq.LINGER, 0)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc=attention)
-        signed = store_entry(rdv, "afd/endpoint/1")  # the FFN rank's data-plane address, signed
-        address = ClusterKeys(SECRET.encode()).verify(signed)
+        entry = store_entry(rdv, "afd/endpoint/1")  # the FFN rank's data-plane address
+        address = ClusterKeys(SECRET.encode()).verify(entry) if secret else entry
         assert address is not None and address.startswith("tcp://127.0.0.1:")
-        stranger = ctx.socket(zmq.PUSH)  # a ZeroMQ peer without the secret: its handshake fails, and
-        stranger.setsockopt(zmq.LINGER, 0)  # what it queued meanwhile is discarded, never delivered
-        stranger.connect(address)
-        rng = random.Random(0)
-        for frames in hostile_frames(rng, 1000):
-            try:
-                stranger.send_multipart(frames, flags=zmq.NOBLOCK)
-            except zmq.Again:  # (no pipe at the moment: the handshake is failing)
-                pass
-        host, data_port = address.removeprefix("tcp://").rsplit(":", 1)
-        rdv_host, rdv_port = rdv.rsplit(":", 1)
-        for i in range(40):  # raw bytes at the data-plane port and at the rendezvous
-            target = (host, int(data_port)) if i % 2 else (rdv_host, int(rdv_port))
-            with socket.create_connection(target, timeout=5) as raw:
-                raw.sendall(rng.randbytes(rng.randrange(1, 512)))
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        out = client.completions.create(
-            model="tiny", prompt=PROMPTS, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
-        )
         with Engine(model_path=tiny_v3, num_threads=1) as single:
             ref = single.generate(
                 prompts=PROMPTS, sampling_params=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
             )
-        assert [c.text for c in out.choices] == [r.text for r in ref]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        attacker = threading.Thread(target=attack, args=(address, rdv, ctx))
+        attacker.start()
+        while attacker.is_alive():  # requests all through the attack
+            out = client.completions.create(
+                model="tiny", prompt=PROMPTS, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert [c.text for c in out.choices] == [r.text for r in ref]
+        attacker.join()
         assert ffn.poll() is None and attention.poll() is None
         attention.terminate()
         assert attention.wait(timeout=60) == 0 and ffn.wait(timeout=60) == 0
         log = ffn.stdout.read()
-        assert "refused a connection without the cluster secret" in log, log[-3000:]
-        assert "malformed" not in log  # none of the stranger's frames reached the rank's parser
-        assert SECRET not in log + attention.stdout.read()
+        if secret:
+            assert "refused a connection without the cluster secret" in log, log[-3000:]
+            assert "malformed" not in log  # none of the stranger's frames reached the rank's parser
+            assert SECRET not in log + attention.stdout.read()
+        else:
+            assert "malformed message" in log, log[-3000:]  # reached the parser, dropped
     finally:
         ctx.destroy(linger=0)
         for p in (ffn, attention):
