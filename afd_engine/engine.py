@@ -184,7 +184,8 @@ class Engine(OfflineEngine):
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed)
         if self.disagg is None and disaggregation is None:
-            self.scheduler.check(req)
+            if params.guide is not None:  # (scheduler.add checks a request it takes at once)
+                self.scheduler.check(req)
             admit = self.scheduler.add
         else:
             self._check_disaggregation(disaggregation)

@@ -54,6 +54,7 @@ class LogitControls:
     presence: torch.Tensor | None = None  # [P] per penalized row
     frequency: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
+    counts: torch.Tensor | None = None  # [P, V]: the penalized rows' counts, stacked once in apply
 
     @staticmethod
     def build(
@@ -135,7 +136,7 @@ class LogitControls:
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [P, V] of the penalized rows -> penalized."""
-        counts = torch.stack([p.counts for p in self.penalties])  # [P, V]
+        counts = self.counts = torch.stack([p.counts for p in self.penalties])  # [P, V]
         generated = counts > 0
         seen = generated
         prompt = [p.seen_in_prompt for p in self.penalties]
@@ -159,7 +160,7 @@ class LogitControls:
                     ended.append(row)
         if self.penalty_rows:
             chosen = tokens[torch.tensor(self.penalty_rows, device=tokens.device)]
-            counts = torch.stack([p.counts for p in self.penalties])
+            counts = self.counts  # (apply stacked them for this step)
             counts[torch.arange(len(self.penalties), device=counts.device), chosen] += 1
             torch._foreach_copy_([p.counts for p in self.penalties], list(counts.unbind(0)))
         return ended

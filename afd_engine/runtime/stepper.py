@@ -112,12 +112,17 @@ class Stepper:
         samplers = prepared.inputs.samplers
         sampling, device = None, self.scheduler.pool.device
         params = [r.params for r in samplers]
-        offsets = [len(r.output_ids) + len(r.inflight) for r in samplers]
-        if params and all(p.greedy for p in params):  # argmax only: no per-row settings
+        greedy = all(p.greedy for p in params)
+        processed = any(p.processed for p in params)
+        # index of the token each row samples within its request (seeded draws, min_tokens)
+        offsets = [len(r.output_ids) + len(r.inflight) for r in samplers] if processed or not greedy else []
+        if params and greedy:  # argmax only: no per-row settings
             sampling = SamplingBatch.greedy(device)
         elif params:
             sampling = SamplingBatch.build(params, [r.seed for r in samplers], offsets, self.vocab_size, device)
-        controls = LogitControls.build(samplers, offsets, self.stop_checker.eos_token_ids, self.vocab_size, device)
+        controls = None
+        if processed:
+            controls = LogitControls.build(samplers, offsets, self.stop_checker.eos_token_ids, self.vocab_size, device)
         commit(plan)
         for row, req in enumerate(samplers):
             req.inflight.append(row)

@@ -379,9 +379,9 @@ def _check_lengths(s: ServerState, prompts: list[list[int]], max_new: int) -> No
 async def _check_processing(s: ServerState, body, params: SamplingParams) -> None:
     """400s for what only the model knows: logit_bias ids past its vocabulary, a guide that does
     not build into a grammar (checked in a worker thread; repeated guides from a cache)."""
-    if params.logit_bias and max(t for t, _ in params.logit_bias) >= s.vocab_size:
+    bad = max((t for t, _ in params.logit_bias), default=-1)
+    if bad >= s.vocab_size:
         param = "sampling_params.logit_bias" if isinstance(body, P.GenerateRequest) else "logit_bias"
-        bad = max(t for t, _ in params.logit_bias)
         raise APIError(400, f"logit_bias token id {bad} is outside the vocabulary (size {s.vocab_size})", param=param)
     guide = body.guide()
     if guide is not None:

@@ -78,10 +78,15 @@ async def chat_events(s: ServerState, body, choices: list[Choice], stream) -> As
     plain = P.ChunkWriter("chat", rid, s.model_name)  # the chunks without logprobs
     for c in choices:
         yield plain.event(c.index, "", None, role=True)
-    if body.active_tools():
-        async for event in _tool_call_events(s, body, stream, chunk, plain):
-            yield event
-        stream = _nothing()
+    events = _tool_call_events if body.active_tools() else _content_events
+    async for event in events(s, body, stream, chunk, plain):
+        yield event
+    if body.include_usage:
+        yield P.ChatCompletionChunk(id=rid, model=s.model_name, choices=[], usage=usage(choices))
+
+
+async def _content_events(s: ServerState, body, stream, chunk, plain) -> AsyncIterator:
+    """A chat stream's text as content deltas (with their logprobs when asked for)."""
     async for c, delta, update in stream:
         if delta or update.logprobs:
             lps = _chat_logprobs(s, c, update.token_ids, update.logprobs or [])
@@ -92,13 +97,6 @@ async def chat_events(s: ServerState, body, choices: list[Choice], stream) -> As
             )
         if update.finish_reason is not None:
             yield plain.event(c.index, None, c.finish_reason)
-    if body.include_usage:
-        yield P.ChatCompletionChunk(id=rid, model=s.model_name, choices=[], usage=usage(choices))
-
-
-async def _nothing() -> AsyncIterator:
-    return
-    yield
 
 
 async def _tool_call_events(s: ServerState, body, stream, chunk, plain) -> AsyncIterator:
