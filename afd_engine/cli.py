@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -73,7 +74,9 @@ def _serve(ns: argparse.Namespace) -> int:
 
         return serve_pd(ns.argv[1:], ns)
 
-    return serve(EngineArgs.from_cli(ns), ServerArgs.from_cli(ns))
+    args = EngineArgs.from_cli(ns)
+    _pd_secret(ns, args)
+    return serve(args, ServerArgs.from_cli(ns))
 
 
 def _launch(ns: argparse.Namespace) -> int:
@@ -96,6 +99,7 @@ def _launch(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--node-rank={ns.node_rank} must be in [0, --ffn-nodes={args.ffn_nodes})")
     host_ip = ns.host_ip or local_ip_towards(ns.dist_init_addr)
     keys = _cluster_keys(ns, args.transport)
+    _pd_secret(ns, args)
     rdv = RendezvousSpec(ns.dist_init_addr, host_ip, ns.rendezvous_timeout, keys)
     deployment = Deployment(args, role=ns.role, node_rank=ns.node_rank, rendezvous=rdv)
     if ns.role == "attention":
@@ -129,6 +133,50 @@ def _cluster_keys(ns: argparse.Namespace, transport: str):
             "--transport auto or zmq with the cluster secret, or --insecure-cluster on a private network"
         )
     return keys
+
+
+def _pd_secret(ns: argparse.Namespace, args) -> None:
+    """A prefill or decode instance's cluster secret: its KV message and bootstrap ports then admit
+    only holders of it (ZeroMQ CURVE). Required when --disaggregation-host is not loopback (the
+    instances are on different machines), unless --insecure-cluster; it reaches this instance's
+    processes in their environment, never their command lines."""
+    if args.disaggregation_mode == "null":
+        return
+    from comm.auth import ENV, cluster_keys, is_loopback
+
+    try:
+        keys = cluster_keys(ns.cluster_secret)
+    except ValueError as exc:
+        raise ConfigError(f"--cluster-secret: {exc}") from None
+    across = not is_loopback(f"{args.disaggregation_host}:0")
+    if across and keys is None and not ns.insecure_cluster:
+        raise ConfigError(
+            f"--disaggregation-host {args.disaggregation_host} is reached over the network: give the prefill and "
+            f"decode instances the same secret in {ENV} (or --cluster-secret, which `ps` shows), so that their KV "
+            "and bootstrap ports admit only each other; --insecure-cluster runs without it (a private network only)"
+        )
+    if across and keys is not None and args.disaggregation_transfer_backend == "mooncake" and not ns.insecure_cluster:
+        raise ConfigError(
+            "--disaggregation-transfer-backend mooncake between machines is not authenticated (the Mooncake "
+            "Transfer Engine admits any peer): use builtin with the cluster secret, or --insecure-cluster on a "
+            "private network"
+        )
+    if keys is not None:
+        os.environ[ENV] = keys.secret.decode()
+
+
+def _secret_args(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--cluster-secret",
+        default=None,
+        help=f"a shared secret (16+ characters) every {what} must have: the ports between machines admit only its "
+        "holders (ZeroMQ CURVE). Prefer AFD_CLUSTER_SECRET: `ps` shows flags",
+    )
+    parser.add_argument(
+        "--insecure-cluster",
+        action="store_true",
+        help="run across machines without the cluster secret (the ports must be on a private network)",
+    )
 
 
 def _expert_load(ns: argparse.Namespace) -> int:
@@ -199,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode-mode", default="single", choices=modes, help="--pd: the decode instance's --mode")
     srv.add_argument("--prefill-args", default="", help="--pd: flags for the prefill instance only (one string)")
     srv.add_argument("--decode-args", default="", help="--pd: flags for the decode instance only (one string)")
+    srv.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="--pd: prompts of at most this many tokens skip the prefill instance (the decode instance prefills them)",
+    )
+
+    _secret_args(srv, "prefill and decode instance")
 
     from afd_engine.server.pd_router import add_router_args
 
@@ -226,17 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="address peers reach this machine at (default: the route towards --dist-init-addr)",
     )
     launch.add_argument("--rendezvous-timeout", type=float, default=300.0, help="seconds to wait for all ranks")
-    launch.add_argument(
-        "--cluster-secret",
-        default=None,
-        help="a shared secret (16+ characters) every role must have: the rendezvous and the data plane between "
-        "machines admit only its holders (ZeroMQ CURVE). Prefer AFD_CLUSTER_SECRET: `ps` shows flags",
-    )
-    launch.add_argument(
-        "--insecure-cluster",
-        action="store_true",
-        help="run across machines without the cluster secret (the ports must be on a private network)",
-    )
+    _secret_args(launch, "role (and prefill/decode instance)")
     ServerArgs.add_cli_args(launch)
 
     demo = sub.add_parser("demo", help="offline generation demo on the embedded tiny model")

@@ -183,7 +183,9 @@ class Engine(OfflineEngine):
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed)
-        if self.disagg is None and disaggregation is None:
+        if disaggregation is None and (self.disagg is None or self.args.disaggregation_mode == "decode"):
+            # (a decode instance prefills a request sent without a room itself: `afd router
+            # --local-prefill-max-tokens` sends it short prompts so)
             if params.guide is not None:  # (scheduler.add checks a request it takes at once)
                 self.scheduler.check(req)
             admit = self.scheduler.add

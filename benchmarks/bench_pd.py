@@ -12,13 +12,24 @@ Deployments, each behind `afd router`, each instance an `afd serve` process with
   (a) pd-<backend>: one prefill instance + one decode instance, per --backends (builtin,
       mooncake);
   (b) replicas: the same two processes as plain instances (--disaggregation-mode null), the
-      router sending each request to the less loaded one.
+      router sending each request to the less loaded one;
+  (c) pd-<backend>-local: (a) with conditional disaggregation, `afd router
+      --local-prefill-max-tokens N`: prompts of at most N tokens (the short ones) go to the decode
+      instance alone, which prefills them in its batch; long prompts still go through the
+      prefill instance (--local-prefill-max-tokens 0: not run).
+
+The model (--model): dsv3-4k (default), a random-weight checkpoint with DeepSeek-V3's attention
+dimensions (MLA, latent 512, as bench_vs_vllm serves) and a 4,096-token context, where a
+1,000-token prompt costs about 50 decode steps, as long prompts do on real deployments; or
+embedded, the trained default model (512-token context: a 440-token prompt costs about 4 decode
+steps, too few for a prefill to stall much); or --model-path.
 
 Reported per deployment: the short streams' TPOT p50/p99 (the gaps between their tokens), TTFT
 p50/p99 (short and long requests apart), output tokens/s over the run, and for PD the KV
 transfer's MB/s and time per request (from the decode instance's /metrics and timelines).
 
     python benchmarks/bench_pd.py --json benchmarks/results/pd_<date>.json
+    python benchmarks/bench_pd.py --model embedded --long-len 440 --local-prefill-max-tokens 0
 """
 
 from __future__ import annotations
@@ -35,6 +46,9 @@ import time
 from datetime import date
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dsv3_checkpoint import BENCH_MODEL_OVERRIDES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,6 +90,11 @@ class Deployment:
             common += ["--model-path", ns.model_path]
         ports = [free_port(), free_port()]
         self.urls = [f"http://127.0.0.1:{p}" for p in ports]
+        router_flags = []
+        if kind.endswith("-local"):
+            kind = kind.removesuffix("-local")
+            router_flags = ["--local-prefill-max-tokens", str(ns.local_prefill_max_tokens)]
+            router_flags += ["--tokenizer", ns.model_path]
         if kind == "replicas":
             roles = [[], []]
             router = [f"--replica={u}" for u in self.urls]
@@ -94,7 +113,7 @@ class Deployment:
         for proc, url in zip(self.procs, self.urls):
             wait_healthy(url, proc)
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.procs.append(start(["router", "--port", self.url.rsplit(":", 1)[1], *router]))
+        self.procs.append(start(["router", "--port", self.url.rsplit(":", 1)[1], *router, *router_flags]))
         wait_healthy(self.url, self.procs[-1])
 
     def metric(self, url: str, name: str) -> float:
@@ -189,7 +208,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def transfer_figures(timelines: list[dict]) -> dict:
-    sent = [t for t in timelines if t["transfer_bytes"]]
+    sent = [t for t in timelines if t.get("transfer_bytes")]  # (a request prefilled locally has none)
     if not sent:
         return {}
     nbytes = sum(t["transfer_bytes"] for t in sent)
@@ -205,20 +224,44 @@ def transfer_figures(timelines: list[dict]) -> dict:
     }
 
 
+def model_path(name: str, workdir: str) -> str:
+    """The checkpoint of --model: the embedded one, or dsv3-4k written into `workdir` once."""
+    if name == "embedded":
+        from afd_engine.default_model import default_model_path
+
+        return str(default_model_path())
+    out = os.path.join(workdir, name)
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        from afd_engine.tiny_model import make_tiny_model
+
+        overrides = {**BENCH_MODEL_OVERRIDES, "max_position_embeddings": 4096}
+        make_tiny_model(out, arch="deepseek_v3", seed=0, overrides=overrides)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", default=None, help="checkpoint (default: the embedded model)")
+    parser.add_argument("--model", default="dsv3-4k", choices=["dsv3-4k", "embedded"], help="see above")
+    parser.add_argument("--model-path", default=None, help="instead: this checkpoint")
+    parser.add_argument("--workdir", default="/tmp/afd-bench-pd", help="where the dsv3-4k checkpoint is written")
     parser.add_argument("--threads", type=int, default=1, help="--num-threads of each instance")
     parser.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens of each instance")
     parser.add_argument("--streams", type=int, default=8, help="short requests decoding at once")
     parser.add_argument("--short-len", type=int, default=24)
     parser.add_argument("--short-out", type=int, default=64)
-    parser.add_argument("--long-len", type=int, default=440)
+    parser.add_argument("--long-len", type=int, default=1000)
     parser.add_argument("--long-out", type=int, default=8)
     parser.add_argument("--long-every", type=float, default=1.0, help="seconds between long prompts")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of measured load per deployment")
     parser.add_argument("--warmup", type=float, default=4.0, help="seconds of load before it, not measured")
     parser.add_argument("--backends", nargs="+", default=["builtin", "mooncake"], choices=["builtin", "mooncake"])
+    parser.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=64,
+        help="also run pd-<first backend>-local, its router sending prompts of at most this many tokens to the "
+        "decode instance alone (0: not run)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="turns of every deployment (results per turn)")
     parser.add_argument(
         "--no-pin",
@@ -229,10 +272,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", default=None, help="write the results here")
     ns = parser.parse_args(argv)
-    ns.vocab = (
-        2048 if ns.model_path is None else json.load(open(os.path.join(ns.model_path, "config.json")))["vocab_size"]
-    )
+    ns.model_path = ns.model_path or model_path(ns.model, ns.workdir)
+    config = json.load(open(os.path.join(ns.model_path, "config.json")))
+    ns.vocab = config["vocab_size"]
+    if ns.long_len + ns.long_out > config["max_position_embeddings"]:
+        parser.error(f"--long-len {ns.long_len} does not fit the model's {config['max_position_embeddings']} positions")
     kinds = ["replicas"] + [f"pd-{b}" for b in ns.backends]
+    if ns.local_prefill_max_tokens > 0:
+        kinds.append(f"pd-{ns.backends[0]}-local")
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     for turn in range(ns.rounds):
         for kind in kinds:

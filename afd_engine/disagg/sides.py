@@ -17,6 +17,7 @@ from afd_engine.disagg.bootstrap import BootstrapError, BootstrapQuery
 from afd_engine.disagg.transfer import TransferFailed, make_backend, send_frames
 from afd_engine.runtime.kv_cache import pages_for
 from afd_engine.runtime.request import Request, TokenLogprob
+from comm.auth import cluster_keys, secure_socket, start_authenticator
 
 log = logging.getLogger("afd.disagg")
 BOOTSTRAP_TTL_S = 5.0  # a prefill instance's ranks are asked again after this long
@@ -31,7 +32,11 @@ class _Side:
             engine.config, engine.model_path, args.page_size, engine.pool.cache.dtype
         )
         self.ctx = zmq.Context()
+        # with a cluster secret (AFD_CLUSTER_SECRET), the inbox admits only ranks that hold it
+        self.keys = cluster_keys(None)
+        self._auth = start_authenticator(self.ctx, self.keys) if self.keys is not None else None
         self.inbox = self.ctx.socket(zmq.PULL)
+        secure_socket(self.inbox, self.keys, server=True)
         self.inbox.bind(f"tcp://{args.disaggregation_host}:*")
         self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         try:
@@ -44,17 +49,20 @@ class _Side:
             )
         except BaseException:  # (a context left with an open socket hangs whoever collects it)
             self.inbox.close(linger=0)
+            self._stop_auth()
             self.ctx.term()
             raise
         self._peers: dict[str, zmq.Socket] = {}
         self.transfer_bytes = 0  # since start
         self.transfer_seconds = 0.0
+        self.dropped = 0  # malformed messages dropped, since start
 
     def _peer(self, address: str) -> zmq.Socket:
         sock = self._peers.get(address)
         if sock is None:
             sock = self._peers[address] = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_socket(sock, self.keys, server=False)
             sock.connect(address)
         return sock
 
@@ -74,7 +82,10 @@ class _Side:
             try:
                 header = wire.unpack(frames[0].buffer)
             except Exception:  # a stray or broken message must not end the rank
-                log.exception("dropped an undecodable disaggregation message")
+                header = None
+            if not wire.well_formed(header) or len(frames) > 2:
+                self.dropped += 1
+                log.warning("dropped a malformed disaggregation message (%d so far)", self.dropped)
                 continue
             yield header, (frames[1].buffer if len(frames) > 1 else None)
 
@@ -88,7 +99,12 @@ class _Side:
         for sock in self._peers.values():
             sock.close(linger=0)
         self.inbox.close(linger=0)
+        self._stop_auth()
         self.ctx.term()
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
 
 
 class PrefillSide(_Side):
@@ -286,10 +302,22 @@ class DecodeSide(_Side):
                 continue
             kind = header.get("kind")
             if kind == wire.PAGES:
-                self.backend.receive(header, payload)
+                try:
+                    self._receive(req, header, payload)
+                except (TransferFailed, TypeError, ValueError, RuntimeError) as exc:
+                    del self.reserved[req.disagg_room]
+                    message = f"the prefill instance sent pages this rank cannot take: {exc}"
+                    self._fail(req, message)
+                    self._tell_prefill(req, {"kind": wire.FAIL, "room": req.disagg_room, "error": message})
+                    ended.append(req)
             elif kind == wire.DONE:
                 del self.reserved[req.disagg_room]
-                self._take_first_token(req, header, now)
+                try:
+                    self._take_first_token(req, header, now)
+                except (KeyError, TypeError, ValueError) as exc:
+                    self._fail(req, f"the prefill instance's last message for this request is malformed ({exc!r})")
+                    ended.append(req)
+                    continue
                 ready.append(req)
                 if req.finish_reason is not None:
                     ended.append(req)
@@ -311,6 +339,13 @@ class DecodeSide(_Side):
 
     def after_step(self) -> list[Request]:
         return []
+
+    def _receive(self, req: Request, header: dict, payload) -> None:
+        """A PAGES message: only into the pages this rank reserved for the request."""
+        pages = header.get("pages")
+        if not isinstance(pages, list) or not set(pages) <= req.kv_pages or payload is None:
+            raise TransferFailed("pages outside the request's reservation")
+        self.backend.receive(header, payload)
 
     def _reserve(self, now: float) -> list[Request]:
         """Reserves pages for queued requests in arrival order while they fit (a request whose
@@ -343,6 +378,7 @@ class DecodeSide(_Side):
             self.cached_pages += start  # pages this instance's prefix cache held: not transferred
             end = pages_for(len(req.prompt_ids), self.page_size)
             pages = [self.pool.page_of(req.row, i) for i in range(start, end)]
+            req.kv_pages = set(pages)
             self._tell_prefill(
                 req,
                 {
@@ -366,7 +402,7 @@ class DecodeSide(_Side):
             return known[0]
         query = self._queries.get(bootstrap)
         if query is None:
-            query = self._queries[bootstrap] = BootstrapQuery(self.ctx, bootstrap)
+            query = self._queries[bootstrap] = BootstrapQuery(self.ctx, bootstrap, keys=self.keys)
         try:
             answer = query.answer()
         except BootstrapError:

@@ -60,6 +60,9 @@ class Builtin:
 
     def receive(self, header: dict, payload) -> None:
         shape = (self.cache.shape[0], len(header["pages"]) * self.page_size, self.cache.shape[2])
+        want = shape[0] * shape[1] * shape[2] * self.cache.element_size()
+        if len(payload) != want:
+            raise TransferFailed(f"{len(payload)} bytes of pages where {want} were due")
         data = torch.frombuffer(bytearray(payload), dtype=self.cache.dtype).view(shape)
         write_pages(self.cache, header["pages"], self.page_size, data)
 

@@ -15,6 +15,20 @@ DONE = "done"  # prefill -> decode: the prompt's pages are all sent; the first t
 FAIL = "fail"  # either way: the request failed on the sender's side (reason inside)
 
 
+KINDS = (DEST, PAGES, DONE, FAIL)
+
+
+def well_formed(header) -> bool:
+    """A header this side can act on: a dict of a known kind naming a room (what a message's
+    fields hold beyond that is checked where it is used)."""
+    return (
+        isinstance(header, dict)
+        and header.get("kind") in KINDS
+        and isinstance(header.get("room"), int)
+        and not isinstance(header.get("room"), bool)
+    )
+
+
 def pack(header: dict) -> bytes:
     return msgpack.packb(header)
 

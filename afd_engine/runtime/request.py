@@ -49,6 +49,7 @@ class Request:
     dest: dict | None = None  # prefill side: where its pages go (the decode rank's DEST message)
     sent_pages: int = 0  # prefill side: pages [0, sent_pages) are at the decode rank
     prefill_rank: str | None = None  # decode side: the prefill rank's address
+    kv_pages: set[int] | None = None  # decode side: the pages reserved for the prefill side to fill
     # constrained decoding and penalties (runtime/logits_process.py): the compiled grammar, and
     # the state the forward thread advances with each token
     grammar: object | None = None

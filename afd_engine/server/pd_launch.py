@@ -26,8 +26,9 @@ from afd_engine.errors import ConfigError
 
 log = logging.getLogger("afd.serve")
 OWN_FLAGS = {"--pd": 0, "--prefill-mode": 1, "--decode-mode": 1, "--prefill-args": 1, "--decode-args": 1, "--port": 1}
-# the API keys reach the instances through their environment (instance_env), never their command line
-OWN_FLAGS |= {"--api-key": 1, "--api-key-file": 1}
+OWN_FLAGS |= {"--local-prefill-max-tokens": 1}  # the router's
+# the API keys and the cluster secret reach the instances in their environment (instance_env), not command lines
+OWN_FLAGS |= {"--api-key": 1, "--api-key-file": 1, "--cluster-secret": 1}
 READY_TIMEOUT_S = 900
 
 
@@ -49,15 +50,18 @@ def instance_argv(argv: list[str], mode: str, role: str, port: int, extra: str, 
     return out + shlex.split(extra)
 
 
-def instance_env(keys: tuple[str, ...]) -> dict:
-    """The instances' environment: this one's, with every API key in AFD_API_KEY (one per line),
-    so that no key shows in `ps` (server/auth.py)."""
+def instance_env(keys: tuple[str, ...], cluster_secret: str | None = None) -> dict:
+    """The instances' environment: this one's, with every API key in AFD_API_KEY (one per line)
+    and the cluster secret in AFD_CLUSTER_SECRET, so that neither shows in `ps` (server/auth.py)."""
     from afd_engine.server.auth import ENV_KEY
+    from comm.auth import ENV
 
     env = dict(os.environ)
     env.pop(ENV_KEY, None)
     if keys:
         env[ENV_KEY] = "\n".join(keys)
+    if cluster_secret:
+        env[ENV] = cluster_secret
     return env
 
 
@@ -78,7 +82,7 @@ def serve_pd(argv: list[str], ns) -> int:
     from afd_engine.server.auth import resolve_keys
 
     keys = resolve_keys(ns.api_key, ns.api_key_file)
-    env = instance_env(keys)
+    env = instance_env(keys, ns.cluster_secret)
     procs = {
         role: subprocess.Popen([sys.executable, "-m", "afd_engine.cli", "serve", *cmd], env=env)
         for role, cmd in commands.items()
@@ -88,6 +92,7 @@ def serve_pd(argv: list[str], ns) -> int:
             if not wait_healthy(f"http://{host}:{port}", procs[role]):
                 log.error("the %s instance did not start", role)
                 return 2
+        from afd_engine.default_model import resolve_model_path
         from afd_engine.server.pd_router import run_router
 
         return run_router(
@@ -98,6 +103,8 @@ def serve_pd(argv: list[str], ns) -> int:
             watch=list(procs.values()),
             keys=keys,  # the instances' own
             metrics_require_key=ns.metrics_require_key,
+            local_prefill_max_tokens=ns.local_prefill_max_tokens,
+            tokenizer=str(resolve_model_path(ns.model_path)),
         )
     finally:
         for proc in procs.values():

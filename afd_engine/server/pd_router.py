@@ -10,6 +10,11 @@ flight), sends both the same request under one random room id, and relays the de
 answer. The prefill instance's answer only says whether it did its part: a prefill instance
 that fails or goes away fails the request (an OpenAI error, or an error event in a stream) and
 the decode request is closed, which frees its pages; a client that goes away closes both.
+
+Conditional disaggregation (--local-prefill-max-tokens N, with --tokenizer): a request whose
+prompt has at most N tokens goes to the decode instance alone, which prefills it itself. A short
+prompt's prefill costs a decode batch little, and it skips the queue behind long prompts on the
+prefill instance and the KV transfer; long prompts still prefill on the prefill instance.
 """
 
 from __future__ import annotations
@@ -53,12 +58,64 @@ class Instance:
         return urlparse(self.url).hostname or "127.0.0.1"
 
 
+class PromptLength:
+    """Tokens in a request's prompt as the router counts them: exact for token ids; for text, by the
+    model's tokenizer (`tokenizer.json`); for a chat, its messages' text, without the tokens its chat
+    template adds. A request of several prompts counts its longest."""
+
+    def __init__(self, path: str) -> None:
+        from pathlib import Path
+
+        from tokenizers import Tokenizer
+
+        file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+        if not file.is_file():
+            raise ConfigError(f"--tokenizer {path}: no tokenizer.json there")
+        self.tokenizer = Tokenizer.from_file(str(file))
+
+    def text(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def prompt(self, value) -> int:
+        """A prompt field: text, token ids, or a list of either."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            return len(value)
+        if isinstance(value, list):
+            return max((self.prompt(v) for v in value), default=0)
+        return 0
+
+    def __call__(self, body: dict) -> int:
+        if isinstance(body.get("messages"), list):
+            return sum(self.text(t) for t in _message_texts(body["messages"]))
+        for field in ("prompt", "input_ids", "text"):
+            if field in body:
+                return self.prompt(body[field])
+        return 0
+
+
+def _message_texts(messages: list):
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
 class PDRouter:
     """With `replicas` instead (plain instances, --disaggregation-mode null), it routes each request
     to the least loaded one: the baseline that PD is measured against."""
 
     def __init__(
-        self, prefill: list[str], decode: list[str], replicas: list[str] = (), keys: tuple[str, ...] = ()
+        self,
+        prefill: list[str],
+        decode: list[str],
+        replicas: list[str] = (),
+        keys: tuple[str, ...] = (),
+        local_prefill_max_tokens: int = 0,
+        tokenizer: str | None = None,
     ) -> None:
         if replicas and (prefill or decode):
             raise ConfigError("afd router takes --replica instances, or --prefill and --decode ones, not both")
@@ -67,6 +124,15 @@ class PDRouter:
         self.replicas = bool(replicas)
         self.prefill = [Instance(u.rstrip("/")) for u in prefill]
         self.decode = [Instance(u.rstrip("/")) for u in (replicas or decode)]
+        if local_prefill_max_tokens < 0:
+            raise ConfigError(f"--local-prefill-max-tokens must be at least 0, not {local_prefill_max_tokens}")
+        if local_prefill_max_tokens and tokenizer is None:
+            raise ConfigError(
+                "--local-prefill-max-tokens counts prompt tokens with the model's tokenizer: give --tokenizer "
+                "(the checkpoint's directory, or its tokenizer.json)"
+            )
+        self.local_prefill_max_tokens = 0 if replicas else local_prefill_max_tokens
+        self.prompt_length = PromptLength(tokenizer) if self.local_prefill_max_tokens else None
         self.affinity = CacheAwareRouter(max(1, len(self.prefill)), PREFIX_BLOCK_BYTES)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         # the router's own calls to instances that share its key (a client's requests carry theirs)
@@ -76,6 +142,11 @@ class PDRouter:
             "afd_router_requests", "requests by endpoint and outcome", ["endpoint", "status"], registry=r
         )
         self.in_flight = Gauge("afd_router_in_flight", "requests in flight per instance", ["instance"], registry=r)
+        self.local_prefills = Counter(
+            "afd_router_local_prefills",
+            "requests sent to a decode instance alone (prompt within --local-prefill-max-tokens)",
+            registry=r,
+        )
 
     async def discover(self) -> None:
         """Asks every instance its role and model; refuses a deployment whose parts do not fit."""
@@ -111,8 +182,12 @@ class PDRouter:
             raise ConfigError(f"the instances serve different models: {', '.join(sorted(models))}")
 
     def pick(self, room: int, body: dict) -> tuple[Instance | None, Instance]:
-        """(prefill, decode) for a request; the prefill choice counts until `finished(room)`."""
-        p = self.prefill[self.affinity.route(str(room), _prompt_key(body))] if self.prefill else None
+        """(prefill, decode) for a request; the prefill choice counts until `finished(room)`. No
+        prefill instance for a replica, or for a prompt the decode instance prefills itself."""
+        local = self.prompt_length is not None and self.prompt_length(body) <= self.local_prefill_max_tokens
+        if local:
+            self.local_prefills.inc()
+        p = self.prefill[self.affinity.route(str(room), _prompt_key(body))] if self.prefill and not local else None
         d = min(self.decode, key=lambda i: i.in_flight)
         return p, d
 
@@ -132,7 +207,7 @@ class PDRouter:
         for inst in parts:
             inst.in_flight += 1
             self.in_flight.labels(inst.url).set(inst.in_flight)
-        if p is None:  # a replica does the whole request: nothing else can fail it
+        if p is None:  # a replica (or a decode instance, for a short prompt) does the whole request
             prefill, d_body = asyncio.get_running_loop().create_future(), body
         else:
             p_body = {**body, "bootstrap_room": room, "stream": False}
@@ -335,6 +410,8 @@ def run_router(
     replicas=(),
     keys: tuple[str, ...] = (),
     metrics_require_key: bool = False,
+    local_prefill_max_tokens: int = 0,
+    tokenizer: str | None = None,
 ) -> int:
     """Serves until interrupted (0); 2 when the instances do not answer or do not fit; with
     `watch` (instance processes this command started), 1 as soon as one of them dies. `keys`: the
@@ -342,7 +419,8 @@ def run_router(
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = build_router_app(PDRouter(prefill, decode, replicas, keys), keys, metrics_require_key)
+    router = PDRouter(prefill, decode, replicas, keys, local_prefill_max_tokens, tokenizer)
+    app = build_router_app(router, keys, metrics_require_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     state: dict = {}
     if watch:
@@ -369,6 +447,13 @@ def add_router_args(parser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port")
     parser.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="prompts of at most this many tokens go to a decode instance alone, which prefills them (0: none)",
+    )
+    parser.add_argument("--tokenizer", default=None, help="the model's tokenizer (its directory or tokenizer.json)")
+    parser.add_argument(
         "--api-key", action="append", default=None, help="require this key (repeat for several; or AFD_API_KEY)"
     )
     parser.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
@@ -393,6 +478,8 @@ def main(argv: list[str]) -> int:
             replicas=ns.replica,
             keys=keys,
             metrics_require_key=ns.metrics_require_key,
+            local_prefill_max_tokens=ns.local_prefill_max_tokens,
+            tokenizer=ns.tokenizer,
         )
     except ConfigError as exc:
         print(f"afd router: error: {exc}", file=sys.stderr)

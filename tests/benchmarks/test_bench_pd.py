@@ -37,9 +37,23 @@ def test_percentiles_and_transfer_figures():
             "first_decode_step_s": 0,
         },
     ]
+    timelines.append({"queue_s": 0.0, "prefill_s": 0.01})  # a request the decode instance prefilled itself
     out = bench.transfer_figures(timelines)
     assert out["transfer_mb_per_s"] == pytest.approx(2.0)
     assert out["transfer_ms_per_request"] == pytest.approx(1000.0)
     assert out["transfer_kb_per_request"] == pytest.approx(2048.0)
     assert out["ttft_split_ms_mean"]["prefill_s"] == pytest.approx(300.0)
     assert bench.transfer_figures([]) == {}
+
+
+def test_model_choice(tmp_path):
+    bench = load_bench("bench_pd.py")
+    from afd_engine.default_model import default_model_path
+
+    assert bench.model_path("embedded", str(tmp_path)) == str(default_model_path())
+    path = bench.model_path("dsv3-4k", str(tmp_path))
+    import json
+
+    config = json.load(open(f"{path}/config.json"))
+    assert (config["max_position_embeddings"], config["kv_lora_rank"], config["qk_rope_head_dim"]) == (4096, 512, 64)
+    assert bench.model_path("dsv3-4k", str(tmp_path)) == path  # written once

@@ -27,11 +27,15 @@ class PDPair(OfflineEngine):
         self.address = f"127.0.0.1:{port}"
         self._rooms = itertools.count(1 << 20, 1 << 8)
         self.prefill_outputs = {}
+        # prompts this short go to the decode side alone (`afd router --local-prefill-max-tokens`)
+        self.local_max_tokens = 0
 
     def add_request(self, prompt=None, params=None, prompt_token_ids=None, request_id=None, to_prefill=True) -> str:
         room = next(self._rooms)
         rid = request_id or f"pd-{room}"
         ids = prompt_token_ids
+        if len(ids) <= self.local_max_tokens:
+            return self.decode.add_request(prompt_token_ids=ids, params=params, request_id=rid)
         self.decode.add_request(
             prompt_token_ids=ids,
             params=params,

@@ -68,6 +68,23 @@ def test_greedy_tokens_equal_the_single_engine(tiny_model_factory, model, backen
         pd.close()
 
 
+def test_short_prompts_prefilled_by_the_decode_instance_itself(tiny_model_factory):
+    """Conditional disaggregation (`afd router --local-prefill-max-tokens 20`): the prompts of 5,
+    17 and 9 tokens go to the decode instance alone and prefill in its batch, among requests whose
+    pages come from the prefill instance; every request's tokens equal the single engine's."""
+    path = tiny_model_factory("v3-yarn-qlora")
+    (prompts, want), _ = references(path)
+    pd = pair(path)
+    pd.local_max_tokens = 20
+    try:
+        assert run_staggered(pd, prompts, GREEDY, every=2) == want
+        assert sorted(len(o.prompt_token_ids) for o in pd.prefill_outputs.values()) == [33, 40, 70]
+        assert pd.decode.disagg.transfer_bytes == pd.prefill.disagg.transfer_bytes > 0
+        assert idle_pages(pd.prefill) and idle_pages(pd.decode)
+    finally:
+        pd.close()
+
+
 def test_seeded_sampling_and_logprobs_travel_with_the_request(tiny_v3):
     params = [
         SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9, seed=s, logprobs=3, ignore_eos=True)
@@ -193,9 +210,12 @@ def test_an_abort_on_either_side_reaches_the_other(tiny_v3, side):
 def test_instances_refuse_requests_that_do_not_fit_their_role(tiny_v3):
     from afd_engine.errors import InvalidRequestError
 
+    with Engine(model_path=tiny_v3, **COMMON, disaggregation_mode="prefill") as prefill:
+        with pytest.raises(InvalidRequestError, match="requests come through `afd router`"):
+            prefill.add_request(prompt_token_ids=[1, 2, 3])
     with Engine(model_path=tiny_v3, **COMMON, disaggregation_mode="decode") as decode:
         with pytest.raises(InvalidRequestError, match="requests come through `afd router`"):
-            decode.add_request(prompt_token_ids=[1, 2, 3])
+            decode.add_request(prompt_token_ids=[1, 2, 3], disaggregation="room 1")
         with pytest.raises(InvalidRequestError, match="needs the prefill instance's bootstrap_host"):
             decode.add_request(prompt_token_ids=[1, 2, 3], disaggregation={"room": 1})
         decode.add_request(prompt_token_ids=[1, 2, 3], disaggregation={"room": 2, "bootstrap": "127.0.0.1:1"})

@@ -18,6 +18,8 @@ from tests.process_helpers import afd_start, free_port, wait_healthy
 from tests.server.conftest import Server
 from tests.server.test_engine_death import children
 
+IGNORE_EOS = {"ignore_eos": True}
+
 
 def kill_tree(proc) -> None:
     for pid in [*children(proc.pid), proc.pid]:
@@ -58,12 +60,14 @@ def test_serve_pd_one_command_matches_the_single_engine(tiny_v3):
     prompts = ["Hello disaggregation", "Second prompt, a little longer than the first one"]
     with Engine(model_path=tiny_v3, num_threads=1) as single:
         ref = single.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
+        greedy5 = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        short = single.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=greedy5)[0]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = afd_start(
         "serve", "--pd", "--prefill-mode", "single", "--decode-mode", "single",
         "--model-path", tiny_v3, "--port", str(port), "--num-threads", "1", "--kv-cache-memory-mb", "16",
-        "--served-model-name", "tiny", "--max-num-batched-tokens", "8",
+        "--served-model-name", "tiny", "--max-num-batched-tokens", "8", "--local-prefill-max-tokens", "4",
     )  # fmt: skip
     try:
         wait_healthy(url, 180, proc)
@@ -93,7 +97,15 @@ def test_serve_pd_one_command_matches_the_single_engine(tiny_v3):
             "queue_s", "prefill_s", "transfer_s", "transfer_bytes", "kv_wait_s", "first_decode_step_s"
         }  # fmt: skip
         assert meta["timeline"]["transfer_bytes"] > 0 and meta["completion_tokens"] == 4
-        assert 'afd_router_requests_total{endpoint="completions",status="ok"} 1.0' in httpx.get(url + "/metrics").text
+        # prompts of at most 4 tokens (the chat's "hi", these ids) were prefilled by the decode instance
+        local = httpx.post(
+            url + "/generate",
+            json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 5, "temperature": 0, **IGNORE_EOS}},
+        ).json()
+        assert local["output_ids"] == short.token_ids and "transfer_s" not in local["meta_info"].get("timeline", {})
+        metrics = httpx.get(url + "/metrics").text
+        assert 'afd_router_requests_total{endpoint="completions",status="ok"} 1.0' in metrics
+        assert "afd_router_local_prefills_total 2.0" in metrics
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
