@@ -47,6 +47,24 @@ def resolve_keys(api_key: str | Iterable[str] | None, api_key_file: str | None, 
     return tuple(dict.fromkeys(keys))
 
 
+def tls_settings(keyfile: str | None, certfile: str | None, ca_certs: str | None) -> dict:
+    """uvicorn's TLS settings from --ssl-keyfile / --ssl-certfile / --ssl-ca-certs (empty: plain
+    HTTP); --ssl-ca-certs requires client certificates from those CAs (mutual TLS)."""
+    if bool(keyfile) != bool(certfile):
+        raise ConfigError("--ssl-keyfile and --ssl-certfile go together (the key and its certificate)")
+    if ca_certs and not certfile:
+        raise ConfigError("--ssl-ca-certs checks client certificates over HTTPS: give --ssl-keyfile and --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile), ("--ssl-ca-certs", ca_certs)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag}={path}: no such file")
+    if not certfile:
+        return {}
+    import ssl
+
+    required = ssl.CERT_REQUIRED if ca_certs else ssl.CERT_NONE
+    return dict(ssl_keyfile=keyfile, ssl_certfile=certfile, ssl_ca_certs=ca_certs, ssl_cert_reqs=required)
+
+
 def needs_key(path: str, metrics_require_key: bool = False) -> bool:
     """Whether a request for `path` must carry a key (when keys are set)."""
     if path == METRICS_PATH:

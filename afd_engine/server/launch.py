@@ -63,17 +63,9 @@ class ServerArgs:
 
     def tls(self) -> dict:
         """uvicorn's TLS settings (empty: plain HTTP)."""
-        if not self.ssl_certfile:
-            return {}
-        import ssl
+        from afd_engine.server.auth import tls_settings
 
-        required = ssl.CERT_REQUIRED if self.ssl_ca_certs else ssl.CERT_NONE
-        return dict(
-            ssl_keyfile=self.ssl_keyfile,
-            ssl_certfile=self.ssl_certfile,
-            ssl_ca_certs=self.ssl_ca_certs,
-            ssl_cert_reqs=required,
-        )
+        return tls_settings(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs)
 
     def api_keys(self) -> tuple[str, ...]:
         """Every accepted key: --api-key, --api-key-file and AFD_API_KEY (server/auth.py)."""
@@ -97,19 +89,7 @@ class ServerArgs:
 
         check_fields(self)
         self.api_keys()  # a missing or empty key file fails here, before any rank starts
-        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
-            raise ConfigError("--ssl-keyfile and --ssl-certfile go together (the key and its certificate)")
-        if self.ssl_ca_certs and not self.ssl_certfile:
-            raise ConfigError(
-                "--ssl-ca-certs checks client certificates over HTTPS: give --ssl-keyfile and --ssl-certfile"
-            )
-        for flag, path in (
-            ("--ssl-keyfile", self.ssl_keyfile),
-            ("--ssl-certfile", self.ssl_certfile),
-            ("--ssl-ca-certs", self.ssl_ca_certs),
-        ):
-            if path and not Path(path).is_file():
-                raise ConfigError(f"{flag}={path}: no such file")
+        self.tls()  # (and a TLS file that is not there)
         for flag, value in (
             ("--max-request-bytes", self.max_request_bytes),
             ("--max-prompt-chars", self.max_prompt_chars),

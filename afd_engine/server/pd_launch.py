@@ -29,6 +29,8 @@ OWN_FLAGS = {"--pd": 0, "--prefill-mode": 1, "--decode-mode": 1, "--prefill-args
 OWN_FLAGS |= {"--local-prefill-max-tokens": 1}  # the router's
 # the API keys and the cluster secret reach the instances in their environment (instance_env), not command lines
 OWN_FLAGS |= {"--api-key": 1, "--api-key-file": 1, "--cluster-secret": 1}
+# the router serves HTTPS; the instances answer it over loopback
+OWN_FLAGS |= {"--ssl-keyfile": 1, "--ssl-certfile": 1, "--ssl-ca-certs": 1}
 READY_TIMEOUT_S = 900
 
 
@@ -67,9 +69,9 @@ def instance_env(keys: tuple[str, ...], cluster_secret: str | None = None) -> di
 
 def serve_pd(argv: list[str], ns) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if ns.ssl_certfile:
-        log.error("afd serve --pd does not serve HTTPS yet; put a TLS proxy in front of its router")
-        return 2
+    from afd_engine.server.auth import tls_settings
+
+    tls = tls_settings(ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs)
     # uvicorn re-raises SIGTERM once it has shut down: as an exception it lets the instances stop
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     host = "127.0.0.1"
@@ -105,6 +107,7 @@ def serve_pd(argv: list[str], ns) -> int:
             metrics_require_key=ns.metrics_require_key,
             local_prefill_max_tokens=ns.local_prefill_max_tokens,
             tokenizer=str(resolve_model_path(ns.model_path)),
+            tls=tls,
         )
     finally:
         for proc in procs.values():

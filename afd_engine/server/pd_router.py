@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from afd_engine.control.router import CacheAwareRouter
 from afd_engine.errors import ConfigError
-from afd_engine.server.auth import install_auth, resolve_keys
+from afd_engine.server.auth import install_auth, resolve_keys, tls_settings
 from afd_engine.server.errors import error_body, invalid_api_key, openai_error
 
 log = logging.getLogger("afd.router")
@@ -412,6 +412,7 @@ def run_router(
     metrics_require_key: bool = False,
     local_prefill_max_tokens: int = 0,
     tokenizer: str | None = None,
+    tls: dict | None = None,
 ) -> int:
     """Serves until interrupted (0); 2 when the instances do not answer or do not fit; with
     `watch` (instance processes this command started), 1 as soon as one of them dies. `keys`: the
@@ -421,7 +422,7 @@ def run_router(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     router = PDRouter(prefill, decode, replicas, keys, local_prefill_max_tokens, tokenizer)
     app = build_router_app(router, keys, metrics_require_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **(tls or {})))
     state: dict = {}
     if watch:
         threading.Thread(target=_watch_children, args=(server, watch, state), daemon=True).start()
@@ -458,6 +459,9 @@ def add_router_args(parser) -> None:
     )
     parser.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
     parser.add_argument("--metrics-require-key", action="store_true", help="/metrics requires the key too")
+    parser.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM)")
+    parser.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM)")
+    parser.add_argument("--ssl-ca-certs", default=None, help="require client certificates from these CAs (PEM)")
 
 
 def main(argv: list[str]) -> int:
@@ -470,6 +474,7 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     try:
         keys = resolve_keys(ns.api_key, ns.api_key_file)
+        tls = tls_settings(ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs)
         return run_router(
             ns.prefill,
             ns.decode,
@@ -480,6 +485,7 @@ def main(argv: list[str]) -> int:
             metrics_require_key=ns.metrics_require_key,
             local_prefill_max_tokens=ns.local_prefill_max_tokens,
             tokenizer=ns.tokenizer,
+            tls=tls,
         )
     except ConfigError as exc:
         print(f"afd router: error: {exc}", file=sys.stderr)

@@ -224,3 +224,51 @@ def test_tls_flags_are_checked_before_anything_starts(tmp_path):
         ServerArgs(ssl_keyfile=str(tmp_path / "k"), ssl_certfile=str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="--ssl-ca-certs checks client certificates over HTTPS"):
         ServerArgs(ssl_ca_certs=str(tmp_path / "k"))
+
+
+@pytest.mark.timeout(300)
+def test_serve_pd_serves_https_with_the_key(tiny_v3, tmp_path):
+    """`afd serve --pd` with TLS: its router answers over HTTPS (the official client, a certificate
+    from a CA made here) and requires the key; its instances get neither flag on their command lines."""
+    import trustme
+
+    from tests.process_helpers import afd_start, free_port
+    from tests.server.test_engine_death import children
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key_pem, cert_pem = tmp_path / "server.key", tmp_path / "server.pem"
+    cert.private_key_pem.write_to_path(str(key_pem))
+    cert.cert_chain_pems[0].write_to_path(str(cert_pem))
+    port = free_port()
+    url = f"https://127.0.0.1:{port}"
+    proc = afd_start(
+        "serve", "--pd", "--model-path", tiny_v3, "--port", str(port), "--num-threads", "1",
+        "--kv-cache-memory-mb", "16", "--served-model-name", "tiny",
+        "--ssl-keyfile", str(key_pem), "--ssl-certfile", str(cert_pem), env={auth.ENV_KEY: KEY},
+    )  # fmt: skip
+    try:
+        with ca.cert_pem.tempfile() as ca_file:
+            tls = ssl.create_default_context(cafile=ca_file)
+            wait_https(url, proc, verify=tls)
+            client = openai.OpenAI(
+                base_url=url + "/v1", api_key=KEY, max_retries=0, http_client=httpx.Client(verify=tls)
+            )
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+            assert reply.usage.completion_tokens == 3
+            client.close()
+            gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+            assert httpx.post(url + "/generate", json=gen, verify=tls).status_code == 401
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url.replace("https", "http") + "/health")  # no plain HTTP on the port
+        for pid in children(proc.pid):
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            except FileNotFoundError:
+                continue
+            assert "--ssl-keyfile" not in cmdline and KEY not in cmdline
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
