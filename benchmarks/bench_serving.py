@@ -81,7 +81,7 @@ from serving_datasets import (  # noqa: E402  (the workloads; re-exported for ot
 
 MAX_ERRORS_SHOWN = 5
 
-DATASETS = ("random-ids", "random", "sharegpt", "generated-shared-prefix", "multi-turn")
+DATASETS = ("random-ids", "random", "sharegpt", "generated-shared-prefix", "multi-turn", "trace")
 GSP_FLAGS = ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")
 MT_FLAGS = ("mt_num_conversations", "mt_num_turns", "mt_system_prompt_len", "mt_turn_len", "mt_output_len")
 
@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="output length of every ShareGPT request (default: the gpt reply's word count)",
     )
+    p.add_argument("--trace", default=None, help="Mooncake-format JSONL trace (for --dataset-name trace)")
+    p.add_argument("--trace-rate-scale", type=float, default=1.0, help="trace: arrivals this many times as fast")
+    p.add_argument("--trace-length-scale", type=float, default=1.0, help="trace: prompt and output lengths times this")
+    p.add_argument("--trace-start", type=float, default=0.0, help="trace: first second replayed (after scaling)")
+    p.add_argument("--trace-duration", type=float, default=math.inf, help="trace: seconds replayed (after scaling)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--random-input-len", type=int, default=32)
     p.add_argument("--random-output-len", type=int, default=32)
@@ -169,6 +174,14 @@ def validate_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--request-rate must be positive (inf: all at once)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be at least 1")
+    if args.dataset_name == "trace" and not args.trace:
+        p.error("--dataset-name trace needs --trace (a Mooncake-format JSONL file)")
+    if args.dataset_name == "trace" and args.backend == "chat":
+        p.error(
+            "--dataset-name trace sends token ids (equal block ids, equal tokens): use --backend completions or native"
+        )
+    if not (args.trace_rate_scale > 0 and args.trace_length_scale > 0 and args.trace_duration > 0):
+        p.error("--trace-rate-scale, --trace-length-scale and --trace-duration must be positive")
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         p.error("--dataset-name sharegpt needs --dataset-path (a local file; nothing is downloaded)")
     if args.warmup_requests < 0:
@@ -414,6 +427,8 @@ async def run_load(
     start = time.perf_counter()
     tasks = []
     for w, delay in zip(workload, arrival_delays(len(workload), args.request_rate, args.seed)):
+        if getattr(w, "arrival_s", None) is not None:  # a trace's request: at its own time
+            delay = w.arrival_s - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(item(w)))
@@ -434,14 +449,15 @@ def _num_requests(w: Request | Conversation) -> int:
 
 
 def _stats(name: str, values_s: list[float]) -> dict[str, float]:
-    """mean/median/std/p99 of `values_s` (seconds), in ms; zeros when there are none."""
+    """mean/median/std/p90/p99 of `values_s` (seconds), in ms; zeros when there are none."""
     ms = np.asarray(values_s, dtype=float) * 1000.0
     if ms.size == 0:
-        return {f"{k}_{name}_ms": 0.0 for k in ("mean", "median", "std", "p99")}
+        return {f"{k}_{name}_ms": 0.0 for k in ("mean", "median", "std", "p90", "p99")}
     return {
         f"mean_{name}_ms": float(ms.mean()),
         f"median_{name}_ms": float(np.median(ms)),
         f"std_{name}_ms": float(ms.std()),
+        f"p90_{name}_ms": float(np.percentile(ms, 90)),
         f"p99_{name}_ms": float(np.percentile(ms, 99)),
     }
 

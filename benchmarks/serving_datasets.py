@@ -1,5 +1,6 @@
-"""The workloads of bench_serving.py: random ids or words, ShareGPT, generated shared prefixes and
-multi-turn conversations. Nothing is downloaded; every draw comes from a seeded random.Random."""
+"""The workloads of bench_serving.py: random ids or words, ShareGPT, generated shared prefixes,
+multi-turn conversations and request traces. Nothing is downloaded; every draw comes from a seeded
+random.Random."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Request:
     prompt: Prompt
     prompt_len: int  # exact for token ids; the word count for text and messages
     output_len: int
+    arrival_s: float | None = None  # a trace's request: when it is sent, from the run's start
 
 
 @dataclass
@@ -145,10 +147,46 @@ def next_turn(prev: Request, answer: Any, user: str | list[int]) -> Request:
     return Request(prompt, prev.prompt_len + _size(output) + _size(user), prev.output_len)
 
 
+def trace_requests(args: argparse.Namespace) -> list[Request]:
+    """A Mooncake-format trace's requests (afd_engine/planner/traces.py reads it: arrival times
+    divided by --trace-rate-scale, lengths times --trace-length-scale), those arriving in
+    [--trace-start, --trace-start + --trace-duration) seconds, each sent at its arrival time. A
+    prompt is its block ids' token blocks, one fixed random block per id, cut to its length (and
+    filled with its own random tokens where its ids do not cover it): requests that share block ids
+    share those prompt tokens, so the prefix cache sees the trace's reuse."""
+    from afd_engine.planner.traces import load_mooncake
+
+    trace = load_mooncake(args.trace, args.trace_rate_scale, args.trace_length_scale)
+    end = args.trace_start + args.trace_duration
+    picked = [r for r in trace.requests if args.trace_start <= r.arrival_s < end]
+    if not picked:
+        raise ValueError(f"--trace {args.trace}: no request arrives in [{args.trace_start:g}, {end:g}) s")
+    blocks: dict[int, list[int]] = {}
+
+    def block(block_id: int) -> list[int]:
+        if block_id not in blocks:
+            rng = random.Random(f"trace block {block_id}")
+            blocks[block_id] = [
+                rng.randrange(NUM_SPECIAL_IDS, args.random_vocab_size) for _ in range(trace.block_tokens)
+            ]
+        return blocks[block_id]
+
+    out = []
+    for i, r in enumerate(picked):
+        ids = [t for b in r.blocks for t in block(b)][: r.input_len]
+        if len(ids) < r.input_len:
+            rng = random.Random(f"trace request {i}")
+            ids += [rng.randrange(NUM_SPECIAL_IDS, args.random_vocab_size) for _ in range(r.input_len - len(ids))]
+        out.append(Request(ids, len(ids), r.output_len, arrival_s=r.arrival_s - args.trace_start))
+    return out
+
+
 def make_workload(args: argparse.Namespace, seed: int | str | None = None) -> list[Request] | list[Conversation]:
     """The requests (or, for multi-turn, the conversations) of a run; `seed` defaults to --seed."""
     if args.dataset_name == "sharegpt":
         return sharegpt_requests(args)
+    if args.dataset_name == "trace":
+        return trace_requests(args)
     rng = random.Random(args.seed if seed is None else seed)
     # Chat has no way to send token ids, so the id datasets fall back to random words there.
     as_ids = args.dataset_name != "random" and args.backend != "chat"
@@ -171,5 +209,11 @@ def warmup_requests(args: argparse.Namespace, workload: list[Request] | list[Con
     requests of the same shape from another seed (so that no measured prefix gets cached)."""
     if args.dataset_name in ("generated-shared-prefix", "multi-turn"):
         workload = make_workload(args, seed=f"warmup {args.seed}")
+    if args.dataset_name == "trace":  # the same lengths, none of the trace's blocks, sent at once
+        rng = random.Random(f"warmup {args.seed}")
+        workload = [
+            Request(_random_prompt(rng, r.prompt_len, True, args.random_vocab_size), r.prompt_len, r.output_len)
+            for r in workload
+        ]
     pool = [first_turn(w) if isinstance(w, Conversation) else w for w in workload]
     return [pool[i % len(pool)] for i in range(args.warmup_requests)]

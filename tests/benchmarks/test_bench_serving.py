@@ -285,3 +285,58 @@ def test_cached_tokens_and_hit_rate():
     none = b.compute_metrics([other], 1.0, args)
     assert none["total_cached_tokens"] is None and none["cache_hit_rate"] is None
     assert "not reported" in b.format_table(none, args)
+
+
+def write_trace(path: Path) -> Path:
+    """Four requests of the Mooncake format: the second shares the first's first block, the fourth
+    both of its blocks; at 1/32 of the lengths a block is 16 tokens (one page of the server)."""
+    rows = [
+        (0, 1024, 128, [0, 1]),
+        (100, 1024, 128, [0, 2]),
+        (200, 512, 128, [3]),
+        (300, 1500, 128, [0, 1, 4]),
+    ]
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": h}) + "\n"
+            for t, n, o, h in rows
+        )
+    )
+    return path
+
+
+def test_trace_prompts_share_what_their_block_ids_share(tmp_path):
+    b = _module()
+    trace = write_trace(tmp_path / "trace.jsonl")
+    args = b.parse_args(["--dataset-name", "trace", "--trace", str(trace), "--trace-length-scale", "0.03125"])
+    reqs = b.make_workload(args)
+    assert [r.prompt_len for r in reqs] == [32, 32, 16, 47] and [r.output_len for r in reqs] == [4] * 4
+    assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    first, second, third, fourth = (r.prompt for r in reqs)
+    assert second[:16] == first[:16] and second[16:] != first[16:]
+    assert fourth[:32] == first and third != first[:16]
+    assert b.make_workload(args)[3].prompt == fourth  # the same prompts every time
+    # a slice, at twice the rate: arrivals measured from the slice's start
+    fast = ["--trace-rate-scale", "2", "--trace-start", "0.05", "--trace-duration", "0.09"]
+    sliced = b.make_workload(b.parse_args(["--dataset-name", "trace", "--trace", str(trace), *fast]))
+    assert [r.arrival_s for r in sliced] == pytest.approx([0.0, 0.05])
+    warm = b.warmup_requests(args, reqs)
+    assert len(warm[0].prompt) == 32 and warm[0].prompt[:16] != first[:16]
+    with pytest.raises(SystemExit):
+        b.parse_args(["--dataset-name", "trace"])  # no --trace
+    with pytest.raises(SystemExit):
+        b.parse_args(["--dataset-name", "trace", "--trace", str(trace), "--backend", "chat"])
+
+
+def test_trace_replay_hits_the_cache_where_the_trace_reuses_blocks(server, tmp_path):
+    """Sent at the trace's times, one at a time: the second request finds its first block (16
+    tokens) cached, the fourth the first request's two blocks (32), the others nothing."""
+    trace = write_trace(tmp_path / "trace.jsonl")
+    flags = ["--dataset-name", "trace", "--trace", str(trace), "--trace-length-scale", "0.03125"]
+    flags += ["--backend", "native", "--max-concurrency", "1", "--output-details", "--seed", "14"]
+    rec = run_bench(server, tmp_path, *flags)
+    assert rec["completed"] == 4 and rec["failed"] == 0 and rec["output_lens"] == [4] * 4
+    assert rec["input_lens"] == [32, 32, 16, 47]
+    assert rec["cached_lens"] == [0, 16, 0, 32]
+    assert rec["duration"] >= 0.3  # the last request left at 0.3 s
+    assert rec["p90_ttft_ms"] > 0
