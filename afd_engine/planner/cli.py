@@ -243,10 +243,70 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--source", default=None, help="what was measured (model, hardware, context)")
     k.add_argument("--skip-steps", type=int, default=1, help="warm-up steps to leave out")
     common(k)
+    _simulate_parser(sub)
     return p
 
 
+def _simulate_parser(sub) -> None:
+    from afd_engine.planner.simulate import SPEC_HELP
+
+    v = sub.add_parser(
+        "simulate",
+        help="discrete-event simulation of deployments serving a request trace",
+        description="Simulates each --deployment serving a trace (continuous batching, prefix cache, "
+        "preemption, PD transfer) and reports TTFT, TPOT, SLO attainment and goodput.",
+        epilog=SPEC_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    v.add_argument("--trace", default=None, metavar="FILE", help="Mooncake-format JSONL trace")
+    v.add_argument("--poisson", type=float, default=None, metavar="RATE", help="synthetic Poisson arrivals, req/s")
+    v.add_argument("--duration", type=float, default=None, metavar="S", help="--poisson: seconds of arrivals")
+    v.add_argument("--lengths", default="sharegpt", help="--poisson: fixed:IN,OUT or sharegpt (log-normal)")
+    v.add_argument("--seed", type=int, default=0, help="--poisson: random seed")
+    v.add_argument("--limit", type=int, default=None, metavar="N", help="--trace: only its first N requests")
+    v.add_argument(
+        "--deployment", action="append", required=True, metavar="SPEC", help="repeat to compare (SPEC below)"
+    )
+    v.add_argument("--model", default="deepseek-v3", help="deepseek-v3, qwen3-235b-a22b, step3, or a config.json")
+    v.add_argument("--attn-dtype", choices=("fp8", "bf16"), default=None, help="default: the model's usual one")
+    v.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8")
+    v.add_argument("--rate-scale", type=float, default=1.0, help="arrival times divided by this")
+    v.add_argument("--length-scale", type=float, default=1.0, help="prompt and output lengths multiplied by this")
+    v.add_argument("--ttft-slo", type=float, default=5000.0, metavar="MS", help="time to first token SLO")
+    v.add_argument("--tpot-slo", type=float, default=50.0, metavar="MS", help="time per output token SLO")
+    v.add_argument("--calibration", default=None, help="measured stage times from `afd plan calibrate`")
+    v.add_argument("--expert-imbalance", type=float, default=1.0, metavar="FLOAT", help="EPLB max/mean load, >= 1")
+    v.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step per rank")
+    v.add_argument("--max-running-requests", type=int, default=256, help="running requests per rank")
+    v.add_argument("--schedule-policy", choices=("lpm", "fcfs"), default="lpm")
+    v.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    v.add_argument("--kv-pages", type=int, default=None, help="KV pages per rank (default: memory left by weights)")
+    v.add_argument("--no-prefix-cache", action="store_true", help="never reuse cached prefixes")
+    v.add_argument(
+        "--router",
+        choices=("cache_aware", "shortest_queue", "round_robin"),
+        default="cache_aware",
+        help="which rank takes a request, as the engine's --load-balance-method",
+    )
+    v.add_argument("--rates", default=None, metavar="X,Y,Z", help="rate scales of a sweep (x --rate-scale)")
+    v.add_argument("--plot", default=None, metavar="PNG", help="SLO attainment vs request rate (sweeps --rates)")
+    v.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write JSON here ('-': stdout)")
+    v.add_argument("--hw-file", default=None, help="YAML with more hardware (see planner README)")
+    v.set_defaults(json=False)
+
+
+def _simulate(ns) -> dict:
+    from afd_engine.planner.simulate import run_cli
+
+    return run_cli(ns)
+
+
 def _print_human(what: str, out: dict) -> None:
+    if what == "simulate":
+        from afd_engine.planner.simulate import print_report
+
+        print_report(out)
+        return
     if what == "reference":
         print(f"{'figure':<50} {'source':<16} {'published':>10} {'model':>10}  {'role':<9}  ok")
         for r in out["checks"]:
@@ -289,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             "sparsity": _sparsity,
             "calibrate": _calibrate,
             "reference": _reference,
+            "simulate": _simulate,
         }[ns.what](ns)
     except AFDError as exc:
         print(f"afd plan {ns.what}: error: {exc}", file=sys.stderr)
