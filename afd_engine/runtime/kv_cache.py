@@ -62,6 +62,10 @@ class KVPool:
     def free_rows(self) -> int:
         return len(self._free_rows)
 
+    @property
+    def open_rows(self) -> int:
+        return len(self._pages)
+
     def reserve_page(self) -> int:
         """Takes the highest free page out of the pool for good (the padding page of CUDA graph
         decode steps, runtime/cuda_graph.py): no sequence gets it and the pool counts it no more."""

@@ -155,6 +155,9 @@ class Scheduler:
         while not self._grow(req.row, tokens):
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
+                if self.pool.open_rows > 1:  # pages held for requests whose KV is on its way (PD decode)
+                    self._preempt(req)  # it resumes once they run (and can be preempted) or fail
+                    return False
                 req.finish_reason = "length"  # the pool cannot hold this one sequence
                 plan.finished.append(req)
                 self.remove(req)
@@ -209,7 +212,7 @@ class Scheduler:
             need = pages_for(req.total_len + 1, self.pool.page_size) - len(prefix)
             if need > self._available_pages() - len(self.running):
                 self.cache.release(req)
-                if not self.running:  # grew past the whole pool (after preemption): cannot resume
+                if not self.running and self.pool.open_rows == 0:  # grew past the whole pool: cannot resume
                     self.waiting.remove(req)
                     req.finish_reason = "length"
                     plan.finished.append(req)

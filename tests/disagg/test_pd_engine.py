@@ -136,6 +136,30 @@ def test_a_full_decode_instance_holds_requests_back_instead_of_failing_them(tiny
         pd.close()
 
 
+def test_a_decode_that_outgrows_pages_reserved_for_others_waits_for_them(tiny_v3):
+    """160 tokens of pages on the decode side (16-token pages): a request decodes alone while
+    another's 7 pages wait for a prefill that never comes. When the first needs a page there is
+    none; it is preempted (not ended for `length`), and once the reservation times out it resumes
+    and gives the single engine's tokens."""
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    pd = pair(tiny_v3, decode={"max_total_tokens": 160, "page_size": 16, "disaggregation_timeout": 1.0})
+    try:
+        (prompt,) = random_prompts(pd.prefill.config.vocab_size, [20], seed=9, low=5)
+        with Engine(model_path=tiny_v3, **COMMON) as single:
+            (want,) = single.generate(prompt_token_ids=[prompt], sampling_params=params)
+        rid = pd.add_request(prompt_token_ids=prompt, params=params)
+        pd.run_until(lambda: len(pd.decode._requests[rid].output_ids) >= 2)
+        held = pd.add_request(prompt_token_ids=[7] * 100, params=params, to_prefill=False)
+        pd.run_until(lambda: pd.decode._requests[held].disagg_room in pd.decode.disagg.reserved)
+        outs = {o.request_id: o for o in pd.run_until(lambda: not pd.decode.has_unfinished())}
+        assert outs[held].error == "the prefill instance sent no KV cache within 1 s (--disaggregation-timeout)"
+        assert outs[rid].finish_reason == "length" and outs[rid].error is None
+        assert outs[rid].token_ids == want.token_ids and pd.decode.scheduler.num_preemptions >= 1
+        assert idle_pages(pd.decode)
+    finally:
+        pd.close()
+
+
 def test_mismatched_instances_are_refused_at_the_handshake(tiny_v3):
     pd = pair(tiny_v3, decode={"page_size": 8})
     try:
