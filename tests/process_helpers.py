@@ -81,3 +81,12 @@ def wait_healthy(url: str, timeout: float = 120, proc: subprocess.Popen | None =
             pass
         time.sleep(0.2)
     raise AssertionError(f"{url} not healthy within {timeout} s")
+
+
+def proc_title(pid: int) -> str:
+    """The name a process gave itself (afd_engine/proctitle.py), as `ps` shows it; "" when gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        return ""

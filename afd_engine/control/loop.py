@@ -203,6 +203,9 @@ def run_engine_process(
     """Process entry point of the single engine (or, with `build`, of an attention rank): builds the
     engine, reports readiness (or the error) through `ready`, then serves until shut down."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from afd_engine.proctitle import engine_title, set_title
+
+    set_title(engine_title(args.mode, rank, args.dp_size))
     try:
         engine = build() if build is not None else Engine(args)
     except Exception as exc:  # any failure to start is reported to the parent, which exits

@@ -57,6 +57,9 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
     """An FFN rank of an AFD deployment: loads only its experts, serves every attention rank.
     `local_index` is its place among this machine's ranks (which GPU it takes)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from afd_engine.proctitle import ffn_title, set_title
+
+    set_title(ffn_title(rank, args.ffn_ranks_per_node))
     torch.set_num_threads(args.threads)
     retain_freed_memory()
     try:

@@ -101,6 +101,9 @@ class ServerArgs:
 def serve(engine_args: EngineArgs, server_args: ServerArgs, deployment: Deployment | None = None) -> int:
     """Runs until interrupted (exit 0) or until a rank dies (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from afd_engine.proctitle import set_title
+
+    set_title("afd::api")
     engine_args.validate()
     deployment = deployment or Deployment(engine_args)
     # uvicorn re-raises SIGTERM once it has shut down; as an exception it lets the ranks stop

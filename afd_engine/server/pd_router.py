@@ -420,6 +420,9 @@ def run_router(
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from afd_engine.proctitle import set_title
+
+    set_title("afd::router")
     router = PDRouter(prefill, decode, replicas, keys, local_prefill_max_tokens, tokenizer)
     app = build_router_app(router, keys, metrics_require_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **(tls or {})))

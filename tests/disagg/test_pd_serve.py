@@ -13,8 +13,7 @@ import openai
 import pytest
 
 from afd_engine import Engine, SamplingParams
-from tests.distributed.test_serve_deployments import cmdline
-from tests.process_helpers import afd_start, free_port, wait_healthy
+from tests.process_helpers import afd_start, free_port, proc_title, wait_healthy
 from tests.server.conftest import Server
 from tests.server.test_engine_death import children
 
@@ -178,7 +177,7 @@ def test_failures_fail_the_request_and_free_both_sides(tiny_v3):
         # the pages it reserved and goes on serving (a new decode instance where the router knows one)
         decode = Server(tiny_v3, "--disaggregation-mode", "decode", *common, port=decode.port)
         started.append(decode)
-        (rank,) = [p for p in children(prefill.proc.pid) if "spawn_main" in cmdline(p)]
+        (rank,) = [p for p in children(prefill.proc.pid) if proc_title(p) == "afd::engine"]
         os.kill(rank, signal.SIGSTOP)  # the request reaches the prefill rank, which never answers
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=30)
         import threading

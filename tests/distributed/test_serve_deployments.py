@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from afd_engine import Engine, SamplingParams
+from tests.process_helpers import proc_title
 from tests.server.conftest import Server
 from tests.server.test_engine_death import children
 
@@ -58,6 +59,10 @@ def test_openai_client_against_a_deployment(tiny_v3, flags):
         chunks = list(stream)
         assert chunks[-1].usage.completion_tokens == 6
         assert srv.metric("afd_kv_pages_used") == srv.metric("afd_prefix_cache_pages")
+        # every process carries its role in its name (afd_engine/proctitle.py)
+        titles = sorted(t for t in map(proc_title, children(srv.proc.pid)) if t.startswith("afd::"))
+        ffn = [f"afd::ffn-{n}-{i}" for n in range(2) for i in range(2)] if "afd" in flags else []
+        assert titles == ["afd::attention-0", "afd::attention-1", *ffn] and proc_title(srv.proc.pid) == "afd::api"
     finally:
         srv.stop()
 
@@ -68,7 +73,8 @@ def test_killing_an_expert_rank_fails_the_stream_quickly_and_the_server_exits(ti
     topology = "--mode afd --dp-size 1 --ffn-nodes 1 --ffn-ranks-per-node 2 --micro-batches 2"
     srv = Server(tiny_v3, *topology.split(), "--transport", transport)
     try:
-        ffn = [p for p in children(srv.proc.pid) if "spawn" in cmdline(p)]
+        ffn = [p for p in children(srv.proc.pid) if proc_title(p).startswith("afd::ffn-")]
+        assert len(ffn) == 2
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         stream = client.chat.completions.create(
             model="tiny",
@@ -112,10 +118,8 @@ def test_single_mode_replicas_each_serve_and_match_one_engine(tiny_v3):
         )
     srv = Server(tiny_v3, "--mode", "single", "--dp-size", "2", "--load-balance-method", "round_robin")
     try:
-        ranks = [
-            p for p in children(srv.proc.pid) if "spawn_main" in cmdline(p) and "resource_tracker" not in cmdline(p)
-        ]
-        assert len(ranks) == 2, [cmdline(p) for p in ranks]
+        ranks = [p for p in children(srv.proc.pid) if proc_title(p).startswith("afd::engine-")]
+        assert sorted(proc_title(p) for p in ranks) == ["afd::engine-0", "afd::engine-1"]
         before = [_cpu_ticks(p) for p in ranks]
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         out = client.completions.create(

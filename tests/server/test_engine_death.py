@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.process_helpers import proc_title
 from tests.server.conftest import Server
 
 
@@ -27,13 +28,9 @@ def children(pid: int) -> list[int]:
 def test_dead_engine_makes_health_and_requests_fail_fast(tiny_v3):
     srv = Server(tiny_v3)
     try:
-        engines = [
-            p
-            for p in children(srv.proc.pid)
-            if "afd-engine" in Path(f"/proc/{p}/cmdline").read_text()
-            or "spawn" in Path(f"/proc/{p}/cmdline").read_text()
-        ]
-        assert engines, "no engine child process found"
+        engines = [p for p in children(srv.proc.pid) if proc_title(p) == "afd::engine"]
+        assert len(engines) == 1, "no engine child process found"
+        assert proc_title(srv.proc.pid) == "afd::api"
         for pid in engines:
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 15
