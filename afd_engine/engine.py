@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import random
 import time
@@ -101,6 +102,10 @@ class Engine(OfflineEngine):
         )
         self.runner: StepRunner = (rank_runner or ModelRunner)(self.model, self.pool)
         self.graph_capture_seconds = self._capture_graphs() if rank_runner is None else None
+        if args.record_steps:
+            rank = getattr(self.runner, "rank", None)
+            path = args.record_steps if rank is None else f"{args.record_steps}.a{rank}.jsonl"
+            self.runner.execute = StepRecorder(path, self.runner.execute)
         eos = set(self.config.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         self.stepper = Stepper(
             self.scheduler,
@@ -386,8 +391,37 @@ class Engine(OfflineEngine):
         self.stepper.close()
         self.grammars.close()
         self.runner.close()
+        if isinstance(self.runner.execute, StepRecorder):
+            self.runner.execute.file.close()
         if self.disagg is not None:
             self.disagg.close()
+
+
+class StepRecorder:
+    """Wraps a runner's `execute`: one JSONL line per step with this rank's load, as the simulator
+    counts it (tokens, sequences, KV positions its decodes read, query-key pairs of its prefill
+    chunks), and the monotonic start and end of the forward (`--record-steps`)."""
+
+    def __init__(self, path: str, execute: Callable) -> None:
+        self.file = open(path, "w", buffering=1)
+        self.execute = execute
+        self.step = 0
+
+    def __call__(self, prepared):
+        plan = prepared.plan  # committed: num_cached already counts this step's tokens
+        t0 = time.monotonic()
+        out = self.execute(prepared)
+        t1 = time.monotonic()
+        ext = sum(n for _, n in plan.extend)
+        pairs = sum(n * (r.num_cached - n) + n * (n + 1) / 2 for r, n in plan.extend)
+        kv = sum(r.num_cached for r in plan.decode)
+        rec = [self.step, ext + len(plan.decode), len(plan.extend) + len(plan.decode), kv, pairs, t0, t1]
+        self.file.write(json.dumps(dict(zip(STEP_FIELDS, rec))) + "\n")
+        self.step += 1
+        return out
+
+
+STEP_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
 
 
 def _load_tokenizer(model_path):

@@ -219,6 +219,11 @@ class EngineArgs:
     record_timeline: str | None = opt(
         None, "write per-operation timing events of every rank to PATH.<role><rank>.jsonl"
     )
+    record_steps: str | None = opt(
+        None,
+        "write one JSONL record per forward step (load and wall time; `afd plan simulate --step-calibration`) "
+        "to PATH, or PATH.a<rank>.jsonl for each attention rank of a deployment",
+    )
     disaggregation_mode: str = opt(
         "null",
         "prefill-decode disaggregation: null (prefill and decode here), prefill (prompts only; the KV cache goes "

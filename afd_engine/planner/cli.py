@@ -275,6 +275,12 @@ def _simulate_parser(sub) -> None:
     v.add_argument("--ttft-slo", type=float, default=5000.0, metavar="MS", help="time to first token SLO")
     v.add_argument("--tpot-slo", type=float, default=50.0, metavar="MS", help="time per output token SLO")
     v.add_argument("--calibration", default=None, help="measured stage times from `afd plan calibrate`")
+    v.add_argument(
+        "--step-calibration",
+        default=None,
+        metavar="FILE",
+        help="step time fitted to this engine's --record-steps runs (JSON of planner/step_calibration.py)",
+    )
     v.add_argument("--expert-imbalance", type=float, default=1.0, metavar="FLOAT", help="EPLB max/mean load, >= 1")
     v.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step per rank")
     v.add_argument("--max-running-requests", type=int, default=256, help="running requests per rank")

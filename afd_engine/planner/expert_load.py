@@ -11,11 +11,11 @@ comes from `--expert-imbalance` or from a JSON file (`--expert-load`) holding on
 
 from __future__ import annotations
 
-import json
 from math import isfinite
 from pathlib import Path
 
 from afd_engine.errors import ConfigError
+from afd_engine.planner.files import read_json
 
 BALANCED = 1.0
 FILE_KEYS = ("imbalance_after", "imbalance")
@@ -34,12 +34,7 @@ def check_imbalance(value: object, what: str) -> float:
 def load_expert_imbalance(path: str | Path) -> tuple[float, str]:
     """The factor in the JSON file at `path`, and the key it came from."""
     flag = f"--expert-load {path}"
-    try:
-        raw = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{flag}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{flag}: not a JSON file ({exc})") from None
+    raw = read_json(path, "--expert-load")
     if not isinstance(raw, dict):
         raise ConfigError(f"{flag}: expected a JSON object with key 'imbalance_after' or 'imbalance'")
     key = next((k for k in FILE_KEYS if k in raw), None)

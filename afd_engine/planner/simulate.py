@@ -44,6 +44,7 @@ from afd_engine.planner.hardware import Hardware
 from afd_engine.planner.model_spec import ModelSpec
 from afd_engine.planner.network import CommCase, comm_time
 from afd_engine.planner.stages import StageModel
+from afd_engine.planner.step_calibration import FittedStepTime, StepCalibration
 from afd_engine.planner.traces import Trace
 
 # Same values as runtime/scheduler.py (not imported: that module needs torch).
@@ -1172,6 +1173,7 @@ class BuildOptions:
     attn_dtype: str
     weight_dtype: str = "fp8"
     calibration: Calibration | None = None
+    step_calibration: StepCalibration | None = None  # replaces the stage model with a fit of this engine's steps
     expert_imbalance: float = 1.0
     page_tokens: int = 16
     max_batch_tokens: int = 2048
@@ -1226,6 +1228,8 @@ def _instance(spec: DeploymentSpec, b: BuildOptions) -> tuple[InstanceConfig, Ha
                 f"{attn_hw.name}'s {attn_hw.mem_gb:g} GB less {MEMORY_RESERVE:.0%}; use more GPUs"
             )
     step = StageStepTime(sm, spec.kind, ranks, ffn, mb, dispatch, shared, tokens)
+    if b.step_calibration is not None:
+        step = FittedStepTime(b.step_calibration, step.roles)
     cfg = InstanceConfig(
         ranks=ranks,
         step_time=step,
@@ -1303,6 +1307,7 @@ def run_cli(ns: argparse.Namespace) -> dict:
         attn_dtype=ns.attn_dtype or model.default_attn_dtype,
         weight_dtype=ns.weight_dtype,
         calibration=Calibration.load(ns.calibration) if ns.calibration else None,
+        step_calibration=StepCalibration.load(ns.step_calibration) if ns.step_calibration else None,
         expert_imbalance=ns.expert_imbalance,
         page_tokens=ns.page_size,
         max_batch_tokens=ns.max_num_batched_tokens,
@@ -1320,7 +1325,9 @@ def run_cli(ns: argparse.Namespace) -> dict:
     out: dict = {
         "model": model.name,
         "stage_times": (
-            f"measured ({ns.calibration}: {build.calibration.source or 'no source given'})"
+            f"fitted to this engine's steps ({ns.step_calibration})"
+            if build.step_calibration
+            else f"measured ({ns.calibration}: {build.calibration.source or 'no source given'})"
             if build.calibration
             else "roofline (planner efficiency factors)"
         ),

@@ -1,0 +1,153 @@
+"""The step time fitted to the engine's recorded steps (planner/step_calibration.py), its
+`afd plan simulate --step-calibration` flag, and the engine's `--record-steps` writer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from afd_engine.cli import main
+from afd_engine.errors import ConfigError
+from afd_engine.planner.step_calibration import (
+    RECORD_FIELDS,
+    TERMS,
+    FittedStepTime,
+    StepCalibration,
+    fit,
+    fit_records,
+    nnls,
+    read_records,
+    step_rows,
+)
+
+COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9)
+
+
+def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    loads = np.column_stack(
+        [rng.integers(1, 2048, n), rng.integers(1, 64, n), rng.integers(0, 50_000, n), rng.integers(0, 2_000_000, n)]
+    ).astype(float)
+    seconds = COEF[0] + loads @ np.array(COEF[1:])
+    return loads, seconds
+
+
+@pytest.mark.parametrize("power", [0.0, 0.25, 1.0])
+def test_fit_recovers_known_coefficients(power):
+    loads, seconds = synthetic()
+    cal = fit(loads, seconds, "synthetic", power)
+    assert cal.steps == 200 and cal.rms_s < 1e-12 and cal.power == power
+    for got, want in zip(cal.coef, COEF):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+def test_fit_is_non_negative():
+    # y = 1 + 2 x1 - 0.5 x2: the best non-negative fit drops x2
+    x = np.array([[1, 0, 0], [1, 1, 0], [1, 2, 1], [1, 3, 2], [1, 0, 3]], float)
+    y = x @ np.array([1.0, 2.0, -0.5])
+    coef = nnls(x, y)
+    assert np.all(coef >= 0) and coef[2] == 0.0
+    assert fit(*synthetic(10)).coef  # and too few steps is refused
+    with pytest.raises(ConfigError, match="at least 5 steps"):
+        fit([(1, 1, 0, 0)] * 4, [0.1] * 4)
+
+
+def test_fitted_step_time_is_the_slowest_ranks():
+    cal = StepCalibration(COEF)
+    model = FittedStepTime(cal, ("attention", "ffn"))
+    loads = [(100, 4, 2000.0, 0.0), (512, 1, 0.0, 131_328.0)]  # a decode rank and a prefilling one
+    a = 0.004 + 100 * 3e-5 + 4 * 2e-4 + 2000 * 1e-7
+    b = 0.004 + 512 * 3e-5 + 1 * 2e-4 + 131_328 * 5e-9
+    seconds, busy = model.step(loads)
+    assert seconds == pytest.approx(max(a, b), abs=1e-12) and b > a
+    assert busy == (seconds, seconds)
+
+
+def _write_steps(path, rows):
+    path.write_text("".join(json.dumps(dict(zip(RECORD_FIELDS, r))) + "\n" for r in rows))
+    return str(path)
+
+
+def test_step_rows_join_lockstep_ranks(tmp_path):
+    # (step, tokens, seqs, kv, pairs, t0, t1); step 0 is warm-up
+    a = _write_steps(
+        tmp_path / "a0", [(0, 5, 1, 0, 15, 0.0, 0.5), (1, 10, 2, 40, 0, 0.501, 0.6), (2, 0, 0, 0, 0, 5.0, 5.1)]
+    )
+    b = _write_steps(
+        tmp_path / "a1", [(0, 1, 1, 0, 1, 0.0, 0.4), (1, 3, 3, 9, 0, 0.502, 0.61), (2, 7, 1, 0, 28, 5.0, 5.2)]
+    )
+    loads, seconds = step_rows([read_records(a), read_records(b)])
+    # step 1: the busiest rank's load; from the previous end (a 1 ms gap) to the last rank's end
+    # step 2: after an idle gap only the forward counts
+    assert loads == [(10, 2, 40, 0), (7, 1, 0, 28)]
+    assert seconds == pytest.approx([0.11, 0.2])
+    rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(12)]
+    cal = fit_records([[_write_steps(tmp_path / "s", rows)]], "one rank")
+    assert cal.steps == 11 and cal.source == "one rank"
+    (tmp_path / "bad").write_text('{"step": 0}\n')
+    with pytest.raises(ConfigError, match="bad:1: expected a step record"):
+        read_records(tmp_path / "bad")
+
+
+def one_request_trace(tmp_path) -> str:
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 32, "output_length": 4, "hash_ids": []}) + "\n")
+    return str(path)
+
+
+def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
+    cal_file = tmp_path / "cal.json"
+    StepCalibration(COEF, "test").save(cal_file)
+    assert StepCalibration.load(cal_file).coef == COEF
+    args = ["plan", "simulate", "--trace", one_request_trace(tmp_path), "--deployment", "colocated:gpus=1"]
+    args += ["--kv-pages", "64", "--step-calibration", str(cal_file), "--json", "-"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stage_times"].startswith("fitted to this engine's steps")
+    d = out["deployments"][0]
+    prefill = COEF[0] + 32 * COEF[1] + COEF[2] + 32 * 33 / 2 * COEF[4]
+    assert d["ttft_s"]["p50"] == pytest.approx(prefill, rel=1e-9)
+    decode = [COEF[0] + COEF[1] + COEF[2] + kv * COEF[3] for kv in (33, 34, 35)]
+    assert d["tpot_s"]["p50"] == pytest.approx(sum(decode) / 3, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "text, msg",
+    [
+        ("not json", "not a JSON file"),
+        (json.dumps({"coef": {"fixed": 1.0}}), "exactly the keys"),
+        (json.dumps({"coef": dict.fromkeys(TERMS, "x")}), "finite number"),
+        (json.dumps({"coef": {**dict.fromkeys(TERMS, 0.0), "tokens": -1.0}}), ">= 0"),
+        (json.dumps({"coef": dict.fromkeys(TERMS, 0.0)}), "all coefficients are 0"),
+    ],
+)
+def test_cli_refuses_a_malformed_step_calibration(tmp_path, capsys, text, msg):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    args = ["plan", "simulate", "--poisson", "1", "--duration", "5", "--deployment", "colocated:gpus=1"]
+    assert main([*args, "--step-calibration", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("afd plan simulate: error: --step-calibration") and msg in err
+    assert main([*args, "--step-calibration", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_engine_records_one_line_per_step(tiny_v3, tmp_path):
+    from afd_engine.engine import Engine
+    from afd_engine.sampling_params import SamplingParams
+
+    path = tmp_path / "steps.jsonl"
+    with Engine(model_path=tiny_v3, num_threads=1, max_num_batched_tokens=8, record_steps=str(path)) as eng:
+        eng.generate(
+            prompt_token_ids=[[5] * 12, [7] * 3], sampling_params=SamplingParams(max_new_tokens=3, ignore_eos=True)
+        )
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(len(recs)))
+    assert all(set(r) == set(RECORD_FIELDS) and r["t1"] >= r["t0"] for r in recs)
+    # step 0: 8 tokens of the 12-token prompt (budget 8), a fresh chunk: 8 * 9 / 2 pairs
+    assert (recs[0]["tokens"], recs[0]["seqs"], recs[0]["kv"], recs[0]["pairs"]) == (8, 1, 0, 36)
+    # the rest of the first prompt (4 tokens after 8) and the second (3 tokens)
+    assert (recs[1]["tokens"], recs[1]["seqs"], recs[1]["pairs"]) == (7, 2, 4 * 8 + 10 + 6)
+    assert sum(r["tokens"] for r in recs) == 12 + 3 + 2 * 2  # prompts, then 2 decodes each (first token from prefill)
