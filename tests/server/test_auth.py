@@ -127,19 +127,24 @@ def test_each_key_is_compared_in_constant_time_every_time(monkeypatch):
 # -- TLS -------------------------------------------------------------------------------------------
 
 
-def https_server(tiny_v3, tmp_path, *flags: str, env: dict | None = None):
-    """`afd serve` over HTTPS with a certificate for 127.0.0.1 from a CA made here: (proc, url, ca)."""
+def server_certificate(tmp_path):
+    """A certificate for 127.0.0.1 from a CA made here: (the --ssl-* flags, the CA)."""
     import trustme
-
-    from tests.process_helpers import afd_start, free_port
 
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")
     key_pem, cert_pem = tmp_path / "server.key", tmp_path / "server.pem"
     cert.private_key_pem.write_to_path(str(key_pem))
     cert.cert_chain_pems[0].write_to_path(str(cert_pem))
+    return ["--ssl-keyfile", str(key_pem), "--ssl-certfile", str(cert_pem)], ca
+
+
+def https_server(tiny_v3, tmp_path, *flags: str, env: dict | None = None):
+    """`afd serve` over HTTPS with a certificate for 127.0.0.1 from a CA made here: (proc, url, ca)."""
+    from tests.process_helpers import afd_start, free_port
+
+    tls, ca = server_certificate(tmp_path)
     port = free_port()
-    tls = ["--ssl-keyfile", str(key_pem), "--ssl-certfile", str(cert_pem)]
     proc = afd_start(*serve_args(tiny_v3, port), *tls, *flags, env=env)
     return proc, f"https://127.0.0.1:{port}", ca
 
@@ -230,22 +235,16 @@ def test_tls_flags_are_checked_before_anything_starts(tmp_path):
 def test_serve_pd_serves_https_with_the_key(tiny_v3, tmp_path):
     """`afd serve --pd` with TLS: its router answers over HTTPS (the official client, a certificate
     from a CA made here) and requires the key; its instances get neither flag on their command lines."""
-    import trustme
-
     from tests.process_helpers import afd_start, free_port
     from tests.server.test_engine_death import children
 
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    key_pem, cert_pem = tmp_path / "server.key", tmp_path / "server.pem"
-    cert.private_key_pem.write_to_path(str(key_pem))
-    cert.cert_chain_pems[0].write_to_path(str(cert_pem))
+    tls, ca = server_certificate(tmp_path)
     port = free_port()
     url = f"https://127.0.0.1:{port}"
     proc = afd_start(
         "serve", "--pd", "--model-path", tiny_v3, "--port", str(port), "--num-threads", "1",
         "--kv-cache-memory-mb", "16", "--served-model-name", "tiny",
-        "--ssl-keyfile", str(key_pem), "--ssl-certfile", str(cert_pem), env={auth.ENV_KEY: KEY},
+        *tls, env={auth.ENV_KEY: KEY},
     )  # fmt: skip
     try:
         with ca.cert_pem.tempfile() as ca_file:
