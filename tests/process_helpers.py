@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import httpx
 
@@ -66,6 +67,25 @@ def afd_start(*args: str, new_session: bool = False, env: dict | None = None) ->
         env={**ENV, **(env or {})},
         start_new_session=new_session,
     )
+
+
+@contextmanager
+def stopped_after(procs: list[subprocess.Popen]):
+    """Kills what is still running of `procs` (started with afd_start) at the end; when the block
+    fails, prints the end of each one's output first (pytest shows it with the failure)."""
+    try:
+        yield
+    except BaseException:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            out = p.communicate(timeout=30)[0] or ""
+            print(f"--- output of afd {' '.join(p.args[3:6])} (exit {p.returncode}):\n{out[-6000:]}")
+        raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def wait_healthy(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:

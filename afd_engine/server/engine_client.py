@@ -56,21 +56,31 @@ class EngineClient:
         self.push, self.pub, self.pull = self.sockets.push, self.sockets.pub, self.sockets.pull
         self.alive = alive
         self.rank_stats = {r: msgs.EngineStats() for r in ranks}
-        now = time.monotonic()
-        self.last_heard = {r: now for r in ranks}
+        self.last_heard = dict.fromkeys(ranks, time.monotonic())  # from start() on: when ranks are up
         self._queues: dict[str, asyncio.Queue] = {}
         self._load_reports: dict[str, tuple[dict[int, dict], asyncio.Future]] = {}
         self._load_ids = 0
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
+        self.last_heard = dict.fromkeys(self.last_heard, time.monotonic())
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._check_health())]
 
     @property
     def healthy(self) -> bool:
+        return self.down_reason() is None
+
+    def down_reason(self) -> str | None:
+        """Why the engine is not running (None: it is): a rank process exited, or an attention
+        rank has sent nothing (not even a heartbeat) for DEAD_AFTER_S."""
+        if not self.alive():
+            return "a rank process exited"
         now = time.monotonic()
-        return self.alive() and all(now - t < DEAD_AFTER_S for t in self.last_heard.values())
+        silent = max(self.last_heard, key=lambda r: now - self.last_heard[r], default=None)
+        if silent is not None and now - self.last_heard[silent] >= DEAD_AFTER_S:
+            return f"attention rank {silent} has sent nothing for {now - self.last_heard[silent]:.0f} s"
+        return None
 
     @property
     def stats(self) -> msgs.EngineStats:
@@ -102,8 +112,8 @@ class EngineClient:
 
     async def expert_load(self, timeout: float = 10.0) -> dict:
         """The deployment's expert load report: every attention rank answers, the loads are summed."""
-        if not self.healthy:
-            raise EngineUnavailable("the engine is not running")
+        if (reason := self.down_reason()) is not None:
+            raise EngineUnavailable(f"the engine is not running: {reason}")
         self._load_ids += 1
         token = f"load-{self._load_ids}"
         done = asyncio.get_running_loop().create_future()
@@ -126,8 +136,8 @@ class EngineClient:
     ) -> AsyncIterator[TokenUpdate]:
         """Yields the request's updates until it finishes; raises InvalidRequestError if the engine
         refused it and EngineUnavailable if the engine went away."""
-        if not self.healthy:
-            raise EngineUnavailable("the engine is not running")
+        if (reason := self.down_reason()) is not None:
+            raise EngineUnavailable(f"the engine is not running: {reason}")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         finished = False

@@ -11,7 +11,7 @@ import pytest
 
 from afd_engine import Engine, SamplingParams
 from tests.process_helpers import afd_start as afd
-from tests.process_helpers import free_port, wait_healthy
+from tests.process_helpers import free_port, stopped_after, wait_healthy
 
 TOPO = (
     "--mode afd --dp-size 2 --ffn-nodes 2 --ffn-ranks-per-node 1 --micro-batches 2 --served-model-name tiny "
@@ -35,7 +35,7 @@ def test_roles_started_in_any_order_serve_together(tiny_v3, transport):
     procs.append(afd("launch", "--role", "attention", "--port", str(port), *common))
     time.sleep(2)
     procs.append(afd("launch", "--role", "ffn", "--node-rank", "0", *common))
-    try:
+    with stopped_after(procs):
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
@@ -51,10 +51,6 @@ def test_roles_started_in_any_order_serve_together(tiny_v3, transport):
         procs[1].terminate()  # the attention role stops: the FFN roles are told and exit cleanly
         assert procs[1].wait(timeout=60) == 0
         assert procs[0].wait(timeout=60) == 0 and procs[2].wait(timeout=60) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
 
 
 def alone(rdv: str, model: str, *role: str) -> tuple[int, str]:
@@ -81,7 +77,7 @@ def test_ffn_role_stops_when_the_attention_machine_vanishes(tiny_v3):
     common = one_by_one(rdv, tiny_v3, "--comm-timeout", "4")
     ffn = afd("launch", "--role", "ffn", "--node-rank", "0", *common)
     attention = afd("launch", "--role", "attention", "--port", str(port), *common, new_session=True)
-    try:
+    with stopped_after([ffn, attention]):
         wait_healthy(f"http://127.0.0.1:{port}")
         time.sleep(8)  # idle for twice the timeout: keepalives, no steps
         assert ffn.poll() is None, ffn.stdout.read()
@@ -92,10 +88,6 @@ def test_ffn_role_stops_when_the_attention_machine_vanishes(tiny_v3):
         assert time.monotonic() - start < 4 + 15
         assert "sent no step and no keepalive for" in out and "stopped without shutting down" in out
         assert "Traceback" not in out
-    finally:
-        for p in (ffn, attention):
-            if p.poll() is None:
-                p.kill()
 
 
 @pytest.mark.timeout(120)

@@ -153,3 +153,28 @@ def test_a_slow_live_engine_is_waited_for(addrs):
 
 async def _collect(stream) -> list:
     return [u async for u in stream]
+
+
+def test_the_reason_the_engine_is_down_names_the_silent_rank_or_the_exit(addrs):
+    """The grace for silence starts when the ranks are up (start()), not when the client was made:
+    a deployment that took longer than DEAD_AFTER_S to start is healthy; a rank silent that long
+    since is named; a rank process that exited is said so."""
+    from afd_engine.server import engine_client as ec
+
+    async def run():
+        alive = [True]
+        client = EngineClient(addrs, Router.of("round_robin", 2, 16), alive=lambda: alive[0])
+        client.last_heard = {0: time.monotonic() - 2 * ec.DEAD_AFTER_S, 1: time.monotonic() - 2 * ec.DEAD_AFTER_S}
+        client.start()  # (the ranks took long to start)
+        try:
+            assert client.healthy and client.down_reason() is None
+            client.last_heard[1] -= ec.DEAD_AFTER_S + 2
+            assert client.down_reason() == f"attention rank 1 has sent nothing for {ec.DEAD_AFTER_S + 2:.0f} s"
+            with pytest.raises(EngineUnavailable, match=r"^the engine is not running: attention rank 1 has sent"):
+                await client.generate("x", [5, 6], SamplingParams(max_new_tokens=2)).__anext__()
+            alive[0] = False
+            assert not client.healthy and client.down_reason() == "a rank process exited"
+        finally:
+            await client.shutdown()
+
+    asyncio.run(run())
