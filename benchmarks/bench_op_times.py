@@ -4,8 +4,9 @@
 For each deployment, runs `afd generate` (one prompt, greedy, concurrency 1) with a hook that
 times every call of a layer operation (attention, gate, dispatch, shared_expert, combine, ...
 on attention ranks; receive, experts, send_combine on FFN ranks) and sums it per operation name.
-The hook is a `sitecustomize` module on PYTHONPATH, so the spawned ranks time theirs too; each
-process writes its sums to a JSON file when it exits (and every 100 calls, in case it is killed).
+The hook is a `sitecustomize` module on PYTHONPATH, so the ranks (forked from a process that ran
+it) time theirs too; each process writes its sums to a JSON file when it exits (and every 100
+calls, in case it is killed).
 
 Prints, per deployment and process, the mean time per call of each operation and the call count;
 writes them to --json. Profiling adds a timer pair per operation, so compare deployments with each
@@ -34,11 +35,11 @@ DUMP_EVERY = 100
 HOOK = f"""
 import atexit, json, os, time
 from collections import defaultdict
+from multiprocessing import util as mp_util
 
 import afd_engine.operations.stages as _stages
 
 _sums, _calls, _n = defaultdict(float), defaultdict(int), [0]
-_out = os.environ["AFD_OP_TIMES"] + f".{{os.getpid()}}.json"
 
 
 def _timed(self, state):
@@ -55,12 +56,20 @@ def _timed(self, state):
 
 def _dump():
     if _n[0]:
-        with open(_out, "w") as f:
+        with open(os.environ["AFD_OP_TIMES"] + f".{{os.getpid()}}.json", "w") as f:
             json.dump({{k: [_sums[k], _calls[k]] for k in _sums}}, f)
 
 
+def _forked(_):  # a rank forked from the forkserver that ran this hook: counts of its own, dumped at its exit
+    _sums.clear()
+    _calls.clear()
+    _n[0] = 0
+    mp_util.Finalize(None, _dump, exitpriority=0)
+
+
 _stages.Operation.__call__ = _timed
-atexit.register(_dump)  # ranks are spawned: they exit through the interpreter, atexit included
+atexit.register(_dump)  # a process that exits through the interpreter
+mp_util.register_after_fork(_forked, _forked)  # a forked rank exits through multiprocessing, without atexit
 """
 
 

@@ -267,7 +267,9 @@ def _describe(pid: int, root: int) -> str:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return "?"
-    return "resource_tracker" if "resource_tracker" in cmd else "rank"
+    if "resource_tracker" in cmd:
+        return "resource_tracker"
+    return "forkserver" if "forkserver" in cmd else "rank"  # ranks fork from it (distributed/rank_process.py)
 
 
 def alive(pid: int, start: int) -> bool:

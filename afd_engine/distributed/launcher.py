@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import tempfile
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
+from afd_engine.distributed import rank_process
 from afd_engine.distributed.rendezvous import (
     PeerTable,
     RendezvousSpec,
@@ -89,7 +89,7 @@ class Deployment:
     def start(self) -> dict:
         """Starts all ranks; returns rank 0's info (model path, context length). The control
         sockets must already be bound (the front end binds them)."""
-        ctx = mp.get_context("spawn")
+        ctx = rank_process.context()
         if self.role == "attention":  # the rendezvous lives with the front end, as long as it does
             self._store = host_rendezvous(self.rendezvous)
         ranks = self._ranks()
@@ -154,11 +154,7 @@ class Deployment:
     def _spawn(self, ctx, target, kwargs: dict, cores: list[int] | None = None):
         parent, child = ctx.Pipe(duplex=False)
         name = f"afd-{target.__name__.removeprefix('run_')}-{len(self.procs)}"
-        proc = ctx.Process(target=target, kwargs={**kwargs, "ready": child}, daemon=True, name=name)
-        proc.start()
-        if cores:  # before the new interpreter starts threads: they inherit its main thread's cores
-            os.sched_setaffinity(proc.pid, cores)
-        self.procs.append(proc)
+        self.procs.append(rank_process.start(ctx, name, target, kwargs, child, cores))
         return parent
 
     def alive(self) -> bool:

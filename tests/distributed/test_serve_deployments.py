@@ -62,7 +62,8 @@ def test_openai_client_against_a_deployment(tiny_v3, flags):
         # every process carries its role in its name (afd_engine/proctitle.py)
         titles = sorted(t for t in map(proc_title, children(srv.proc.pid)) if t.startswith("afd::"))
         ffn = [f"afd::ffn-{n}-{i}" for n in range(2) for i in range(2)] if "afd" in flags else []
-        assert titles == ["afd::attention-0", "afd::attention-1", *ffn] and proc_title(srv.proc.pid) == "afd::api"
+        expected = sorted(["afd::attention-0", "afd::attention-1", *ffn, "afd::forkserver"])
+        assert titles == expected and proc_title(srv.proc.pid) == "afd::api"
     finally:
         srv.stop()
 

@@ -14,14 +14,17 @@ from tests.server.conftest import Server
 
 
 def children(pid: int) -> list[int]:
-    out = []
+    """Every descendant of `pid` (rank processes are children of the forkserver the launcher starts)."""
+    parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
             continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
+    out, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, parent in parents.items() if parent in frontier]
+        out += frontier
     return out
 
 
