@@ -1,10 +1,12 @@
 """Validates `afd plan simulate` against this engine on CPU: per mode (single, colocated dp2, AFD
-1 attention + 1 FFN rank) it
+1 attention + 1 FFN rank, PD: a single-mode prefill instance and a single-mode decode instance
+behind the router, `afd serve --pd`) it
 
 1. serves the model with `--record-steps`, replays a calibration slice of the trace with
    bench_serving and fits the step time (planner/step_calibration.py) to the recorded steps;
 2. serves it afresh, replays a different (validation) slice, and simulates that slice with the
-   fitted step time, the server's KV pages, token budget, page size and router;
+   fitted step time, the server's KV pages, token budget, page size and router (PD: a step time
+   fitted per instance, and the KV link of KV_LINK);
 3. compares TTFT p50/p90, TPOT p50/p90 and output tokens/s, engine against simulation.
 
     python benchmarks/validate_sim.py --json benchmarks/results/sim_validation_cpu_DATE.json
@@ -28,10 +30,12 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from afd_engine.planner.simulate import SLO, ClusterConfig, InstanceConfig, simulate  # noqa: E402
+from afd_engine.planner.simulate import SLO, ClusterConfig, InstanceConfig, KVLink, simulate  # noqa: E402
 from afd_engine.planner.step_calibration import (  # noqa: E402
     TERMS,
     FittedStepTime,
@@ -55,7 +59,12 @@ MODES = {
         1,
         ("attention", "ffn"),
     ),
+    "pd": (["--pd", "--prefill-mode", "single", "--decode-mode", "single"], 1, ("gpu",)),
 }
+# PD's KV transfer on this machine (builtin backend, shared memory between the instances): bytes per
+# second and a fixed cost per request, from bench_pd's transfer figures (1.6-1.7 GB/s, 0.7 ms per
+# 1.2 MB request: benchmarks/results/pd_dsv3-4k_2026-11-26.json); the bytes per token are the model's.
+KV_LINK_BPS, KV_LINK_LATENCY_S = 1.6e9, 0.5e-3
 POWERS = (0.0, 0.25, 0.5, 1.0)  # fit weightings tried (rows weighted by seconds^-power)
 METRICS = (
     ("ttft_p50_ms", "median_ttft_ms"),
@@ -89,9 +98,11 @@ class Server:
         cmd = [sys.executable, "-m", "afd_engine.cli", "serve", "--model-path", str(model), "--port", str(port)]
         cmd += ["--num-threads", "1", "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         cmd += ["--page-size", "16", "--kv-cache-memory-mb", str(args.kv_cache_memory_mb), *MODES[mode][0]]
-        if record:
+        if record and mode == "pd":  # each instance records its own steps
+            cmd += ["--prefill-args", f"--record-steps {record}.p", "--decode-args", f"--record-steps {record}.d"]
+        elif record:
             cmd += ["--record-steps", record]
-        self.cmd, self.log = cmd, log
+        self.cmd, self.log, self.port = cmd, log, port
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 300.0) -> list[int]:
@@ -99,7 +110,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log.read_text()
-            if re.search(r"afd\.serve INFO ready", text):
+            if re.search(r"afd\.serve INFO ready", text) and healthy(self.port):
                 return kv_pages(text)
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log}")
@@ -114,6 +125,13 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def bench(port: int, start: float, duration: float, args: argparse.Namespace, out: Path) -> dict:
@@ -138,25 +156,56 @@ def trace_slice(args: argparse.Namespace, start: float, duration: float) -> tupl
     return Trace(reqs, full.block_tokens, full.source, dict(full.meta)), len(picked) - len(kept)
 
 
+def step_files(mode: str, rec: str, ranks: int) -> list[list[str]]:
+    """The `--record-steps` files of a run, one group per instance (PD: prefill's, then decode's)."""
+    if mode == "pd":
+        return [[f"{rec}.p"], [f"{rec}.d"]]
+    return [[rec] if mode == "single" else [f"{rec}.a{i}.jsonl" for i in range(ranks)]]
+
+
+def fit_calibration(mode: str, files: list[list[str]], source: str, power: float):
+    """The step-time fit of a run: one, or (prefill's, decode's) for PD."""
+    fits = tuple(fit_records([group], source, power) for group in files)
+    return fits if mode == "pd" else fits[0]
+
+
 def mean_abs_error(sim: dict, engine: dict) -> float:
     """Mean |error| in % over METRICS."""
     return sum(abs(sim[k] - engine[k]) / engine[k] for k, _ in METRICS) * 100.0 / len(METRICS)
 
 
+def kv_bytes_per_token(model: Path) -> float:
+    """The KV cache bytes of one token of `model` in fp32 (what PD transfers)."""
+    from afd_engine.model_config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(str(model))
+    return float(cfg.num_layers * cfg.kv_cache_dim * 4)
+
+
 def sim_metrics(trace: Trace, ranks: int, pages, cal, roles, args: argparse.Namespace, log: Path | None = None) -> dict:
+    """The simulation of `trace`; `cal` is one calibration, or (prefill's, decode's) for PD."""
     if pages is None:
         pages = min(kv_pages(log.read_text()))
-    cfg = InstanceConfig(
-        ranks=ranks,
-        step_time=FittedStepTime(cal, roles),
-        kv_pages=pages,
-        gpus=ranks + (1 if "ffn" in roles else 0),
-        page_tokens=16,
-        max_batch_tokens=args.max_num_batched_tokens,
-        max_running=256,
-        policy="lpm",
-    )
-    d = simulate(trace, ClusterConfig("sim", cfg, router="cache_aware"), SLO(5.0, 0.05)).as_dict()
+    cals = cal if isinstance(cal, tuple) else (cal,)
+    cfgs = [
+        InstanceConfig(
+            ranks=ranks,
+            step_time=FittedStepTime(c, roles),
+            kv_pages=pages,
+            gpus=ranks + (1 if "ffn" in roles else 0),
+            page_tokens=16,
+            max_batch_tokens=args.max_num_batched_tokens,
+            max_running=256,
+            policy="lpm",
+        )
+        for c in cals
+    ]
+    if len(cfgs) == 2:
+        link = KVLink(kv_bytes_per_token(model_dir(args.workdir)), KV_LINK_BPS, KV_LINK_LATENCY_S)
+        cluster = ClusterConfig("sim", cfgs[0], decode=cfgs[1], kv_link=link, router="cache_aware")
+    else:
+        cluster = ClusterConfig("sim", cfgs[0], router="cache_aware")
+    d = simulate(trace, cluster, SLO(5.0, 0.05)).as_dict()
     return {
         "ttft_p50_ms": d["ttft_s"]["p50"] * 1e3,
         "ttft_p90_ms": d["ttft_s"]["p90"] * 1e3,
@@ -184,19 +233,21 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
             cal_bench = bench(port, args.cal_start, args.duration, args, work / "cal_bench.jsonl")
         finally:
             srv.stop()
-    files = [rec] if mode == "single" else [f"{rec}.a{i}.jsonl" for i in range(ranks)]
+    files = step_files(mode, rec, ranks)
     cal_trace, _ = trace_slice(args, args.cal_start, args.duration)
     cal_engine = {k: float(cal_bench[src]) for k, src in METRICS}
     # the fit's weighting: the one whose simulation of the calibration slice is closest to the engine's
     candidates = []
     for power in POWERS:
-        c = fit_records([files], f"{mode}: trace slice [{args.cal_start:g}, +{args.duration:g}) s", power)
+        c = fit_calibration(mode, files, f"{mode}: trace slice [{args.cal_start:g}, +{args.duration:g}) s", power)
         sim = sim_metrics(cal_trace, ranks, None, c, roles, args, work / "serve_cal.log")
         err = mean_abs_error(sim, cal_engine)
-        candidates.append({"weight_power": power, "coef": c.as_dict()["coef"], "calibration_slice_error_pct": err})
+        coef = [x.as_dict()["coef"] for x in c] if isinstance(c, tuple) else c.as_dict()["coef"]
+        candidates.append({"weight_power": power, "coef": coef, "calibration_slice_error_pct": err})
         if err == min(x["calibration_slice_error_pct"] for x in candidates):
             cal = c
-    cal.save(work / "step_calibration.json")
+    for name, one in zip(("prefill", "decode"), cal) if isinstance(cal, tuple) else [("", cal)]:
+        one.save(work / f"step_calibration{'_' + name if name else ''}.json")
     # 2. validation slice on a fresh server
     vrec = str(work / "val.steps")
     if args.reuse:
@@ -209,9 +260,12 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
             val_bench = bench(port, args.val_start, args.duration, args, work / "val_bench.jsonl")
         finally:
             srv.stop()
-    vfiles = [vrec] if mode == "single" else [f"{vrec}.a{i}.jsonl" for i in range(ranks)]
-    loads, secs = step_rows([read_records(f) for f in vfiles])
-    pred = [cal.seconds(ld) for ld in loads]
+    vfiles = step_files(mode, vrec, ranks)
+    pred, secs = [], []
+    for group, one in zip(vfiles, cal if isinstance(cal, tuple) else (cal,)):
+        loads, s = step_rows([read_records(f) for f in group])
+        pred += [one.seconds(ld) for ld in loads]
+        secs += s
     rel = sorted(abs(a - b) / b for a, b in zip(pred, secs))
     step_check = {
         "steps": len(secs),
@@ -223,7 +277,9 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
     sim = sim_metrics(trace, ranks, min(pages), cal, roles, args)
     engine = {k: float(val_bench[src]) for k, src in METRICS}
     for c in candidates:  # (for the record: what the other weightings give here; not used to choose)
-        other = StepCalibration(tuple(c["coef"][t] for t in TERMS), power=c["weight_power"])
+        coefs = c["coef"] if isinstance(c["coef"], list) else [c["coef"]]
+        other = tuple(StepCalibration(tuple(x[t] for t in TERMS), power=c["weight_power"]) for x in coefs)
+        other = other if len(other) == 2 else other[0]
         c["validation_slice_error_pct"] = mean_abs_error(
             sim_metrics(trace, ranks, min(pages), other, roles, args), engine
         )
@@ -246,7 +302,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
         "mode": mode,
         "serve_flags": flags,
         "kv_pages_per_rank": pages,
-        "step_calibration": cal.as_dict(),
+        "step_calibration": [x.as_dict() for x in cal] if isinstance(cal, tuple) else cal.as_dict(),
         "weightings": candidates,
         "step_model_on_validation_steps": step_check,
         "calibration_run": {k: cal_bench[src] for k, src in METRICS},
