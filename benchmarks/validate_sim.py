@@ -62,8 +62,9 @@ MODES = {
     "pd": (["--pd", "--prefill-mode", "single", "--decode-mode", "single"], 1, ("gpu",)),
 }
 # PD's KV transfer on this machine (builtin backend, shared memory between the instances): bytes per
-# second and a fixed cost per request, from bench_pd's transfer figures (1.6-1.7 GB/s, 0.7 ms per
-# 1.2 MB request: benchmarks/results/pd_dsv3-4k_2026-11-26.json); the bytes per token are the model's.
+# second from bench_pd's transfer figures (1.6-1.7 GB/s, 1.2 MB per request in 0.7 ms:
+# benchmarks/results/pd_dsv3-4k_2026-11-26.json), and a fixed 0.5 ms per transfer for the messages
+# around it (assumed, not measured); the bytes per token are the model's.
 KV_LINK_BPS, KV_LINK_LATENCY_S = 1.6e9, 0.5e-3
 POWERS = (0.0, 0.25, 0.5, 1.0)  # fit weightings tried (rows weighted by seconds^-power)
 METRICS = (
