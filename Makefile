@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve lint test bench clean
+.PHONY: setup serve lint docs test bench clean
 
 setup: $(STAMP)
 
@@ -28,11 +28,15 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+# the documentation site builds strictly: a broken link or a page missing from the nav fails here
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(CURDIR)/site
+
+test: lint docs
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 bench: setup
 	$(PY) benchmarks/bench_offline.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build site *.egg-info

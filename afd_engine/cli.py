@@ -304,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train-tiny", help="train the small default model on Python's documentation (see its --help)", add_help=False
     )
     sub.add_parser(
-        "plan", help="performance model: comm | deploy | sparsity | calibrate (see its --help)", add_help=False
+        "plan",
+        help="performance model: deploy | comm | sparsity | reference | calibrate | simulate (see its --help)",
+        add_help=False,
     )
     return parser
 

@@ -7,15 +7,23 @@
 #   launch/pd_machines.sh decode    # on B (attention ranks of the decode instance)
 #   launch/pd_machines.sh router    # on B (or anywhere): the OpenAI endpoint on :30000
 # Set PREFILL_HOST / DECODE_HOST to the machines' addresses, MODEL to the checkpoint on every
-# machine. Pages move with Mooncake (RDMA with IB_DEVICE set, TCP otherwise); BACKEND=builtin
-# sends them over ZeroMQ where Mooncake is not installed.
+# machine, and AFD_CLUSTER_SECRET to the same secret on every machine: the instances' bootstrap
+# and KV sockets authenticate with it. Pages then move over the builtin backend (ZeroMQ, under
+# the secret). Mooncake's transfers carry no authentication: BACKEND=mooncake (RDMA with
+# IB_DEVICE set, TCP otherwise) runs only with INSECURE=1 (--insecure-cluster, a private network).
 set -euo pipefail
 PREFILL_HOST=${PREFILL_HOST:?address of the prefill machine}
 DECODE_HOST=${DECODE_HOST:?address of the decode attention machine}
 MODEL=${MODEL:+--model-path $MODEL}
-BACKEND=${BACKEND:-mooncake}
+BACKEND=${BACKEND:-builtin}
 IB=${IB_DEVICE:+--disaggregation-ib-device $IB_DEVICE}
-PD="--disaggregation-transfer-backend $BACKEND $IB"
+if [ "${INSECURE:-0}" = 1 ]; then
+  SECURITY="--insecure-cluster"
+else
+  : "${AFD_CLUSTER_SECRET:?export AFD_CLUSTER_SECRET (the same on every machine), or INSECURE=1 on a private network}"
+  SECURITY=""
+fi
+PD="--disaggregation-transfer-backend $BACKEND $IB $SECURITY"
 DECODE_TOPO="--mode afd --dp-size 2 --ffn-nodes 1 --ffn-ranks-per-node 4 --micro-batches 3"
 case "${1:?prefill | decode | ffn | router}" in
   prefill)
