@@ -42,11 +42,18 @@ def load_config(path: str | Path, allowed: set[str]) -> dict:
     return values
 
 
+def accepted_keys(dests) -> list[str]:
+    """The keys a configuration file may set for a command whose parser has destinations `dests`:
+    each of them (but the command and the file itself), then every engine setting, in order."""
+    ordered = dict.fromkeys([*dests, *sorted(f.name for f in fields(EngineArgs))])
+    return [k for k in ordered if k not in ("command", "config")]
+
+
 def apply_config(ns: argparse.Namespace, parser_defaults: dict) -> None:
     """Fills the namespace from `ns.config` wherever the command line left a default."""
     if not getattr(ns, "config", None):
         return
-    names = {f.name for f in fields(EngineArgs)} | (set(vars(ns)) - {"command", "config"})
+    names = set(accepted_keys(vars(ns)))
     for key, value in load_config(ns.config, names).items():
         if getattr(ns, key, None) == parser_defaults.get(key):
             setattr(ns, key, value)

@@ -13,7 +13,6 @@ holds nothing that depends on the machine it is generated on.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import sys
 from dataclasses import fields
@@ -37,49 +36,18 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.Ar
     return {name: (p, helps.get(name, "")) for name, p in sub.choices.items()}
 
 
-class _Captured(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        super().__init__(parser.prog)
-        self.parser = parser
-
-
-@contextlib.contextmanager
-def _capturing_parse_args():
-    """Makes ArgumentParser.parse_args hand over the parser instead of parsing (for the commands
-    whose parser is built inside their entry function)."""
-
-    def capture(self, *args, **kwargs):
-        raise _Captured(self)
-
-    original = argparse.ArgumentParser.parse_args
-    argparse.ArgumentParser.parse_args = capture
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.parse_args = original
-
-
-def _parser_of(entry) -> argparse.ArgumentParser:
-    with _capturing_parse_args():
-        try:
-            entry([])
-        except _Captured as captured:
-            return captured.parser
-    raise RuntimeError(f"{entry.__name__} did not build an argument parser")
-
-
 def _real_parsers() -> dict[str, tuple[argparse.ArgumentParser, str]]:
     """Every `afd` subcommand's parser: the stubs of `afd make-tiny-model`, `afd train-tiny` and
     `afd plan` (which hand their arguments to parsers of their own) replaced by those parsers."""
     from afd_engine.cli import build_parser
     from afd_engine.planner.cli import build_parser as build_plan_parser
-    from afd_engine.tiny_model import main_make_tiny_model
-    from afd_engine.train_tiny import main_train_tiny
+    from afd_engine.tiny_model import build_make_tiny_model_parser
+    from afd_engine.train_tiny import build_train_tiny_parser
 
     commands = _subcommands(build_parser())
     own = {
-        "make-tiny-model": _parser_of(main_make_tiny_model),
-        "train-tiny": _parser_of(main_train_tiny),
+        "make-tiny-model": build_make_tiny_model_parser(),
+        "train-tiny": build_train_tiny_parser(),
         "plan": build_plan_parser(),
     }
     return {name: (own.get(name, parser), help_) for name, (parser, help_) in commands.items()}
@@ -220,12 +188,11 @@ class _Shared:
         return f"[{self.title.lower()}](#{self.anchor})"
 
 
-def _yaml_keys(parser: argparse.ArgumentParser, engine_names: set[str]) -> list[str]:
-    """The keys `--config` accepts for this command, as afd_engine.deploy_config.apply_config
-    computes them: every engine setting and every other destination of the command's parser."""
-    dests = [a.dest for a in parser._actions if a.default is not argparse.SUPPRESS]
-    ordered = list(dict.fromkeys([*dests, *sorted(engine_names)]))
-    return [k for k in ordered if k not in ("command", "config")]
+def _yaml_keys(parser: argparse.ArgumentParser) -> list[str]:
+    """The keys `--config` accepts for this command (afd_engine.deploy_config.accepted_keys)."""
+    from afd_engine.deploy_config import accepted_keys
+
+    return accepted_keys(a.dest for a in parser._actions if a.default is not argparse.SUPPRESS)
 
 
 def render() -> str:
@@ -320,7 +287,7 @@ def render() -> str:
 
 def _yaml_section(commands: dict, engine: _Shared, server: _Shared) -> list[str]:
     with_config = [n for n, (p, _) in commands.items() if any(a.dest == "config" for a in p._actions)]
-    keys = {n: _yaml_keys(commands[n][0], engine.names) for n in with_config}
+    keys = {n: _yaml_keys(commands[n][0]) for n in with_config}
     required = {
         n: [a.option_strings[0] for a in _flag_actions(commands[n][0]) if a.required and a.option_strings]
         for n in with_config

@@ -220,11 +220,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK)
     return q, scale_inv.contiguous()
 
 
-def main_make_tiny_model(argv: list[str]) -> int:
-    """Command-line entry: parse OUT_DIR and options, write the checkpoint, print its path.
-
-    Returns the exit code: 0 on success, 2 on a bad argument (with a message, no traceback).
-    """
+def build_make_tiny_model_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="make-tiny-model", description="Write a small random DeepSeek Hugging Face checkpoint."
     )
@@ -234,8 +230,16 @@ def main_make_tiny_model(argv: list[str]) -> int:
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     parser.add_argument("--fp8", action="store_true", help="store projections as block-quantized FP8")
     parser.add_argument("--dtype", default="float32", help=f"one of: {', '.join(SUPPORTED_DTYPES)}")
+    return parser
+
+
+def main_make_tiny_model(argv: list[str]) -> int:
+    """Command-line entry: parse OUT_DIR and options, write the checkpoint, print its path.
+
+    Returns the exit code: 0 on success, 2 on a bad argument (with a message, no traceback).
+    """
     try:
-        args = parser.parse_args(argv)
+        args = build_make_tiny_model_parser().parse_args(argv)
     except SystemExit as exc:  # argparse has already printed usage and the error
         return int(exc.code or 0)
     try:

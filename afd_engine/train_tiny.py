@@ -269,8 +269,7 @@ Python's documentation. It writes English-like text about Python, not correct an
     (out / "README.md").write_text(text, encoding="utf-8")
 
 
-def main_train_tiny(argv: list[str]) -> int:
-    """Command-line entry: train into OUT_DIR and print the run's numbers as JSON."""
+def build_train_tiny_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(prog="afd train-tiny", description="Train the small default model on CPU.")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the checkpoint into")
@@ -278,7 +277,12 @@ def main_train_tiny(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (the lr schedule's length)")
     parser.add_argument("--minutes", type=float, default=defaults.minutes, help="stop earlier after this long")
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main_train_tiny(argv: list[str]) -> int:
+    """Command-line entry: train into OUT_DIR and print the run's numbers as JSON."""
+    args = build_train_tiny_parser().parse_args(argv)
     cfg = TrainConfig(seed=args.seed, steps=args.steps, minutes=args.minutes, threads=args.threads)
     print(json.dumps(train(args.out_dir, cfg)))
     return 0

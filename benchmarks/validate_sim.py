@@ -37,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 
 from afd_engine.planner.simulate import SLO, ClusterConfig, InstanceConfig, KVLink, simulate  # noqa: E402
 from afd_engine.planner.step_calibration import (  # noqa: E402
-    TERMS,
     FittedStepTime,
     StepCalibration,
     fit_records,
@@ -164,10 +163,20 @@ def step_files(mode: str, rec: str, ranks: int) -> list[list[str]]:
     return [[rec] if mode == "single" else [f"{rec}.a{i}.jsonl" for i in range(ranks)]]
 
 
+def fit_instances(files: list[list[str]], source: str, power: float) -> tuple[StepCalibration, ...]:
+    """The step-time fit of each instance of a run (PD: prefill's, then decode's)."""
+    return tuple(fit_records([group], source, power) for group in files)
+
+
 def fit_calibration(mode: str, files: list[list[str]], source: str, power: float):
     """The step-time fit of a run: one, or (prefill's, decode's) for PD."""
-    fits = tuple(fit_records([group], source, power) for group in files)
+    fits = fit_instances(files, source, power)
     return fits if mode == "pd" else fits[0]
+
+
+def per_instance(mode: str, items: list):
+    """What the JSON records per instance: a list for PD, the one item otherwise."""
+    return items if mode == "pd" else items[0]
 
 
 def mean_abs_error(sim: dict, engine: dict) -> float:
@@ -238,17 +247,17 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
     cal_trace, _ = trace_slice(args, args.cal_start, args.duration)
     cal_engine = {k: float(cal_bench[src]) for k, src in METRICS}
     # the fit's weighting: the one whose simulation of the calibration slice is closest to the engine's
-    candidates = []
+    candidates, fits = [], {}
     for power in POWERS:
-        c = fit_calibration(mode, files, f"{mode}: trace slice [{args.cal_start:g}, +{args.duration:g}) s", power)
-        sim = sim_metrics(cal_trace, ranks, None, c, roles, args, work / "serve_cal.log")
+        fits[power] = fit_instances(files, f"{mode}: trace slice [{args.cal_start:g}, +{args.duration:g}) s", power)
+        sim = sim_metrics(cal_trace, ranks, None, fits[power], roles, args, work / "serve_cal.log")
         err = mean_abs_error(sim, cal_engine)
-        coef = [x.as_dict()["coef"] for x in c] if isinstance(c, tuple) else c.as_dict()["coef"]
+        coef = per_instance(mode, [x.as_dict()["coef"] for x in fits[power]])
         candidates.append({"weight_power": power, "coef": coef, "calibration_slice_error_pct": err})
-        if err == min(x["calibration_slice_error_pct"] for x in candidates):
-            cal = c
-    for name, one in zip(("prefill", "decode"), cal) if isinstance(cal, tuple) else [("", cal)]:
-        one.save(work / f"step_calibration{'_' + name if name else ''}.json")
+    cal = fits[min(candidates, key=lambda c: c["calibration_slice_error_pct"])["weight_power"]]
+    names = ["_prefill", "_decode"] if mode == "pd" else [""]
+    for name, one in zip(names, cal):
+        one.save(work / f"step_calibration{name}.json")
     # 2. validation slice on a fresh server
     vrec = str(work / "val.steps")
     if args.reuse:
@@ -263,7 +272,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
             srv.stop()
     vfiles = step_files(mode, vrec, ranks)
     pred, secs = [], []
-    for group, one in zip(vfiles, cal if isinstance(cal, tuple) else (cal,)):
+    for group, one in zip(vfiles, cal):
         loads, s = step_rows([read_records(f) for f in group])
         pred += [one.seconds(ld) for ld in loads]
         secs += s
@@ -278,9 +287,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
     sim = sim_metrics(trace, ranks, min(pages), cal, roles, args)
     engine = {k: float(val_bench[src]) for k, src in METRICS}
     for c in candidates:  # (for the record: what the other weightings give here; not used to choose)
-        coefs = c["coef"] if isinstance(c["coef"], list) else [c["coef"]]
-        other = tuple(StepCalibration(tuple(x[t] for t in TERMS), power=c["weight_power"]) for x in coefs)
-        other = other if len(other) == 2 else other[0]
+        other = fits[c["weight_power"]]
         c["validation_slice_error_pct"] = mean_abs_error(
             sim_metrics(trace, ranks, min(pages), other, roles, args), engine
         )
@@ -303,7 +310,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
         "mode": mode,
         "serve_flags": flags,
         "kv_pages_per_rank": pages,
-        "step_calibration": [x.as_dict() for x in cal] if isinstance(cal, tuple) else cal.as_dict(),
+        "step_calibration": per_instance(mode, [x.as_dict() for x in cal]),
         "weightings": candidates,
         "step_model_on_validation_steps": step_check,
         "calibration_run": {k: cal_bench[src] for k, src in METRICS},
