@@ -207,6 +207,15 @@ class EngineArgs:
         "experts (experts + this must divide over the expert ranks)",
     )
     enable_eplb: bool = opt(False, "colocated/afd: rebalance expert placement from the measured load while serving")
+    enable_ffn_fault_tolerance: bool = opt(
+        False,
+        "afd: keep serving when an FFN rank dies (exits, or sends no heartbeat for --comm-timeout): the "
+        "attention ranks mask it, move its experts to the survivors (copies first, else read from the "
+        "checkpoint into spare slots) and run the interrupted step again (default: the deployment fails fast)",
+    )
+    ffn_recovery_timeout: float = opt(
+        60.0, "with --enable-ffn-fault-tolerance: seconds serving may pause while survivors load a lost rank's experts"
+    )
     eplb_rebalance_num_iterations: int = opt(1000, "with --enable-eplb: steps between rebalances")
     init_expert_location: str | None = opt(
         None,
@@ -303,6 +312,17 @@ class EngineArgs:
             "redundant experts, --enable-eplb and --init-expert-location balance expert ranks; "
             "use --mode colocated or afd",
         )
+        need(
+            not self.enable_ffn_fault_tolerance or self.mode == "afd",
+            "enable_ffn_fault_tolerance",
+            "masks lost FFN ranks of an AFD deployment; use --mode afd",
+        )
+        need(
+            not (self.enable_ffn_fault_tolerance and self.transport == "torch"),
+            "enable_ffn_fault_tolerance",
+            "needs the shm or zmq data plane: a torch.distributed group cannot lose a member",
+        )
+        need(self.ffn_recovery_timeout > 0, "ffn_recovery_timeout", "must be positive")
         need(self.eplb_rebalance_num_iterations >= 1, "eplb_rebalance_num_iterations", "must be at least 1")
         need(self.eplb_window_steps is None or self.eplb_window_steps >= 1, "eplb_window_steps", "must be >= 1")
         need(self.disaggregation_timeout > 0, "disaggregation_timeout", "must be positive")

@@ -302,8 +302,12 @@ async def sample_rss(procs: dict[int, dict], t0: float, every_s: float, samples:
 
 
 def start_server(args, port: int, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "afd_engine.cli", "serve", "--port", str(port), "--num-threads", "1"]
-    cmd += MODES[args.mode] + (["--model-path", args.model_path] if args.model_path else [])
+    return serve(MODES[args.mode] + (["--model-path", args.model_path] if args.model_path else []), port, log)
+
+
+def serve(flags: list[str], port: int, log) -> subprocess.Popen:
+    """`afd serve FLAGS` on `port`, once healthy (output to `log`)."""
+    cmd = [sys.executable, "-m", "afd_engine.cli", "serve", "--port", str(port), "--num-threads", "1", *flags]
     # A session of its own: the whole tree can be signalled as one group, and only ours.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300

@@ -129,6 +129,8 @@ class TwoStageAttentionEndpoint(AttentionEndpoint):
             return
         node_of = self.topo.node_of_expert[topk_ids]  # [T, K]
         for node in range(self.topo.num_nodes):
+            if not self.topo.live_ranks(node):  # every rank of it lost: it holds no slot in use
+                continue
             rows, ids, weights = masked_rows(node_of == node, topk_ids, topk_weights)
             self._send_node(node, hidden[rows], rows, ids, weights, handle, whole=False)
 
@@ -158,7 +160,8 @@ class DirectAttentionEndpoint(AttentionEndpoint):
     def _send_order(self) -> list[int]:
         """FFN ranks in order, a colocated rank's own last: its peers start on their share sooner
         (the routes, and so the order in which combine adds the results, stay in rank order)."""
-        return sorted(range(self.topo.num_ffn_ranks), key=lambda r: self.topo.ffn_endpoint(r) == self.endpoint)
+        live = [r for r in range(self.topo.num_ffn_ranks) if r not in self.topo.dead]
+        return sorted(live, key=lambda r: self.topo.ffn_endpoint(r) == self.endpoint)
 
     @cached_property
     def _rank_of(self) -> np.ndarray:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from comm.messages import CommError, Message, MsgKey
+from comm.messages import CommError, CommTimeout, Message, MsgKey
 from comm.stats import CommStats
 from comm.topology import LOCAL, Topology
 from comm.transport.base import Transport
@@ -15,6 +17,7 @@ from comm.wire import WireFormat, nbytes
 
 MODES = ("two-stage", "direct")
 _KEEP_CALL_STATS = 256
+INTERRUPT_CHECK_S = 0.25  # how often a wait with an `interrupt` hook calls it
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,10 @@ class Endpoint:
         self.stats = CommStats()
         self.call_stats: OrderedDict[tuple[str, MsgKey], CommStats] = OrderedDict()
         self._links = {dst: topo.link(endpoint, dst) for dst in range(topo.num_endpoints)}
+        # Fault tolerance: called every INTERRUPT_CHECK_S while a receive waits; it raises to give
+        # the wait up (a peer was lost, or the step is abandoned). A wait with it lasts up to twice
+        # the timeout, so that a lost peer is told from a slow one before the wait fails.
+        self.interrupt: Callable[[], None] | None = None
 
     def send(self, dst: int, phase: str, msg: Message, copies: int) -> None:
         self.transport.send(dst, msg)
@@ -57,7 +64,30 @@ class Endpoint:
         call.record(phase, link, copies, size)
 
     def recv(self, src: int, kind: str, key: MsgKey) -> Message:
-        return self.transport.recv(src, kind, key, self.config.timeout)
+        return self._wait(lambda t: self.transport.recv(src, kind, key, t), f"{kind} {key} from endpoint {src}")
+
+    def recv_any(self, srcs: list[int], kind: str, key: MsgKey) -> Message:
+        return self._wait(lambda t: self.transport.recv_any(srcs, kind, key, t), f"{kind} {key} from {srcs}")
+
+    @property
+    def wait_s(self) -> float:
+        """The longest a receive waits."""
+        return self.config.timeout * (1 if self.interrupt is None else 2)
+
+    def _wait(self, receive: Callable[[float], Message], what: str) -> Message:
+        if self.interrupt is None:
+            return receive(self.config.timeout)
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return receive(min(INTERRUPT_CHECK_S, max(deadline - time.monotonic(), 0.0)))
+            except CommTimeout:
+                self.interrupt()
+                if time.monotonic() >= deadline:
+                    raise CommTimeout(
+                        f"endpoint {self.endpoint} waited {self.wait_s:.1f} s for {what} and nothing came, "
+                        "while no peer was reported lost: is it at the same step?"
+                    ) from None
 
 
 def masked_rows(select: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):

@@ -146,7 +146,7 @@ class TwoStageFfnEndpoint(FfnEndpoint):
 
     def __init__(self, topo: Topology, rank: int, transport: Transport, config: CommConfig = CommConfig()) -> None:
         super().__init__(topo, rank, transport, config)
-        self._alone = len(topo.node_ranks(self.node)) == 1
+        self._alone = len(topo.live_ranks(self.node)) == 1
         if self._alone:  # the relay's messages are this rank's own
             self.dispatch_layout, self.return_layout = DISPATCH, COMBINE
         self._relay_out = ThreadPoolExecutor(1, thread_name_prefix=f"relay-dispatch-{rank}")
@@ -173,7 +173,7 @@ class TwoStageFfnEndpoint(FfnEndpoint):
             active = self._senders(senders, self.topo.senders_of_relay(self.rank))
             return [self.recv(self.topo.sender_endpoint(s), DISPATCH.kind, key) for s in active]
         msgs = []
-        for relay in self.topo.node_ranks(self.node):
+        for relay in self.topo.live_ranks(self.node):
             for _ in self._senders(senders, self.topo.senders_of_relay(relay)):
                 msgs.append(self.recv(self.topo.ffn_endpoint(relay), FORWARD.kind, key))
         return msgs
@@ -194,7 +194,7 @@ class TwoStageFfnEndpoint(FfnEndpoint):
         waiting = {self.topo.sender_endpoint(s) for s in senders}
         done = []
         while waiting:
-            msg = self.transport.recv_any(sorted(waiting), DISPATCH.kind, key, self.config.timeout)
+            msg = self.recv_any(sorted(waiting), DISPATCH.kind, key)
             waiting.discard(msg.src)
             done.append((msg.meta["sender"], len(DISPATCH.unpack(msg)["rows"]), self._forward(msg)))
         return done
@@ -204,7 +204,7 @@ class TwoStageFfnEndpoint(FfnEndpoint):
         ids = f["ids"]
         ffn_rank = torch.where(ids >= 0, self.topo.ffn_rank_of[ids.long().clamp(min=0)], -1)  # [n, K]
         sent = {}
-        for rank in self.topo.node_ranks(self.node):
+        for rank in self.topo.live_ranks(self.node):
             rows, r_ids, r_weights = masked_rows(ffn_rank == rank, ids, f["weights"])
             out = FORWARD.pack(
                 msg.key,
@@ -223,7 +223,7 @@ class TwoStageFfnEndpoint(FfnEndpoint):
     def _relay_combine(self, key: MsgKey) -> None:
         """Sums the node's expert outputs per token and returns one vector per token to each sender."""
         dtype = self.config.wire.combine_dtype
-        for sender, n, sent in self._forwarded.pop(key).result(timeout=self.config.timeout):
+        for sender, n, sent in self._forwarded.pop(key).result(timeout=self.wait_s):
             acc = None
             for rank, rows in sent.items():
                 y = EXPERT_OUT.unpack(self.recv(self.topo.ffn_endpoint(rank), EXPERT_OUT.kind, key))["out"]

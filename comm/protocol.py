@@ -15,6 +15,9 @@ liveness messages use negative pseudo-layers so they can never collide with a la
     step             attention rank -> FFN ranks        (meta: tokens per micro-batch, shutdown, eplb_*)
     keepalive        idle attention rank -> FFN ranks   -
     eplb_ready       FFN rank -> attention ranks        (key step = placement version; see afd_engine/eplb)
+    heartbeat        FFN rank -> attention ranks        - (with --enable-ffn-fault-tolerance, every HEARTBEAT_S)
+    recover          attention rank -> FFN ranks        (meta: placement without the lost ranks, next step id)
+    recovered        FFN rank -> attention ranks        (meta: experts read from the checkpoint, or an error)
 
 hidden [n, H] (fp32/bf16, or fp8 values with scales [n, H/128] fp32; scales is [n, 0] otherwise),
 ids [n, K] int32 (-1: another node's or rank's slot; direct: [n] one expert per copy),
@@ -31,6 +34,10 @@ from comm.messages import CommError, Message, MsgKey
 
 SYNC_LAYER, STEP_LAYER, KEEPALIVE_LAYER = -2, -1, -3  # pseudo-layers of the lockstep and liveness messages
 EPLB_LAYER = -4  # pseudo-layer of rebalancing messages
+HEARTBEAT_LAYER, RECOVER_LAYER = -5, -6  # pseudo-layers of FFN fault tolerance (key step: count, recovery)
+HEARTBEAT_S = 0.5  # how often an FFN rank of a fault-tolerant deployment says it is alive
+# the kinds of a step's messages: an aborted step's are dropped when it runs again under a new id
+STEP_KINDS = ("step", "dispatch", "forward", "expert_out", "combine", "dispatch_direct", "combine_direct")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # wire names of activation dtypes
 

@@ -34,6 +34,8 @@ class Topology:
     # logical expert -> physical expert slot; slot p lives on FFN rank p // experts_per_rank
     expert_map: tuple[int, ...] | None = None
     colocated: bool = False
+    # FFN ranks lost and masked out (AFD fault tolerance): they relay nothing and hold no slot in use
+    dead: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,13 +109,32 @@ class Topology:
     def node_ranks(self, node: int) -> range:
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
+    def live_ranks(self, node: int) -> list[int]:
+        """The node's FFN ranks that are not dead, in order."""
+        return [r for r in self.node_ranks(node) if r not in self.dead]
+
+    @cached_property
+    def _relays(self) -> dict[tuple[int, int], int]:
+        """(sender, node) -> its relay: the node's live rank (sender mod live ranks), which is the
+        local rank sender mod R while no rank of the node is dead."""
+        out = {}
+        for node in range(self.num_nodes):
+            live = self.live_ranks(node)
+            for sender in range(self.num_senders) if live else ():
+                out[(sender, node)] = live[sender % len(live)]
+        return out
+
     def relay_rank(self, sender: int, node: int) -> int:
-        """Stage-1 target of `sender` on `node`: the node's local rank (sender mod R)."""
-        return node * self.ranks_per_node + sender % self.ranks_per_node
+        """Stage-1 target of `sender` on `node`: the node's local rank (sender mod R), among its
+        live ranks when some are dead."""
+        relay = self._relays.get((sender, node))
+        if relay is None:
+            raise TopologyError(f"FFN node {node} has no live rank left to relay sender {sender}'s tokens")
+        return relay
 
     def senders_of_relay(self, rank: int) -> list[int]:
-        local = rank % self.ranks_per_node
-        return [i for i in range(self.num_senders) if i % self.ranks_per_node == local]
+        node = self.node_of_rank(rank)
+        return [i for i in range(self.num_senders) if self._relays.get((i, node)) == rank]
 
     def sender_endpoint(self, sender: int) -> int:
         return sender

@@ -36,9 +36,12 @@ def random_prompts(vocab: int, lengths, seed: int, low: int = 0) -> list[list[in
     return [[rng.randrange(low, vocab) for _ in range(n)] for n in lengths]
 
 
-def run_staggered(engine, batch: list[list[int]], params: SamplingParams, every: int) -> list[list[int]]:
+def run_staggered(
+    engine, batch: list[list[int]], params: SamplingParams, every: int, after_step=None
+) -> list[list[int]]:
     """Two requests join every `every` steps, so prefills land while others decode; returns each
-    prompt's output tokens in prompt order (any engine: single process or a deployment)."""
+    prompt's output tokens in prompt order (any engine: single process or a deployment).
+    `after_step(tokens)`, if given, is called after every step with the tokens finished so far."""
     todo, index, results, step = list(enumerate(batch)), {}, {}, 0
     while todo or engine.has_unfinished():
         if step % every == 0:
@@ -48,6 +51,8 @@ def run_staggered(engine, batch: list[list[int]], params: SamplingParams, every:
         for out in engine.step():
             assert out.error is None, out.error
             results[index[out.request_id]] = out.token_ids
+        if after_step is not None:
+            after_step(sum(map(len, results.values())))
         step += 1
     return [results[i] for i in range(len(batch))]
 

@@ -138,6 +138,9 @@ class EngineLoop:
             getattr(pd, "reserved_pages", 0),
             pd.transfer_bytes if pd is not None else 0,
             pd.transfer_seconds if pd is not None else 0.0,
+            getattr(self.engine.runner, "ffn_alive", 0),
+            getattr(self.engine.runner, "recoveries", 0),
+            getattr(self.engine.runner, "experts_read", 0),
         )
 
     def _expert_rank_load(self) -> tuple[float, ...]:
@@ -232,9 +235,24 @@ def run_engine_process(
     gc.freeze()  # what loading made lives as long as the process: later collections skip it
     try:
         EngineLoop(engine, addrs, rank).run()
-    except BaseException:
+    except BaseException as exc:
         # a rank that fails must die now: background threads (relays waiting on peers for up to
         # --comm-timeout) would otherwise keep the process, and the deployment's failure, pending
         log.exception("rank %d failed", rank)
+        _last_words(addrs, rank, f"{type(exc).__name__}: {exc}")
         logging.shutdown()
         os._exit(1)
+
+
+def _last_words(addrs: ControlAddrs, rank: int, message: str) -> None:
+    """Tells the front end why this rank stops (best effort, at most a second)."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(addrs.outputs)
+        sock.send(msgs.encode_output(msgs.RankFailed(rank, message)), zmq.NOBLOCK)
+        sock.close(linger=1000)
+    except zmq.ZMQError:
+        pass
+    finally:
+        ctx.term()

@@ -74,6 +74,9 @@ class EngineStats:
     kv_pages_reserved: int = 0  # decode instance: pages held for requests whose KV is on its way
     kv_transfer_bytes: int = 0  # since start: KV bytes sent (prefill) or received (decode)
     kv_transfer_seconds: float = 0.0  # since start: time the prefill side spent sending them
+    ffn_ranks_alive: int = 0  # AFD: the FFN ranks serving (fewer after a recovery from a lost one)
+    ffn_recoveries: int = 0  # AFD, since start: recoveries from lost FFN ranks
+    ffn_experts_read: int = 0  # AFD, since start: experts those recoveries read from the checkpoint
 
     @staticmethod
     def total(stats) -> EngineStats:
@@ -86,6 +89,8 @@ class EngineStats:
             if f.name == "expert_rank_load":
                 values = [v for v in values if v]
                 out[f.name] = tuple(map(sum, zip(*values))) if values else ()
+            elif f.name.startswith("ffn_"):  # the deployment's, which every attention rank knows
+                out[f.name] = min(values, default=0) if f.name == "ffn_ranks_alive" else max(values, default=0)
             else:
                 out[f.name] = sum(values)
         return EngineStats(**out)
@@ -103,6 +108,14 @@ class Rejected:
     rid: str
     message: str
     param: str | None = None
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    """A rank's last words: why it stops (the front end's errors repeat them)."""
+
+    rank: int
+    message: str
 
 
 @dataclass(frozen=True)
@@ -156,7 +169,7 @@ _UPDATE_ROW = operator.attrgetter(*_UPDATE_FIELDS)
 
 
 def encode_output(msg) -> bytes:
-    """StepOutput, Rejected or ExpertLoadReport as one msgpack frame."""
+    """StepOutput, Rejected, ExpertLoadReport or RankFailed as one msgpack frame."""
     if isinstance(msg, StepOutput):
         stats = [getattr(msg.stats, n) for n in _STATS_FIELDS]
         return msgpack.packb(["StepOutput", msg.rank, stats, [_update_row(u) for u in msg.updates]])
@@ -164,6 +177,8 @@ def encode_output(msg) -> bytes:
         return msgpack.packb(["Rejected", msg.rid, msg.message, msg.param])
     if isinstance(msg, ExpertLoadReport):
         return msgpack.packb(["ExpertLoadReport", msg.token, msg.rank, msg.report])
+    if isinstance(msg, RankFailed):
+        return msgpack.packb(["RankFailed", msg.rank, msg.message])
     raise TypeError(f"{type(msg).__name__} does not travel from the engine")
 
 
@@ -178,6 +193,8 @@ def decode_output(data: bytes):
         return Rejected(*body)
     if kind == "ExpertLoadReport":
         return ExpertLoadReport(*body)
+    if kind == "RankFailed":
+        return RankFailed(*body)
     raise ValueError(f"unknown engine output {kind!r}")
 
 

@@ -24,15 +24,19 @@ one computes its own experts' share in place, without messages to itself: remote
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import time
 from contextlib import nullcontext
 
 import torch
 
+from afd_engine.distributed.ffn_worker import process_exited, process_space
 from afd_engine.distributed.remote_experts import CommExpertServer, RemoteExpertExecutor
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.distributed.timeline import Timeline
+from afd_engine.eplb.placement import RecoveryImpossible
 from afd_engine.eplb.rebalancer import Rebalancer
 from afd_engine.eplb.stager import ExpertStager, load_shard
 from afd_engine.operations import run_micro_batches, split_micro_batches
@@ -42,12 +46,26 @@ from afd_engine.runtime.kv_cache import KVPool
 from afd_engine.runtime.model_runner import PreparedStep, StepInputs, StepRunner, logit_rows
 from afd_engine.runtime.scheduler import StepPlan
 from comm.attention_side import attention_endpoint
+from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
-from comm.messages import Message, MsgKey
-from comm.protocol import KEEPALIVE_LAYER, STEP_LAYER, SYNC_LAYER
+from comm.messages import CommError, CommTimeout, Message, MsgKey
+from comm.protocol import HEARTBEAT_LAYER, KEEPALIVE_LAYER, RECOVER_LAYER, STEP_KINDS, STEP_LAYER, SYNC_LAYER
 from comm.transport.base import Transport
 
 KEEPALIVE_S = 1.0  # an attention rank that has sent its FFN ranks nothing for this long sends a keepalive
+log = logging.getLogger("afd.recovery")
+
+
+class FfnRankLost(CommError):
+    """FFN ranks sent no heartbeat for --comm-timeout (fault tolerance: a recovery follows)."""
+
+    def __init__(self, ranks: list[int], message: str) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class RecoveryFailed(CommError):
+    """The deployment cannot go on without its lost FFN ranks; the message says why."""
 
 
 class PipelineRunner(StepRunner):
@@ -90,6 +108,19 @@ class PipelineRunner(StepRunner):
         )
         self.ops = strategy.arrange(ops.wrap("combine", self.timeline.timed("wait")))
         self.strategy = strategy
+        self.ft = spec.args.enable_ffn_fault_tolerance and not topo.colocated
+        self.recoveries = 0
+        self.experts_read = 0  # by the survivors of every recovery, from the checkpoint
+        self.ffn_alive = len(self.ffn)
+        self._last: list[dict] | None = None  # the last step's micro-batches, as they were before it ran
+        self._heartbeats = {ep: 0 for ep in self.ffn}  # next heartbeat id expected from each FFN rank
+        self._heard = dict.fromkeys(self.ffn, time.monotonic())  # when each last sent one
+        self._checked = 0.0  # when begin_step last looked at the heartbeats
+        self._space = process_space()
+        self._pids: dict[int, int] = {}  # FFN endpoint -> its pid, where this rank can look it up
+        self.last_recovery: dict | None = None
+        if self.ft:
+            self.sender.interrupt = self._check_ffn
 
     # -- lockstep --------------------------------------------------------------------------
 
@@ -100,14 +131,21 @@ class PipelineRunner(StepRunner):
         """True when any attention rank has work this step (every rank calls this every round)."""
         self._keepalive()
         mine = sum(n for _, n in plan.extend) + len(plan.decode)
-        key = MsgKey(self.sync_id, SYNC_LAYER, 0)
-        eplb_meta, loads = self.rebalancer.sync_out(self.step_id)
-        meta = {"tokens": mine, "stop": self.want_stop, **eplb_meta}
-        for peer in self.peers:
-            self.transport.send(peer, Message("sync", key, self.sender.endpoint, loads, meta))
-        msgs = [self.sender.recv(p, "sync", key) for p in self.peers]
-        metas = [m.meta for m in msgs]
-        self.sync_id += 1
+        while True:
+            eplb_meta, loads = self.rebalancer.sync_out(self.step_id)
+            meta = {"tokens": mine, "stop": self.want_stop, **eplb_meta}
+            if self.ft:
+                lost = self._lost_ffn() if time.monotonic() - self._checked >= INTERRUPT_CHECK_S else []
+                meta.update(lost=lost, failed=False, step_id=self.step_id)
+            msgs = self._exchange(meta, loads)
+            metas = [m.meta for m in msgs]
+            if not (self.ft and any(m["lost"] for m in [meta, *metas])):
+                break
+            self._recover([meta, *metas])
+            if any(m["failed"] for m in metas):  # a peer's step failed: it runs again, this rank's too
+                if self._last is None:
+                    raise RecoveryFailed(f"attention rank {self.rank} has no step to run again")
+                self._run_resilient(self._last)
         with self.timeline.span("eplb_plan", 0, -1) if eplb_meta["eplb_plan"] else nullcontext():
             self.rebalancer.sync_in(self.step_id, [meta, *metas], loads + [t for m in msgs for t in m.tensors])
         self.stopped = self.want_stop or any(m["stop"] for m in metas)
@@ -134,10 +172,129 @@ class PipelineRunner(StepRunner):
         groups = split_micro_batches([len(c.tokens) for c in seqs], self._micro_batches(len(seqs)))
         return PreparedStep(plan, inputs, [self._micro_batch(inputs, g) for g in groups])
 
+    def _exchange(self, meta: dict, tensors: list[torch.Tensor]) -> list[Message]:
+        """One agreement round: this rank's meta (and tensors) to every peer, theirs back."""
+        key = MsgKey(self.sync_id, SYNC_LAYER, 0)
+        for peer in self.peers:
+            self.transport.send(peer, Message("sync", key, self.sender.endpoint, tensors, meta))
+        # with fault tolerance a peer may first sit out a lost rank's timeout and a recovery
+        args = self.spec.args
+        wait = args.comm_timeout * 2 + args.ffn_recovery_timeout if self.ft else args.comm_timeout
+        msgs = [self.transport.recv(p, "sync", key, wait) for p in self.peers]
+        self.sync_id += 1
+        return msgs
+
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
         with self.timeline.span("step", 0, -1, step.num_tokens):
-            return self._run(step.batches)
+            return self._run_resilient(step.batches)
+
+    @torch.inference_mode()
+    def _run_resilient(self, batches: list[dict]) -> torch.Tensor:
+        """Runs a step; with fault tolerance, once an FFN rank is lost, the recovery, and the step
+        again from the same inputs (its KV writes write the same values again)."""
+        if not self.ft:
+            return self._run(batches)
+        before = [dict(m) for m in batches]
+        while True:
+            try:
+                out = self._run(batches)
+                self._last = before
+                return out
+            except FfnRankLost as exc:
+                log.warning("attention rank %d: step %d failed: %s", self.rank, self.step_id, exc)
+                meta = {"tokens": 0, "stop": False, "lost": exc.ranks, "failed": True, "step_id": self.step_id}
+                self._recover([meta, *(m.meta for m in self._exchange(meta, []))])
+                batches = [dict(m) for m in before]
+
+    # -- fault tolerance -----------------------------------------------------------------------
+
+    def _lost_ffn(self) -> list[int]:
+        """The FFN ranks (not endpoints) that have sent no heartbeat for --comm-timeout, or whose
+        process (on this machine) has exited."""
+        now = self._checked = time.monotonic()
+        for ep in self.ffn:
+            while True:
+                try:
+                    beat = self.transport.recv(ep, "heartbeat", MsgKey(self._heartbeats[ep], HEARTBEAT_LAYER, 0), 0.0)
+                except CommTimeout:
+                    break
+                self._heartbeats[ep] += 1
+                self._heard[ep] = now
+                if self._space and beat.meta.get("space") == self._space:
+                    self._pids[ep] = beat.meta["pid"]
+        limit = self.spec.args.comm_timeout
+        return [
+            ep - self.spec.topology.num_senders
+            for ep in self.ffn
+            if now - self._heard[ep] > limit or (ep in self._pids and process_exited(self._pids[ep]))
+        ]
+
+    def _check_ffn(self) -> None:
+        """The interrupt of this rank's waits for results: FfnRankLost once an FFN rank is silent."""
+        lost = self._lost_ffn()
+        if lost:
+            raise FfnRankLost(
+                lost,
+                f"FFN rank(s) {lost} exited or sent no heartbeat for {self.spec.args.comm_timeout:g} s "
+                "(--comm-timeout)",
+            )
+
+    def _recover(self, metas: list[dict]) -> None:
+        """Every attention rank runs this after the same round, from the same metas: the lost
+        ranks masked, their experts given slots on the survivors, which load them and answer."""
+        args, topo, start = self.spec.args, self.spec.topology, time.monotonic()
+        lost = sorted({r for m in metas for r in m["lost"]})
+        old = self.rebalancer.map
+        try:
+            new = old.without_ranks(set(lost), self.rebalancer.next_version)
+        except RecoveryImpossible as exc:
+            raise RecoveryFailed(
+                f"cannot serve without FFN rank(s) {lost}: {exc}; start with more --ep-num-redundant-experts "
+                "or more FFN ranks"
+            ) from None
+        self.recoveries += 1
+        key = MsgKey(self.recoveries, RECOVER_LAYER, 0)
+        next_step = max(m["step_id"] for m in metas) + 1
+        live = [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks) if r not in new.dead]
+        plan = {"placement": new.describe(), "next_step": next_step}
+        for ep in live:
+            self.transport.send(ep, Message("recover", key, self.sender.endpoint, meta=plan))
+        read, deadline = 0, start + args.ffn_recovery_timeout + args.comm_timeout
+        for ep in live:
+            try:
+                answer = self.transport.recv(ep, "recovered", key, max(deadline - time.monotonic(), 0.0)).meta
+            except CommTimeout:
+                raise RecoveryFailed(
+                    f"FFN rank {ep - topo.num_senders} did not take part in the recovery from the loss of FFN rank(s) "
+                    f"{lost} within {args.ffn_recovery_timeout:g} s (--ffn-recovery-timeout)"
+                ) from None
+            if answer["error"] is not None:
+                raise RecoveryFailed(answer["error"])
+            read += answer["read"]
+        self.experts_read += read
+        self.rebalancer.recovered(new, live)
+        self.ffn, self.ffn_alive = live, len(live)
+        self._heard = {ep: self._heard[ep] for ep in live}
+        topo = dataclasses.replace(topo, dead=new.dead)
+        sender = attention_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
+        sender.stats, sender.interrupt = self.sender.stats, self._check_ffn
+        self.sender = self.executor.endpoint = sender
+        self.executor.expert_map = new
+        self.transport.drop_stale({**dict.fromkeys(STEP_KINDS, next_step), "eplb_ready": new.version})
+        self.step_id = next_step
+        moved = {layer: _moved(old.placements[layer].slot_expert, p.slot_expert) for layer, p in new.placements.items()}
+        log.warning(
+            "attention rank %d: serving without FFN rank(s) %s after %.2f s of recovery: %d FFN ranks left; "
+            "experts given new slots: %s; %d read from the checkpoint",
+            self.rank,
+            sorted(new.dead),
+            time.monotonic() - start,
+            len(live),
+            "; ".join(f"layer {layer}: {m}" for layer, m in moved.items() if m) or "none (copies took over)",
+            read,
+        )
+        self.last_recovery = {"lost": lost, "dead": sorted(new.dead), "experts_read": read, "moved": moved}
 
     def _micro_batches(self, num_seqs: int) -> int:
         """This step's micro-batch count: --micro-batches, or fewer where a lone attention rank
@@ -190,7 +347,12 @@ class PipelineRunner(StepRunner):
         self.last_ffn_send = time.monotonic()
 
     def close(self) -> None:
-        self._announce([], shutdown=True)
+        self._announce([], shutdown=True)  # to the live FFN ranks
         self.rebalancer.close()
         if self.server is not None:
             self.server.endpoint.close()
+
+
+def _moved(before: list[int], after: list[int]) -> str:
+    """The slots a recovery gave another expert: "expert 4 -> slot 7, ..."."""
+    return ", ".join(f"expert {e} -> slot {s}" for s, (b, e) in enumerate(zip(before, after)) if b != e)

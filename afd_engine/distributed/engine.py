@@ -49,6 +49,8 @@ class DistributedEngine(OfflineEngine):
         self._pending: dict[str, dict] = {}
         self._ids = itertools.count()
         self._backlog: list[RequestOutput] = []  # finished while waiting for something else
+        self.rank_stats: dict[int, msgs.EngineStats] = {}  # each attention rank's latest counters
+        self.failures: dict[int, str] = {}  # rank -> why it stopped (its last words)
 
     def add_request(
         self,
@@ -77,7 +79,7 @@ class DistributedEngine(OfflineEngine):
         """Waits while the rank has not connected yet; a dead rank never will."""
         while not self.push[rank].poll(POLL_MS, zmq.POLLOUT):
             if not self.deployment.alive():
-                raise DeploymentDied("a rank of the deployment died")
+                raise self._died()
         self.push[rank].send(msgs.encode(msg))
         self.sockets.wake_ranks()
 
@@ -89,7 +91,7 @@ class DistributedEngine(OfflineEngine):
         done, self._backlog = self._backlog, []
         if not self.pull.poll(POLL_MS):
             if not self.deployment.alive():
-                raise DeploymentDied("a rank of the deployment died")
+                raise self._died()
             return done
         while True:
             try:
@@ -109,7 +111,7 @@ class DistributedEngine(OfflineEngine):
                 raise DeploymentDied(f"attention ranks {sorted(reports)} answered within {timeout:g} s, not all")
             if not self.pull.poll(POLL_MS):
                 if not self.deployment.alive():
-                    raise DeploymentDied("a rank of the deployment died")
+                    raise self._died()
                 continue
             msg = msgs.decode_output(self.pull.recv())
             if isinstance(msg, msgs.ExpertLoadReport):
@@ -119,8 +121,26 @@ class DistributedEngine(OfflineEngine):
                 self._backlog += self._absorb(msg)
         return merge_reports([reports[r] for r in sorted(reports)])
 
+    def _died(self) -> DeploymentDied:
+        """The error for a deployment that lost a rank, with the reasons ranks gave, if any."""
+        # a failing rank says why just before it exits: read what has come
+        while self.pull.poll(0):
+            self._backlog += self._absorb(msgs.decode_output(self.pull.recv()))
+        why = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
+        return DeploymentDied("a rank of the deployment died" + (f" ({why})" if why else ""))
+
+    @property
+    def stats(self) -> msgs.EngineStats:
+        """The deployment's counters (as the server's /metrics gives them), from the ranks' latest messages."""
+        return msgs.EngineStats.total(self.rank_stats.values())
+
     def _absorb(self, msg) -> list[RequestOutput]:
         if isinstance(msg, msgs.ExpertLoadReport):  # an answer nobody waits for any more
+            return []
+        if isinstance(msg, msgs.StepOutput):
+            self.rank_stats[msg.rank] = msg.stats
+        if isinstance(msg, msgs.RankFailed):
+            self.failures[msg.rank] = msg.message
             return []
         if isinstance(msg, msgs.Rejected):
             self.router.finished(msg.rid)

@@ -15,8 +15,11 @@ of m, and never holds that combine back.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,9 +32,18 @@ from afd_engine.eplb.expert_map import ExpertMap
 from afd_engine.eplb.stager import ExpertStager
 from afd_engine.operations import run_micro_batches
 from afd_engine.operations.strategy import AFD_FFN
+from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
 from comm.messages import CommError, CommTimeout, Message, MsgKey
-from comm.protocol import EPLB_LAYER, KEEPALIVE_LAYER, STEP_LAYER
+from comm.protocol import (
+    EPLB_LAYER,
+    HEARTBEAT_LAYER,
+    HEARTBEAT_S,
+    KEEPALIVE_LAYER,
+    RECOVER_LAYER,
+    STEP_KINDS,
+    STEP_LAYER,
+)
 from comm.transport.base import Transport
 
 log = logging.getLogger("afd.ffn")
@@ -44,6 +56,37 @@ class PeerLostError(CommError):
 
 class DescriptorMismatchError(CommError):
     """The attention ranks' step descriptors do not describe the step this FFN rank serves."""
+
+
+class StepAborted(CommError):
+    """The attention ranks started a recovery: the step under way is given up (it runs again)."""
+
+
+class RecoveryFailed(CommError):
+    """This rank could not take its part of a recovery (the attention ranks fail fast with why)."""
+
+
+def process_space() -> str:
+    """Equal for two processes exactly when each can look the other up by pid: the same running
+    kernel and pid namespace ("" where that cannot be told)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() + ":" + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def process_exited(pid: int) -> bool:
+    """Whether process `pid` (of this process space) has exited: gone, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _aborted() -> None:
+    raise StepAborted("the step was given up for a recovery")
 
 
 def check_descriptors(metas: dict[int, dict], num_micro_batches: int, step: int) -> int | None:
@@ -119,22 +162,114 @@ class FfnWorker:
         )
         self.ops = ops
         self._arranged: dict[int, list[object]] = {}  # micro-batch count -> the arranged operations
+        self.ft = spec.args.enable_ffn_fault_tolerance
+        self.recoveries = 0
+        self._stopped = threading.Event()
+        if self.ft:  # the attention ranks tell a lost FFN rank by its missing heartbeats
+            self.server.endpoint.interrupt = self._interrupt
+            threading.Thread(target=self._heartbeats, name=f"heartbeat-{rank}", daemon=True).start()
 
     def run(self) -> None:
-        while (count := self._next_step()) is not None:
-            self.server.step = self.step_id
-            if count not in self._arranged:
-                self._arranged[count] = AFD_FFN.arrange(self.ops, count)
-            with torch.inference_mode():
-                run_micro_batches(self._arranged[count], [{} for _ in range(count)], AFD_FFN.delays(count))
-            if self._to_stage is not None:
-                self.stager.stage(self._to_stage, self._ready)
-                self._to_stage = None
-            self.timeline.end_step(self.step_id)
-            self.step_id += 1
+        try:
+            while True:
+                try:
+                    if not self._serve_step():
+                        break
+                except StepAborted:
+                    self._recover()
+        finally:
+            self._stopped.set()
         self.server.endpoint.close()
         if self.stager is not None:
             self.stager.close()
+
+    def _serve_step(self) -> bool:
+        """Serves the next step; False on shutdown."""
+        count = self._next_step()
+        if count is None:
+            return False
+        self.server.step = self.step_id
+        if count not in self._arranged:
+            self._arranged[count] = AFD_FFN.arrange(self.ops, count)
+        with torch.inference_mode():
+            run_micro_batches(self._arranged[count], [{} for _ in range(count)], AFD_FFN.delays(count))
+        if self._to_stage is not None:
+            self.stager.stage(self._to_stage, self._ready)
+            self._to_stage = None
+        self.timeline.end_step(self.step_id)
+        self.step_id += 1
+        return True
+
+    # -- fault tolerance ---------------------------------------------------------------------
+
+    def _heartbeats(self) -> None:
+        """Tells every attention rank that this rank is alive, every HEARTBEAT_S, whatever the
+        main thread is doing (a rank blocked on a lost peer is alive too)."""
+        me, count = self.spec.topology.ffn_endpoint(self.rank), 0
+        who = {"pid": os.getpid(), "space": process_space()}  # lets a rank of this machine see it exit
+        while not self._stopped.wait(HEARTBEAT_S):
+            try:
+                for ep in self.senders:
+                    self.transport.send(ep, Message("heartbeat", MsgKey(count, HEARTBEAT_LAYER, 0), me, meta=who))
+            except CommError:  # the transport closed: the rank is stopping
+                return
+            count += 1
+
+    @property
+    def _silence_limit(self) -> float:
+        """How long an attention rank may send nothing: --comm-timeout, and with fault tolerance
+        also the time it may spend noticing a lost FFN rank and recovering."""
+        a = self.spec.args
+        return a.comm_timeout * 3 + a.ffn_recovery_timeout if self.ft else a.comm_timeout
+
+    def _interrupt(self) -> None:
+        """Called while a receive waits: StepAborted once an attention rank calls a recovery."""
+        if any(self.transport.pending(ep, "recover") for ep in self.senders):
+            raise StepAborted(f"FFN rank {self.rank}: the attention ranks called a recovery during step {self.step_id}")
+
+    def _recover(self) -> None:
+        """Takes its part in a recovery: the new placement from every attention rank (they must
+        agree), the experts it now holds loaded (copied, or read from the checkpoint), a fresh
+        endpoint over the live ranks, then "recovered" to every attention rank."""
+        args, start = self.spec.args, time.monotonic()
+        self.recoveries += 1
+        key = MsgKey(self.recoveries, RECOVER_LAYER, 0)
+        wait = args.ffn_recovery_timeout + 2 * args.comm_timeout
+        plans = {ep: self.transport.recv(ep, "recover", key, wait).meta for ep in self.senders}
+        if len({json.dumps(p, sort_keys=True) for p in plans.values()}) > 1:
+            raise DescriptorMismatchError(f"recovery {self.recoveries}: the attention ranks disagree on the placement")
+        plan = plans[self.senders[0]]
+        new_map = ExpertMap.from_description(self.spec.layout, plan["placement"])
+        old = self.server.endpoint
+        old.interrupt = _aborted  # its relay threads still waiting on the lost step give up
+        old.close(drain=False)
+        topo = dataclasses.replace(self.spec.topology, dead=new_map.dead)
+        self.server.endpoint = ffn_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
+        self.server.endpoint.interrupt = self._interrupt
+        self.transport.drop_stale(dict.fromkeys(STEP_KINDS, plan["next_step"]))
+        self._to_stage, error, read = None, None, 0
+        try:
+            self.stager.cancel()  # a rebalance under way is void: its placement had the lost rank in it
+            self.stager.stage(new_map)
+            self.stager.switch(new_map.version, args.ffn_recovery_timeout)
+            read = self.stager.experts_read
+        except Exception as exc:  # noqa: BLE001 - reported to the attention ranks, which fail fast with it
+            error = f"FFN rank {self.rank} could not load its experts of placement {new_map.version}: {exc}"
+        self.step_id = plan["next_step"]
+        self.heard = dict.fromkeys(self.senders, time.monotonic())  # they were busy recovering, not gone
+        me = topo.ffn_endpoint(self.rank)
+        for ep in self.senders:
+            self.transport.send(ep, Message("recovered", key, me, meta={"read": read, "error": error}))
+        if error is not None:
+            raise RecoveryFailed(error)
+        log.info(
+            "FFN rank %d: recovery %d without FFN ranks %s done in %.2f s (%d experts read from the checkpoint)",
+            self.rank,
+            self.recoveries,
+            sorted(new_map.dead),
+            time.monotonic() - start,
+            read,
+        )
 
     def _next_step(self) -> int | None:
         """Waits for every attention rank's descriptor of the next step; its micro-batch count, or
@@ -171,14 +306,16 @@ class FfnWorker:
         PeerLostError once ep, heard from before, has been silent past the comm timeout."""
         while True:
             try:
-                msg = self.transport.recv(ep, "step", key, LIVENESS_CHECK_S)
+                msg = self.transport.recv(ep, "step", key, INTERRUPT_CHECK_S if self.ft else LIVENESS_CHECK_S)
             except CommTimeout:
+                if self.ft:
+                    self._interrupt()
                 self._take_keepalives(ep)
                 silent = time.monotonic() - self.heard[ep] if self.heard[ep] is not None else 0.0
-                if silent > self.spec.args.comm_timeout:
+                if silent > self._silence_limit:
                     raise PeerLostError(
                         f"attention endpoint {ep} sent no step and no keepalive for {silent:.0f} s "
-                        f"(--comm-timeout {self.spec.args.comm_timeout:g}): it stopped without shutting down "
+                        f"(limit {self._silence_limit:g} s): it stopped without shutting down "
                         f"(killed, or its machine is gone); FFN rank {self.rank} stops"
                     ) from None
                 continue

@@ -6,9 +6,11 @@ The data plane (comm) between ranks on this machine is shared memory (comm/trans
 or ZeroMQ over TCP loopback where /dev/shm is missing or too small; between machines ZeroMQ/TCP.
 
 Every rank is its own OS process. The launcher waits until all report ready (or one reports an
-error, which stops the rest); afterwards `alive()` is false as soon as any rank has died. A
-deployment does not recover from a lost rank: the server reports unhealthy, fails the requests
-in flight and exits with a non-zero status (a supervisor restarts it).
+error, which stops the rest); afterwards `alive()` is false as soon as any rank has died. By
+default a deployment does not recover from a lost rank: the server reports unhealthy, fails the
+requests in flight and exits with a non-zero status (a supervisor restarts it). With
+--enable-ffn-fault-tolerance the attention ranks recover from the loss of FFN ranks
+(distributed/attention_runner.py), and only an attention rank's death counts here.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Deployment:
         self.workdir = tempfile.mkdtemp(prefix="afd-")
         self.addrs = ControlAddrs(*(f"ipc://{self.workdir}/{n}" for n in ("requests", "broadcast", "outputs")))
         self.procs: list[mp.Process] = []
+        self._num_ffn = 0  # the first procs are FFN ranks
         self._store = None  # the rendezvous, when this role hosts it
         self._namespace: str | None = None  # of the shared-memory files, when this launcher chose them
         self.info: dict = {}
@@ -93,6 +96,7 @@ class Deployment:
         if self.role == "attention":  # the rendezvous lives with the front end, as long as it does
             self._store = host_rendezvous(self.rendezvous)
         ranks = self._ranks()
+        self._num_ffn = sum(1 for target, _ in ranks if target.__name__ == "run_ffn_worker")
         shares = (core_shares(usable_core_ids(), len(ranks)) if self.args.pin_cores else None) or [None] * len(ranks)
         if self.args.pin_cores and shares[0] is None:
             log.warning("--pin-cores: %d rank processes for fewer cores; not pinned", len(ranks))
@@ -158,7 +162,9 @@ class Deployment:
         return parent
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        """Whether every rank whose loss the deployment cannot survive is running."""
+        survivable = self._num_ffn if self.args.enable_ffn_fault_tolerance else 0
+        return all(p.is_alive() for p in self.procs[survivable:])
 
     def stop(self, timeout: float = 10.0) -> None:
         for p in self.procs:

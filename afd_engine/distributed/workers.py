@@ -11,7 +11,7 @@ import torch
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.distributed.attention_runner import PipelineRunner
-from afd_engine.distributed.ffn_worker import DescriptorMismatchError, FfnWorker, PeerLostError
+from afd_engine.distributed.ffn_worker import DescriptorMismatchError, FfnWorker, PeerLostError, RecoveryFailed
 from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, register, shm_host
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine
@@ -78,7 +78,7 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
     gc.freeze()  # what loading made lives as long as the process: later collections skip it
     try:
         FfnWorker(shard, spec, rank, transport, device, functools.partial(load_shard, args, cfg, device)).run()
-    except (PeerLostError, DescriptorMismatchError) as exc:  # expected ways to end: one line, exit status 1
+    except (PeerLostError, DescriptorMismatchError, RecoveryFailed) as exc:  # expected ends: one line, status 1
         logging.getLogger("afd.ffn").error("%s", exc)
         _exit_now(transport)
     except BaseException:  # anything else: the traceback, then out at once (see _exit_now)

@@ -7,7 +7,7 @@ expert, the expert's pairs in a batch dealt round-robin over its copies, so copi
 expert's load evenly and the choice is deterministic (reproducible tests).
 
 `version` counts placements: 0 is the one a deployment starts with (`initial`), every rebalance
-installs the next.
+installs the next. `dead`: expert ranks lost (AFD fault tolerance); their slots are never routed to.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_engine.eplb.placement import Placement, place
+from afd_engine.eplb.placement import Placement, RecoveryImpossible, place, without_ranks
 
 
 @dataclass(frozen=True)
@@ -55,28 +55,49 @@ class ExpertLayout:
 class ExpertMap:
     """The current placement of every MoE layer and the tables that route through it."""
 
-    def __init__(self, layout: ExpertLayout, placements: dict[int, Placement], version: int = 0) -> None:
-        self.layout, self.placements, self.version = layout, placements, version
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        placements: dict[int, Placement],
+        version: int = 0,
+        dead: frozenset[int] = frozenset(),
+    ) -> None:
+        self.layout, self.placements, self.version, self.dead = layout, placements, version, frozenset(dead)
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._in_order: set[int] = set()  # layers whose slot s holds expert s: slots are the ids
+        spr = layout.slots_per_rank
         for layer, p in placements.items():
-            replicas = p.replicas(layout.num_experts)
+            replicas = [[s for s in r if s // spr not in self.dead] for r in p.replicas(layout.num_experts)]
             missing = [e for e, r in enumerate(replicas) if not r]
             if missing or p.num_slots != layout.num_slots:
                 raise ValueError(
                     f"layer {layer}: a placement needs {layout.num_slots} slots holding every expert; it has "
-                    f"{p.num_slots}" + (f" and expert {missing[0]} has no slot" if missing else "")
+                    f"{p.num_slots}"
+                    + (f" and expert {missing[0]} has no slot" if missing else "")
+                    + (f" on a live rank (lost: {sorted(self.dead)})" if missing and self.dead else "")
                 )
             width = max(len(r) for r in replicas)
             table = torch.tensor([r + [r[0]] * (width - len(r)) for r in replicas], dtype=torch.int64)  # [E, width]
             self._tables[layer] = (table, torch.tensor([len(r) for r in replicas], dtype=torch.int64))
-            if p.slot_expert == list(range(layout.num_experts)):
+            if p.slot_expert == list(range(layout.num_experts)) and not self.dead:
                 self._in_order.add(layer)
 
     @staticmethod
     def initial(layout: ExpertLayout, moe_layers) -> ExpertMap:
         p = layout.initial()
         return ExpertMap(layout, {layer: p for layer in moe_layers})
+
+    def without_ranks(self, dead: set[int], version: int) -> ExpertMap:
+        """This placement with expert ranks `dead` lost as well (placement.without_ranks per layer);
+        RecoveryImpossible names the layer that cannot be served."""
+        dead = set(dead) | self.dead
+        placements = {}
+        for layer, p in self.placements.items():
+            try:
+                placements[layer] = without_ranks(p, dead, self.layout.num_experts)
+            except RecoveryImpossible as exc:
+                raise RecoveryImpossible(f"MoE layer {layer} without expert ranks {sorted(dead)}: {exc}") from None
+        return ExpertMap(self.layout, placements, version, frozenset(dead))
 
     def rank_slots(self, rank: int) -> dict[int, list[int]]:
         """Per MoE layer, the logical expert of each of `rank`'s slots, in slot order."""
@@ -110,14 +131,14 @@ class ExpertMap:
         layers, each expert's load split evenly over its copies."""
         out = torch.zeros(self.layout.num_ranks, dtype=torch.float64)
         for i, p in enumerate(self.placements.values()):
-            out += p.rank_loads(load[i])
+            out += p.rank_loads(load[i], self.dead)
         return out
 
     @staticmethod
     def from_description(layout: ExpertLayout, d: dict) -> ExpertMap:
         """The inverse of `describe`."""
         placements = {int(layer): Placement(list(s), layout.slots_per_rank) for layer, s in d["slot_expert"].items()}
-        return ExpertMap(layout, placements, d["version"])
+        return ExpertMap(layout, placements, d["version"], frozenset(d.get("dead", ())))
 
     def describe(self) -> dict:
         """JSON-able: version and, per layer, each physical slot's logical expert."""
@@ -125,4 +146,5 @@ class ExpertMap:
             "version": self.version,
             "slots_per_rank": self.layout.slots_per_rank,
             "slot_expert": {str(layer): list(p.slot_expert) for layer, p in self.placements.items()},
+            "dead": sorted(self.dead),
         }

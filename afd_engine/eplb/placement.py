@@ -46,12 +46,42 @@ class Placement:
             out[expert].append(slot)
         return out
 
-    def rank_loads(self, load: torch.Tensor) -> torch.Tensor:
-        """Load per rank when every expert's load is split evenly over its copies."""
-        num_experts = load.numel()
-        copies = torch.bincount(torch.tensor(self.slot_expert), minlength=num_experts).to(torch.float64)
-        per_slot = load.to(torch.float64)[torch.tensor(self.slot_expert)] / copies[torch.tensor(self.slot_expert)]
+    def rank_loads(self, load: torch.Tensor, dead: frozenset[int] = frozenset()) -> torch.Tensor:
+        """Load per rank when every expert's load is split evenly over its copies (those on the
+        ranks not `dead`: lost ranks carry none)."""
+        num_experts, slots = load.numel(), torch.tensor(self.slot_expert)
+        live = torch.tensor([s // self.slots_per_rank not in dead for s in range(self.num_slots)])
+        copies = torch.bincount(slots[live], minlength=num_experts).to(torch.float64).clamp(min=1)
+        per_slot = torch.where(live, load.to(torch.float64)[slots] / copies[slots], 0.0)
         return per_slot.view(-1, self.slots_per_rank).sum(dim=1)
+
+
+class RecoveryImpossible(ValueError):
+    """The surviving expert ranks cannot hold every expert."""
+
+
+def without_ranks(p: Placement, dead: set[int], num_experts: int) -> Placement:
+    """`p` with ranks `dead` lost: every expert left without a live copy takes over a live slot of
+    an expert that still has several (the one with the most, ties to the highest slot); the
+    dead ranks' slots keep their entries (nothing routes to them). RecoveryImpossible when the
+    live slots hold no spare copy left to give up."""
+    slot_expert = list(p.slot_expert)
+    live = [s for s in range(p.num_slots) if s // p.slots_per_rank not in dead]
+    copies: dict[int, list[int]] = {e: [] for e in range(num_experts)}
+    for s in live:
+        copies[slot_expert[s]].append(s)
+    for lost in [e for e in range(num_experts) if not copies[e]]:
+        donor = max(range(num_experts), key=lambda e: (len(copies[e]), max(copies[e], default=-1)))
+        if len(copies[donor]) < 2:
+            missing = sum(1 for e in range(num_experts) if not copies[e])
+            raise RecoveryImpossible(
+                f"{missing} experts lost their only copy and the {len(live)} live slots hold no spare copy to "
+                f"give up (every one of the {num_experts} experts needs a slot)"
+            )
+        slot = copies[donor].pop()
+        slot_expert[slot] = lost
+        copies[lost].append(slot)
+    return Placement(slot_expert, p.slots_per_rank)
 
 
 def imbalance(rank_loads: torch.Tensor) -> float:

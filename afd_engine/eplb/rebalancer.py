@@ -63,7 +63,7 @@ class Rebalancer:
     def sync_out(self, step_id: int) -> tuple[dict, list[torch.Tensor]]:
         """This rank's part of the round's sync message: meta and tensors."""
         idle = self.pending is None and self._planning is None
-        plan = self.every is not None and idle and step_id - self.last_plan_step >= self.every
+        plan = self.every is not None and idle and step_id - self.last_plan_step >= self.every and not self.map.dead
         planned = self._planning is not None and self._planning.done()
         meta = {"eplb_plan": plan, "eplb_planned": planned, "eplb_ready": self._ready()}
         return meta, [self.recorder.window()] if plan else []
@@ -113,6 +113,20 @@ class Rebalancer:
                     self.transport.recv(ep, "eplb_ready", key, 0.0)
                     self._acked.add(ep)
         return len(self._acked) == len(self.ffn)
+
+    def recovered(self, new: ExpertMap, ffn_endpoints: list[int]) -> None:
+        """After a recovery: `new` (without the lost ranks) serves from the next step on, and a
+        rebalance under way is void (its placement had them). No plan is made while ranks are
+        missing (`sync_out`)."""
+        self.map, self.ffn = new, ffn_endpoints
+        self.pending, self._announce, self._switch, self._stage = None, False, False, False
+        self._acked.clear()
+        self._planning = None  # a placement being computed is dropped when it comes
+
+    @property
+    def next_version(self) -> int:
+        """A placement version no placement has had, pending or planned."""
+        return max(self.map.version, self.pending.version if self.pending is not None else 0) + 1
 
     # -- the step ----------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class ExpertStager:
         self.load_shard, self.rank, self.serving = load_shard, rank, serving
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"eplb-stage-{rank}", initializer=_background_priority)
         self._staged: tuple[int, Future] | None = None  # (version, future of {layer: new module})
+        self.experts_read = 0  # (layer, expert) pairs the last staging read from the checkpoint
 
     def stage(self, new_map: ExpertMap, on_ready: Callable[[int], None] | None = None) -> None:
         """Starts staging this rank's slots of `new_map`: experts it holds already are copied,
@@ -61,6 +62,7 @@ class ExpertStager:
                 missing = {layer: sorted(set(s) - set(self.serving[layer].slot_expert)) for layer, s in changed.items()}
                 missing = {layer: e for layer, e in missing.items() if e}
                 fresh = self.load_shard(missing).routed_experts() if missing else {}
+                self.experts_read = sum(map(len, missing.values()))
                 staged = {
                     layer: self.serving[layer].gather(
                         s, [self.serving[layer]] + ([fresh[layer]] if layer in fresh else [])
@@ -80,6 +82,10 @@ class ExpertStager:
             return staged
 
         self._staged = (version, self._pool.submit(load))
+
+    def cancel(self) -> None:
+        """Forgets a staged placement that will never be switched to (a lost rank voided it)."""
+        self._staged = None
 
     def ready(self, version: int) -> bool:
         return self._staged is not None and self._staged[0] == version and self._staged[1].done()

@@ -57,6 +57,7 @@ class EngineClient:
         self.alive = alive
         self.rank_stats = {r: msgs.EngineStats() for r in ranks}
         self.last_heard = dict.fromkeys(ranks, time.monotonic())  # from start() on: when ranks are up
+        self.failures: dict[int, str] = {}  # rank -> why it stopped (its last words)
         self._queues: dict[str, asyncio.Queue] = {}
         self._load_reports: dict[str, tuple[dict[int, dict], asyncio.Future]] = {}
         self._load_ids = 0
@@ -75,7 +76,8 @@ class EngineClient:
         """Why the engine is not running (None: it is): a rank process exited, or an attention
         rank has sent nothing (not even a heartbeat) for DEAD_AFTER_S."""
         if not self.alive():
-            return "a rank process exited"
+            why = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
+            return "a rank process exited" + (f" ({why})" if why else "")
         now = time.monotonic()
         silent = max(self.last_heard, key=lambda r: now - self.last_heard[r], default=None)
         if silent is not None and now - self.last_heard[silent] >= DEAD_AFTER_S:
@@ -97,6 +99,8 @@ class EngineClient:
                     self._deliver(update.request_id, update)
             elif isinstance(msg, msgs.Rejected):
                 self._deliver(msg.rid, msg)
+            elif isinstance(msg, msgs.RankFailed):
+                self.failures[msg.rank] = msg.message
             elif isinstance(msg, msgs.ExpertLoadReport) and msg.token in self._load_reports:
                 reports, done = self._load_reports[msg.token]
                 reports[msg.rank] = msg.report

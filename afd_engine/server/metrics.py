@@ -54,6 +54,9 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.ffn_alive = Gauge(
+            "afd_ffn_ranks_alive", "AFD: FFN ranks serving (fewer after a recovery from a lost one)", registry=r
+        )
         self.engine_counters = _EngineCounters()
         r.register(self.engine_counters)
 
@@ -65,6 +68,7 @@ class ServerMetrics:
         self.kv_used.set(stats.kv_pages_used)
         self.kv_total.set(stats.kv_pages_total)
         self.kv_reserved.set(stats.kv_pages_reserved)
+        self.ffn_alive.set(stats.ffn_ranks_alive)
         for rank, load in enumerate(stats.expert_rank_load):
             self.expert_rank_load.labels(rank=str(rank)).set(load)
         if stats.expert_rank_load:
@@ -87,6 +91,16 @@ class _EngineCounters(Collector):
                 "afd_kv_transfer_bytes",
                 "prefill-decode disaggregation: KV bytes sent (prefill) or received (decode)",
                 self.stats.kv_transfer_bytes,
+            ),
+            (
+                "afd_ffn_recoveries",
+                "AFD with --enable-ffn-fault-tolerance: recoveries from lost FFN ranks",
+                self.stats.ffn_recoveries,
+            ),
+            (
+                "afd_ffn_recovery_experts_read",
+                "AFD fault tolerance: experts that recoveries read from the checkpoint (none where copies took over)",
+                self.stats.ffn_experts_read,
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

@@ -39,6 +39,21 @@ class Transport(ABC):
     def close(self) -> None:
         """Stops background work; pending receives fail."""
 
+    @property
+    def inbox(self) -> Inbox:
+        """Where this endpoint's received messages wait (every transport here files them in one)."""
+        return self._inbox
+
+    def pending(self, src: int, kind: str) -> int:
+        """Messages from src of this kind received and not yet taken (what has reached the inbox)."""
+        return self.inbox.pending(src, kind)
+
+    def drop_stale(self, floors: dict[str, int]) -> None:
+        """From now on, a `kind` message whose key's step is below floors[kind] is dropped when it
+        reaches the head of its channel instead of being received (an aborted step's messages,
+        after its peers agreed to run it again under a new step id)."""
+        self.inbox.drop_stale(floors)
+
 
 class Inbox:
     """Received messages demultiplexed into FIFO channels per (src, kind), with blocking waits.
@@ -62,6 +77,7 @@ class Inbox:
         self._waiters: list[_Waiter] = []
         self._error: Exception | None = None
         self._pumping: set[tuple[int, str]] | None = None  # the channels of the taker inside `pump`
+        self._floors: dict[str, int] = {}  # kind -> lowest step still received (drop_stale)
 
     def put(self, msg: Message) -> bool:
         """Files msg; True when the thread inside `pump` waits for it (to be woken by the transport)."""
@@ -76,7 +92,21 @@ class Inbox:
     def pending(self, src: int, kind: str) -> int:
         """Messages from src of this kind received and not yet taken."""
         with self._lock:
-            return len(self._channels.get((src, kind), ()))
+            channel = self._channels.get((src, kind))
+            if channel:
+                self._drop_stale_heads(channel, kind)
+            return len(channel or ())
+
+    def drop_stale(self, floors: dict[str, int]) -> None:
+        """See Transport.drop_stale; floors only rise."""
+        with self._lock:
+            for kind, step in floors.items():
+                self._floors[kind] = max(step, self._floors.get(kind, step))
+
+    def _drop_stale_heads(self, channel: deque, kind: str) -> None:
+        floor = self._floors.get(kind)
+        while floor is not None and channel and channel[0][1].key.step < floor:
+            channel.popleft()
 
     def fail(self, error: Exception) -> None:
         """Wakes every waiter with `error` (the transport closed or its receiver died)."""
@@ -98,6 +128,10 @@ class Inbox:
             try:
                 while True:
                     heads = [c for c in (self._channels.get((src, kind)) for src in srcs) if c]
+                    if self._floors:
+                        for c in heads:
+                            self._drop_stale_heads(c, kind)
+                        heads = [c for c in heads if c]
                     if heads:
                         first = min(heads, key=lambda c: c[0][0])
                         check_key(first[0][1], key, kind)  # a mismatch stays queued: the error is fatal anyway

@@ -26,6 +26,7 @@ class InProcessFabric:
 class InProcessTransport(Transport):
     def __init__(self, fabric: InProcessFabric, endpoint: int) -> None:
         self.fabric, self.endpoint = fabric, endpoint
+        self._inbox = fabric.inboxes[endpoint]
 
     def send(self, dst: int, msg: Message) -> None:
         inbox = self.fabric.inboxes.get(dst)

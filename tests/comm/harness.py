@@ -72,12 +72,14 @@ def ffn_work(ep: FfnEndpoint, keys=(KEY,), expert_fn=exact_expert, senders=None)
 def run_inproc(
     topo: Topology, config: CommConfig, xs, ids, ws, keys=(KEY,), expert_fn=exact_expert, skip_empty: bool = False
 ):
-    """Returns (per sender: list of combine outputs per key, the endpoints). `skip_empty`: senders
-    without tokens send nothing, and the FFN ranks are told which senders send."""
+    """Returns (per sender: list of combine outputs per key, the endpoints, the fabric).
+    `skip_empty`: senders without tokens send nothing, and the FFN ranks are told which senders
+    send. The topology's dead FFN ranks take no part (routing must leave their experts out)."""
     fabric = InProcessFabric()
     eps = {i: fabric.endpoint(i) for i in range(topo.num_endpoints)}
     senders = [attention_endpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
-    ffn_ranks = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in range(topo.num_ffn_ranks)]
+    live = [r for r in range(topo.num_ffn_ranks) if r not in topo.dead]
+    ffn_ranks = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in live]
     results: dict[int, list] = {}
     expected = [len(x) > 0 or not skip_empty for x in xs]
     errors: list[BaseException] = []
@@ -102,4 +104,4 @@ def run_inproc(
         o.close()
     if errors:
         raise errors[0]
-    return [results[i] for i in range(topo.num_senders)], senders + ffn_ranks
+    return [results[i] for i in range(topo.num_senders)], senders + ffn_ranks, fabric

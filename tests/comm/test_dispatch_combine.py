@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ def test_combine_equals_reference_exactly(mode, name, case):
     topo, tokens, k = TOPOLOGIES[name]
     k = min(k, topo.num_nodes) if case == "spread" else min(k, topo.num_experts // topo.num_nodes)
     xs, ids, ws = routing(topo, tokens, k, seed=len(name), case=case)
-    outs, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)
+    outs, _, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)
     for sender, (out, ref) in enumerate(zip(outs, reference_combine(xs, ids, ws, exact_expert))):
         assert torch.equal(out[0], ref), f"sender {sender}"
 
@@ -48,7 +50,7 @@ def test_every_sender_empty(nodes):
     topo = Topology(3, nodes, 2, 8)
     xs, ids, ws = routing(topo, [0, 0, 0], 2, seed=0)
     for mode in ("two-stage", "direct"):
-        outs, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)
+        outs, _, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)
         assert [o[0].shape for o in outs] == [torch.Size([0, 16])] * 3
 
 
@@ -59,7 +61,7 @@ def test_senders_without_tokens_can_send_nothing(mode, name):
     nothing: the same results, no traffic from a sender without tokens, nothing left unread."""
     topo, tokens, k = TOPOLOGIES[name]
     xs, ids, ws = routing(topo, tokens, k, seed=7)
-    outs, eps = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws, skip_empty=True)
+    outs, eps, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws, skip_empty=True)
     for sender, (out, ref) in enumerate(zip(outs, reference_combine(xs, ids, ws, exact_expert))):
         assert torch.equal(out[0], ref), f"sender {sender}"
     idle = [i for i, t in enumerate(tokens) if t == 0]
@@ -138,7 +140,7 @@ def test_colocated_direct_with_several_micro_batches():
     topo = Topology(4, 2, 2, 8, colocated=True)
     xs, ids, ws = routing(topo, [5, 3, 0, 6], 3, seed=3)
     keys = [MsgKey(1, layer, mb) for layer in range(2) for mb in range(2)]
-    outs, _ = run_inproc(topo, CommConfig("direct", FP32, timeout=10), xs, ids, ws, keys=keys)
+    outs, _, _ = run_inproc(topo, CommConfig("direct", FP32, timeout=10), xs, ids, ws, keys=keys)
     ref = reference_combine(xs, ids, ws, exact_expert)
     assert all(torch.equal(o, ref[i]) for i, per_key in enumerate(outs) for o in per_key)
 
@@ -150,7 +152,7 @@ def test_counters_equal_analytic_volumes(dispatch, mode, colocated):
     topo, k = Topology(6 if colocated else 4, 2, 3, 12, colocated=colocated), 4
     xs, ids, ws = routing(topo, [6, 9, 0, 4, 2, 5][: topo.num_senders], k, seed=11, hidden=256)
     wire = WireFormat(dispatch=dispatch, combine="bf16")
-    _, eps = run_inproc(topo, CommConfig(mode, wire, timeout=10), xs, ids, ws)
+    _, eps, _ = run_inproc(topo, CommConfig(mode, wire, timeout=10), xs, ids, ws)
     stats = CommStats.total([e.stats for e in eps])
     per_copy = volume.dispatch_copy_bytes(mode, 256, k, wire, torch.float32)
     for link, n in volume.copies(topo, ids, mode).items():
@@ -180,7 +182,7 @@ def test_fp8_dispatch_is_close_and_smaller():
     ref = reference_combine(xs, ids, ws, exact_expert)
     sizes = {}
     for dispatch in ("fp32", "fp8"):
-        outs, eps = run_inproc(topo, CommConfig("two-stage", WireFormat(dispatch, "fp32"), timeout=10), xs, ids, ws)
+        outs, eps, _ = run_inproc(topo, CommConfig("two-stage", WireFormat(dispatch, "fp32"), timeout=10), xs, ids, ws)
         for o, r in zip(outs, ref):
             rel = ((o[0] - r).norm() / r.norm()).item()
             assert rel < (1e-6 if dispatch == "fp32" else 0.06), f"{dispatch}: relative error {rel}"
@@ -270,3 +272,59 @@ def test_relay_forwards_one_senders_tokens_before_the_others_arrive():
     # sender 2 has not dispatched yet, and rank 1 already holds sender 0's tokens
     assert inbox.pending(topo.ffn_endpoint(0), "forward") == 1
     relay.close()
+
+
+@pytest.mark.parametrize("mode", ["two-stage", "direct"])
+@pytest.mark.parametrize("dead", [{0}, {1}, {0, 3}])
+def test_dead_ffn_ranks_are_left_out_and_relays_move_to_live_ranks(mode, dead):
+    """Fault tolerance: with FFN ranks masked (their experts routed elsewhere), results stay exact,
+    each node's senders relay through its live ranks, and no message reaches a dead rank."""
+    topo = Topology(3, 2, 2, 8, dead=frozenset(dead))
+    live_experts = torch.tensor([e for e in range(8) if int(topo.ffn_rank_of[e]) not in dead])
+    g = torch.Generator().manual_seed(len(dead))
+    xs = [torch.randint(-8, 9, (t, 16), generator=g).float() for t in (5, 0, 7)]
+    ids = [live_experts[torch.rand(len(x), len(live_experts), generator=g).argsort(dim=1)[:, :2]] for x in xs]
+    ws = [torch.randint(1, 5, (len(x), 2), generator=g).float() / 4 for x in xs]
+    outs, _, fabric = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)
+    for sender, (out, ref) in enumerate(zip(outs, reference_combine(xs, ids, ws, exact_expert))):
+        assert torch.equal(out[0], ref), f"sender {sender}"
+    for rank in dead:
+        inbox = fabric.inboxes[topo.ffn_endpoint(rank)]
+        sent = {k for k in ("dispatch", "forward", "dispatch_direct") for s in range(7) if inbox.pending(s, k)}
+        assert not sent, f"dead rank {rank} was sent {sent}"
+    if mode == "two-stage":
+        for node in range(2):
+            live = topo.live_ranks(node)
+            assert [topo.relay_rank(s, node) for s in range(3)] == [live[s % len(live)] for s in range(3)]
+            assert sorted(s for r in live for s in topo.senders_of_relay(r)) == [0, 1, 2]
+
+
+def test_a_node_without_live_ranks_relays_nothing():
+    topo = Topology(2, 2, 2, 8, dead=frozenset({2, 3}))
+    assert topo.senders_of_relay(2) == [] and topo.relay_rank(1, 0) == 1
+    with pytest.raises(TopologyError, match="FFN node 1 has no live rank left to relay sender 0"):
+        topo.relay_rank(0, 1)
+
+
+def test_an_interrupt_gives_a_wait_up_and_the_wait_lasts_twice_the_timeout_without_one():
+    topo = Topology(1, 1, 1, 8)
+    fabric = InProcessFabric()
+    ep = attention_endpoint(topo, 0, fabric.endpoint(0), CommConfig(timeout=0.3))
+    fabric.endpoint(1)
+    calls = []
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("lost")
+
+    ep.interrupt = interrupt
+    with pytest.raises(KeyError, match="lost"):
+        ep.recv(1, "combine", KEY)
+    ep.interrupt = lambda: None
+    start = time.monotonic()
+    with pytest.raises(
+        CommTimeout, match=r"endpoint 0 waited 0.6 s for combine \(step 0, layer 0, micro-batch 0\) from endpoint 1"
+    ):
+        ep.recv(1, "combine", KEY)
+    assert 0.55 < time.monotonic() - start < 2.0

@@ -91,3 +91,20 @@ def test_put_says_whether_the_pumping_taker_waits_for_it():
     release.set()
     taker.join(5)
     assert not taker.is_alive()
+
+
+def test_messages_of_a_step_given_up_are_dropped_below_the_floor():
+    """After an aborted step runs again under a new id, its old messages never reach a receiver
+    (they would read as out of step): what is below the floor of its kind is dropped."""
+    inbox = Inbox(0)
+    for step in (3, 4, 7):
+        inbox.put(Message("combine", MsgKey(step, 2, 0), 4))
+    inbox.put(Message("sync", MsgKey(1, -2, 0), 4))
+    inbox.drop_stale({"combine": 7})
+    inbox.drop_stale({"combine": 5})  # floors only rise
+    assert inbox.pending(4, "combine") == 1
+    assert inbox.take([4], "combine", MsgKey(7, 2, 0), 1).key.step == 7
+    inbox.put(Message("combine", MsgKey(6, 2, 0), 4))  # a late one of the old step
+    inbox.put(Message("combine", MsgKey(8, 2, 0), 4))
+    assert inbox.take([4], "combine", MsgKey(8, 2, 0), 1).key.step == 8
+    assert inbox.take([4], "sync", MsgKey(1, -2, 0), 1).key.step == 1  # other kinds untouched

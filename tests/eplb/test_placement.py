@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd_engine.eplb.placement import imbalance, place
+from afd_engine.eplb.placement import Placement, imbalance, place
 
 
 def zipf_loads(num_experts: int, s: float, seed: int) -> torch.Tensor:
@@ -57,3 +57,34 @@ def test_without_redundancy_it_still_packs_by_load():
 def test_slots_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match="do not divide over 16 ranks"):
         place(torch.ones(256), num_redundant=8, num_nodes=2, ranks_per_node=8)
+
+
+def test_a_lost_rank_leaves_its_experts_to_their_copies_or_to_spare_slots():
+    from afd_engine.eplb.placement import RecoveryImpossible, without_ranks
+
+    # 4 ranks of 3 slots: experts 0-7, copies of 0-3 (rank 1 holds 5, 0, 2: 5 has no copy)
+    p = Placement([4, 0, 2, 5, 0, 2, 6, 1, 3, 7, 1, 3], 3)
+    after = without_ranks(p, {1}, 8)
+    assert after.slot_expert[3:6] == [5, 0, 2]  # the dead rank's slots keep their entries
+    live = [e for s, e in enumerate(after.slot_expert) if s // 3 != 1]
+    assert sorted(set(live)) == list(range(8))  # every expert has a live slot
+    assert [s for s in range(12) if after.slot_expert[s] != p.slot_expert[s]] == [11]  # one copy gave its slot
+    assert after.slot_expert[11] == 5
+    assert without_ranks(p, set(), 8) == p
+    with pytest.raises(RecoveryImpossible, match="2 experts lost their only copy and the 6 live slots hold no spare"):
+        without_ranks(p, {1, 3}, 8)
+
+
+def test_routing_never_picks_a_dead_ranks_copy():
+    from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
+
+    layout = ExpertLayout(num_experts=4, num_redundant=4, num_nodes=1, ranks_per_node=2)
+    full = ExpertMap(layout, {1: Placement([0, 1, 2, 3, 0, 1, 2, 3], 4)})
+    ids = torch.arange(4).repeat(10, 1)
+    assert set(full.to_physical(1, ids).flatten().tolist()) == set(range(8))
+    degraded = full.without_ranks({0}, version=3)
+    assert (degraded.version, degraded.dead) == (3, frozenset({0}))
+    assert set(degraded.to_physical(1, ids).flatten().tolist()) == {4, 5, 6, 7}
+    assert degraded.rank_loads(torch.ones(1, 4)).tolist() == [0.0, 4.0]
+    again = ExpertMap.from_description(layout, degraded.describe())
+    assert again.dead == frozenset({0}) and torch.equal(again.to_physical(1, ids), degraded.to_physical(1, ids))
