@@ -302,26 +302,31 @@ async def sample_rss(procs: dict[int, dict], t0: float, every_s: float, samples:
 
 
 def start_server(args, port: int, log) -> subprocess.Popen:
-    return serve(MODES[args.mode] + (["--model-path", args.model_path] if args.model_path else []), port, log)
-
-
-def serve(flags: list[str], port: int, log) -> subprocess.Popen:
-    """`afd serve FLAGS` on `port`, once healthy (output to `log`)."""
-    cmd = [sys.executable, "-m", "afd_engine.cli", "serve", "--port", str(port), "--num-threads", "1", *flags]
+    cmd = [sys.executable, "-m", "afd_engine.cli", "serve", "--port", str(port), "--num-threads", "1"]
+    cmd += MODES[args.mode] + (["--model-path", args.model_path] if args.model_path else [])
     # A session of its own: the whole tree can be signalled as one group, and only ours.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
+    try:
+        wait_healthy(port, proc)
+    except RuntimeError:
+        stop_server(proc)
+        raise
+    return proc
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until GET /health on `port` answers 200; RuntimeError if `proc` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"afd serve exited with {proc.returncode} before it was healthy")
+            raise RuntimeError(f"{' '.join(proc.args[3:5])} exited with {proc.returncode} before it was healthy")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1, trust_env=False).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError("the server did not become healthy within 300 s")
+    raise RuntimeError(f"the server did not become healthy within {timeout:g} s")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

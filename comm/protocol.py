@@ -18,6 +18,8 @@ liveness messages use negative pseudo-layers so they can never collide with a la
     heartbeat        FFN rank -> attention ranks        - (with --enable-ffn-fault-tolerance, every HEARTBEAT_S)
     recover          attention rank -> FFN ranks        (meta: placement without the lost ranks, next step id)
     recovered        FFN rank -> attention ranks        (meta: experts read from the checkpoint, or an error)
+    join             attention rank -> replacement      (meta: the placement that uses it)
+    start            attention rank -> replacement      (meta: the step it first serves, keepalive ids)
 
 hidden [n, H] (fp32/bf16, or fp8 values with scales [n, H/128] fp32; scales is [n, 0] otherwise),
 ids [n, K] int32 (-1: another node's or rank's slot; direct: [n] one expert per copy),
@@ -35,6 +37,7 @@ from comm.messages import CommError, Message, MsgKey
 SYNC_LAYER, STEP_LAYER, KEEPALIVE_LAYER = -2, -1, -3  # pseudo-layers of the lockstep and liveness messages
 EPLB_LAYER = -4  # pseudo-layer of rebalancing messages
 HEARTBEAT_LAYER, RECOVER_LAYER = -5, -6  # pseudo-layers of FFN fault tolerance (key step: count, recovery)
+JOIN_LAYER = -7  # a replacement FFN rank's admission (key step: its incarnation; micro-batch 0 join, 1 start)
 HEARTBEAT_S = 0.5  # how often an FFN rank of a fault-tolerant deployment says it is alive
 # the kinds of a step's messages: an aborted step's are dropped when it runs again under a new id
 STEP_KINDS = ("step", "dispatch", "forward", "expert_out", "combine", "dispatch_direct", "combine_direct")

@@ -36,6 +36,7 @@ from afd_engine.distributed.ffn_worker import process_exited, process_space
 from afd_engine.distributed.remote_experts import CommExpertServer, RemoteExpertExecutor
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.distributed.timeline import Timeline
+from afd_engine.eplb.expert_map import ExpertMap
 from afd_engine.eplb.placement import RecoveryImpossible
 from afd_engine.eplb.rebalancer import Rebalancer
 from afd_engine.eplb.stager import ExpertStager, load_shard
@@ -49,7 +50,15 @@ from comm.attention_side import attention_endpoint
 from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
 from comm.messages import CommError, CommTimeout, Message, MsgKey
-from comm.protocol import HEARTBEAT_LAYER, KEEPALIVE_LAYER, RECOVER_LAYER, STEP_KINDS, STEP_LAYER, SYNC_LAYER
+from comm.protocol import (
+    HEARTBEAT_LAYER,
+    JOIN_LAYER,
+    KEEPALIVE_LAYER,
+    RECOVER_LAYER,
+    STEP_KINDS,
+    STEP_LAYER,
+    SYNC_LAYER,
+)
 from comm.transport.base import Transport
 
 KEEPALIVE_S = 1.0  # an attention rank that has sent its FFN ranks nothing for this long sends a keepalive
@@ -71,7 +80,9 @@ class RecoveryFailed(CommError):
 class PipelineRunner(StepRunner):
     lockstep = True
 
-    def __init__(self, model, pool: KVPool, spec: DeploymentSpec, rank: int, transport: Transport) -> None:
+    def __init__(self, model, pool: KVPool, spec: DeploymentSpec, rank: int, transport: Transport, store=None) -> None:
+        """`store` (rendezvous.DeploymentStore, fault tolerance in a deployment of roles): where
+        lost ranks are recorded and replacements announce themselves."""
         super().__init__()
         self.model, self.pool = model, pool
         self.spec, self.rank, self.transport = spec, rank, transport
@@ -119,6 +130,14 @@ class PipelineRunner(StepRunner):
         self._space = process_space()
         self._pids: dict[int, int] = {}  # FFN endpoint -> its pid, where this rank can look it up
         self.last_recovery: dict | None = None
+        self.store = store
+        self.incarnations = dict.fromkeys(self.ffn, 0)  # FFN endpoint -> its process's incarnation
+        self._seen: dict[int, int] = {}  # replacements announced at the rendezvous, not admitted yet
+        self._looked = 0.0  # when the rendezvous was last looked at
+        self._joiners: dict[int, int] = {}  # replacements admitted, staging; they serve from the switch
+        self._readmit_next: dict[str, int] = {}  # what the next descriptor tells the FFN ranks to readmit
+        if store is not None and rank == 0:
+            store.set_lost([])  # the deployment serves: an FFN role started from now on replaces
         if self.ft:
             self.sender.interrupt = self._check_ffn
 
@@ -136,10 +155,12 @@ class PipelineRunner(StepRunner):
             meta = {"tokens": mine, "stop": self.want_stop, **eplb_meta}
             if self.ft:
                 lost = self._lost_ffn() if time.monotonic() - self._checked >= INTERRUPT_CHECK_S else []
-                meta.update(lost=lost, failed=False, step_id=self.step_id)
+                meta.update(lost=lost, failed=False, step_id=self.step_id, joining=self._joining())
             msgs = self._exchange(meta, loads)
             metas = [m.meta for m in msgs]
             if not (self.ft and any(m["lost"] for m in [meta, *metas])):
+                if self.ft:
+                    self._admit(meta, metas)
                 break
             self._recover([meta, *metas])
             if any(m["failed"] for m in metas):  # a peer's step failed: it runs again, this rank's too
@@ -209,6 +230,85 @@ class PipelineRunner(StepRunner):
 
     # -- fault tolerance -----------------------------------------------------------------------
 
+    # -- replacements -------------------------------------------------------------------------
+
+    def _joining(self) -> dict[str, int]:
+        """Replacements of lost ranks announced at the rendezvous (looked at once a second, and
+        reported every round from then on, so that the ranks agree in one round)."""
+        dead = self.rebalancer.map.dead
+        if self.store is None or not dead or self._joiners or not self.rebalancer.idle:
+            return {}
+        if time.monotonic() - self._looked >= 1.0:
+            self._looked = time.monotonic()
+            for rank in dead:
+                ep = self.spec.topology.ffn_endpoint(rank)
+                incarnation = self.store.incarnation(ep)
+                if incarnation > self.incarnations.get(ep, 0):
+                    self._seen[ep] = incarnation
+        return {str(ep): n for ep, n in self._seen.items()}
+
+    def _admit(self, meta: dict, metas: list[dict]) -> None:
+        """Replacements every attention rank has seen (the same incarnation) are admitted: links
+        to them, and a placement that uses them (the first one's, without the ranks still lost),
+        staged by every FFN rank as for a rebalance."""
+        views = [m.get("joining") or {} for m in [meta, *metas]]
+        agreed = {int(ep): n for ep, n in views[0].items() if all(v.get(ep) == n for v in views)}
+        if not agreed:
+            return
+        topo, now = self.spec.topology, time.monotonic()
+        for ep, incarnation in agreed.items():
+            self.transport.readmit(ep, *self.store.peer(ep), incarnation)
+            self.incarnations[ep] = incarnation
+            self._heartbeats[ep], self._heard[ep] = 0, now
+            self._pids.pop(ep, None)
+        version = self.rebalancer.next_version
+        still = self.rebalancer.map.dead - {ep - topo.num_senders for ep in agreed}
+        full = ExpertMap(self.spec.layout, self.spec.initial_map().placements, version)
+        new = full.without_ranks(still, version) if still else full
+        self.rebalancer.admit(new, self.ffn + sorted(agreed))
+        for ep, incarnation in agreed.items():
+            key = MsgKey(incarnation, JOIN_LAYER, 0)
+            self.transport.send(ep, Message("join", key, self.sender.endpoint, meta={"plan": new.describe()}))
+        self._joiners, self._seen = agreed, {}
+        self._readmit_next = {str(ep): n for ep, n in agreed.items()}
+        log.warning(
+            "attention rank %d: admitted replacement FFN rank(s) %s; they serve once placement %d is staged",
+            self.rank,
+            sorted(ep - topo.num_senders for ep in agreed),
+            version,
+        )
+
+    def _serve_joiners(self) -> None:
+        """The step that switches to the placement using the replacements: they learn its id,
+        and from it on get descriptors and tokens."""
+        topo, new = self.spec.topology, self.rebalancer.map
+        for ep, incarnation in self._joiners.items():
+            meta = {"step": self.step_id, "keepalive": self.keepalive_id}
+            self.transport.send(
+                ep, Message("start", MsgKey(incarnation, JOIN_LAYER, 1), self.sender.endpoint, meta=meta)
+            )
+        live = [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks) if r not in new.dead]
+        self.ffn, self.ffn_alive, self.rebalancer.ffn = live, len(live), live
+        self._use_topology(new.dead)
+        log.warning(
+            "attention rank %d: FFN rank(s) %s serve again from step %d (placement %d, %d FFN ranks)",
+            self.rank,
+            sorted(ep - topo.num_senders for ep in self._joiners),
+            self.step_id,
+            new.version,
+            len(live),
+        )
+        self._joiners = {}
+        if self.store is not None and self.rank == 0:
+            self.store.set_lost(new.dead)
+
+    def _use_topology(self, dead: frozenset[int]) -> None:
+        """A fresh sender endpoint for these dead ranks (relays move with them)."""
+        topo = dataclasses.replace(self.spec.topology, dead=dead)
+        sender = attention_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
+        sender.stats, sender.interrupt = self.sender.stats, self._check_ffn
+        self.sender = self.executor.endpoint = sender
+
     def _lost_ffn(self) -> list[int]:
         """The FFN ranks (not endpoints) that have sent no heartbeat for --comm-timeout, or whose
         process (on this machine) has exited."""
@@ -273,13 +373,13 @@ class PipelineRunner(StepRunner):
                 raise RecoveryFailed(answer["error"])
             read += answer["read"]
         self.experts_read += read
+        self._joiners, self._seen = {}, {}  # an admission under way is void (its placement had the lost ranks)
         self.rebalancer.recovered(new, live)
+        if self.store is not None and self.rank == 0:
+            self.store.set_lost(new.dead)
         self.ffn, self.ffn_alive = live, len(live)
         self._heard = {ep: self._heard[ep] for ep in live}
-        topo = dataclasses.replace(topo, dead=new.dead)
-        sender = attention_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
-        sender.stats, sender.interrupt = self.sender.stats, self._check_ffn
-        self.sender = self.executor.endpoint = sender
+        self._use_topology(new.dead)
         self.executor.expert_map = new
         self.transport.drop_stale({**dict.fromkeys(STEP_KINDS, next_step), "eplb_ready": new.version})
         self.step_id = next_step
@@ -307,6 +407,10 @@ class PipelineRunner(StepRunner):
     def _run(self, micro: list[dict]) -> torch.Tensor:
         with self.timeline.span("eplb_switch", 0, -1) if self.rebalancer.switching else nullcontext():
             eplb = self.rebalancer.begin_step(self.spec.args.comm_timeout)
+        if self._readmit_next:  # the FFN ranks of the replacements' nodes link to them
+            eplb["readmit"], self._readmit_next = self._readmit_next, {}
+        if self._joiners and "eplb_switch" in eplb:
+            self._serve_joiners()
         self.executor.expert_map = self.rebalancer.map
         self._announce([int(m["fb"].num_tokens) for m in micro], extra=eplb)
         self.executor.step = self.step_id

@@ -39,6 +39,7 @@ from comm.protocol import (
     EPLB_LAYER,
     HEARTBEAT_LAYER,
     HEARTBEAT_S,
+    JOIN_LAYER,
     KEEPALIVE_LAYER,
     RECOVER_LAYER,
     STEP_KINDS,
@@ -113,7 +114,7 @@ def check_descriptors(metas: dict[int, dict], num_micro_batches: int, step: int)
     counts = {ep: len(m["tokens"]) for ep, m in metas.items()}
     if len(set(counts.values())) > 1:
         raise DescriptorMismatchError(f"step {step}: attention endpoints disagree on the micro-batch count: {counts}")
-    for field in ("eplb_plan", "eplb_switch"):
+    for field in ("eplb_plan", "eplb_switch", "readmit"):
         if len({json.dumps(m.get(field), sort_keys=True) for m in metas.values()}) > 1:
             raise DescriptorMismatchError(f"step {step}: attention endpoints disagree on {field}")
     return next(iter(counts.values()))
@@ -136,9 +137,15 @@ class FfnWorker:
         transport: Transport,
         device: torch.device | str = "cpu",
         load_shard: Callable[[dict[int, list[int]]], torch.nn.Module] | None = None,
+        store=None,
+        incarnation: int = 0,
     ) -> None:
-        """`load_shard(slots)` loads the experts a rebalance moves here (see eplb/stager.py)."""
+        """`load_shard(slots)` loads the experts a rebalance moves here (see eplb/stager.py).
+        `store` (rendezvous.DeploymentStore): where a deployment of roles tells where replacement
+        ranks are; `incarnation` > 0: this rank replaces a lost one and joins a running deployment."""
         self.shard, self.spec, self.rank, self.transport = shard, spec, rank, transport
+        self.store, self.incarnation = store, incarnation
+        self._plan: ExpertMap | None = None  # the placement staged last (its dead ranks too)
         topo = spec.topology
         self.stager = ExpertStager(load_shard, rank, shard.routed_experts()) if load_shard is not None else None
         self._to_stage: ExpertMap | None = None  # a placement announced in this step's descriptor
@@ -167,9 +174,15 @@ class FfnWorker:
         self._stopped = threading.Event()
         if self.ft:  # the attention ranks tell a lost FFN rank by its missing heartbeats
             self.server.endpoint.interrupt = self._interrupt
-            threading.Thread(target=self._heartbeats, name=f"heartbeat-{rank}", daemon=True).start()
+            if not incarnation:  # a replacement starts once admitted (_join)
+                self._start_heartbeats()
+
+    def _start_heartbeats(self) -> None:
+        threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.rank}", daemon=True).start()
 
     def run(self) -> None:
+        if self.incarnation:
+            self._join()
         try:
             while True:
                 try:
@@ -201,6 +214,45 @@ class FfnWorker:
         return True
 
     # -- fault tolerance ---------------------------------------------------------------------
+
+    def _join(self) -> None:
+        """A replacement's way in: every attention rank admits it with the placement that uses it
+        (it stages its slots and says `eplb_ready` like any rank in a rebalance), then names the
+        step it first serves, whose descriptor switches every rank to that placement."""
+        args, key = self.spec.args, MsgKey(self.incarnation, JOIN_LAYER, 0)
+        wait = args.ffn_recovery_timeout + 3 * args.comm_timeout + 60  # the deployment notices it between steps
+        plans = {ep: self.transport.recv(ep, "join", key, wait).meta for ep in self.senders}
+        if len({json.dumps(p, sort_keys=True) for p in plans.values()}) > 1:
+            raise DescriptorMismatchError(f"FFN rank {self.rank}: the attention ranks disagree on its placement")
+        self._plan = ExpertMap.from_description(self.spec.layout, plans[self.senders[0]]["plan"])
+        self._start_heartbeats()
+        self.stager.stage(self._plan, self._ready)
+        start = MsgKey(self.incarnation, JOIN_LAYER, 1)
+        starts = {ep: self.transport.recv(ep, "start", start, wait).meta for ep in self.senders}
+        self.step_id = starts[self.senders[0]]["step"]
+        self.keepalives = {ep: m["keepalive"] for ep, m in starts.items()}
+        self._use_topology(self._plan.dead)
+        log.info(
+            "FFN rank %d (replacement %d) joined: it serves from step %d", self.rank, self.incarnation, self.step_id
+        )
+
+    def _use_topology(self, dead: frozenset[int], drain: bool = True) -> None:
+        """A fresh endpoint where the dead ranks differ from the current endpoint's."""
+        old = self.server.endpoint
+        if old.topo.dead == dead:
+            return
+        old.close(drain=drain)
+        topo = dataclasses.replace(self.spec.topology, dead=dead)
+        self.server.endpoint = ffn_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
+        self.server.endpoint.interrupt = self._interrupt if self.ft else None
+
+    def _readmit(self, joiners: dict) -> None:
+        """Links to the replacements of lost ranks of this node (the others never talk to it)."""
+        topo = self.spec.topology
+        for ep, incarnation in joiners.items():
+            ep = int(ep)
+            if topo.node_of_rank(ep - topo.num_senders) == topo.node_of_rank(self.rank):
+                self.transport.readmit(ep, *self.store.peer(ep), incarnation)
 
     def _heartbeats(self) -> None:
         """Tells every attention rank that this rank is alive, every HEARTBEAT_S, whatever the
@@ -287,14 +339,18 @@ class FfnWorker:
     def _rebalance(self, meta: dict) -> None:
         """A descriptor's rebalance parts: stage a new placement (answering every attention rank
         when loaded), or serve the staged one from this step on."""
+        if "readmit" in meta:
+            self._readmit(meta["readmit"])
         if "eplb_plan" not in meta and "eplb_switch" not in meta:
             return
         if self.stager is None:
             raise DescriptorMismatchError(f"step {self.step_id}: told to rebalance, but this rank cannot load experts")
         if "eplb_plan" in meta:  # staged once this step is served, not competing with it
-            self._to_stage = ExpertMap.from_description(self.spec.layout, meta["eplb_plan"])
+            self._to_stage = self._plan = ExpertMap.from_description(self.spec.layout, meta["eplb_plan"])
         if "eplb_switch" in meta:
             self.stager.switch(meta["eplb_switch"], self.spec.args.comm_timeout)
+            if self._plan is not None and self._plan.version == meta["eplb_switch"]:
+                self._use_topology(self._plan.dead)  # a replacement serves from this step on
 
     def _ready(self, version: int) -> None:
         me = self.spec.topology.ffn_endpoint(self.rank)

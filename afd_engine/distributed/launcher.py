@@ -132,15 +132,47 @@ class Deployment:
             else (topo.node_ranks(self.node_rank) if self.role == "ffn" else range(topo.num_ffn_ranks))
         )
         attn = [] if self.role == "ffn" else range(topo.num_senders)
+        rejoin = self.role == "ffn" and self._replacing()
+        if rejoin:
+            ffn_ranks = self._lost_ranks_of_node()
         # device index on this machine (GPU base + index): attention ranks first, then FFN ranks
         ffn = [
-            (run_ffn_worker, {"args": self.args, "rank": r, "comm_addresses": comm, "local_index": len(attn) + k})
-            for k, r in enumerate(ffn_ranks)
+            (
+                run_ffn_worker,
+                {
+                    "args": self.args,
+                    "rank": r,
+                    "comm_addresses": comm,
+                    "local_index": len(attn) + r % topo.ranks_per_node,
+                    **({"rejoin": True} if rejoin else {}),
+                },
+            )
+            for r in ffn_ranks
         ]
         return ffn + [
             (run_attention_worker, {"args": self.args, "addrs": self.addrs, "rank": i, "comm_addresses": comm})
             for i in attn
         ]
+
+    def _replacing(self) -> bool:
+        """An FFN role started while its fault-tolerant deployment serves replaces lost ranks."""
+        if not self.args.enable_ffn_fault_tolerance:
+            return False
+        from afd_engine.distributed.rendezvous import DeploymentStore
+
+        self._deployment_store = DeploymentStore(self.rendezvous)
+        return self._deployment_store.serving()
+
+    def _lost_ranks_of_node(self) -> list[int]:
+        node = self.spec.topology.node_ranks(self.node_rank)
+        lost = [r for r in self._deployment_store.lost() if r in node]
+        if not lost:
+            raise ConfigError(
+                f"the deployment at {self.rendezvous.address} serves, and every FFN rank of node {self.node_rank} "
+                "with it: there is no lost rank to replace"
+            )
+        log.info("FFN node %d: replacing lost FFN rank(s) %s of a serving deployment", self.node_rank, lost)
+        return lost
 
     def _local_peers(self, n: int) -> PeerTable:
         """Every endpoint on this machine: shared memory unless --transport says otherwise."""

@@ -13,6 +13,7 @@ its process group. What stays ours: the key layout and the error messages.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import uuid
@@ -27,6 +28,8 @@ log = logging.getLogger("afd.rendezvous")
 _KEY = "afd/endpoint/{}"
 _HOST_KEY = "afd/host/{}"
 _RUN_KEY = "afd/run"  # one id per hosted rendezvous: names this deployment's shared-memory files
+_INCARNATION_KEY = "afd/incarnation/{}"  # how many times the endpoint's process was replaced
+_LOST_KEY = "afd/lost"  # JSON list of the FFN ranks the deployment serves without (set once serving)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class PeerTable:
     namespace: str = ""
     torch: TorchGroup | None = None
     keys: ClusterKeys | None = None  # the ZeroMQ links between machines speak CURVE with these
+    incarnations: dict[int, int] = field(default_factory=dict)  # endpoint -> replacements so far (0: none)
 
     def transport(self, endpoint: int, device, link_delay_s: float = 0.0, spin_s: float = 0.0, spin_idle: bool = False):
         if self.torch is not None:
@@ -93,7 +97,15 @@ class PeerTable:
         from comm.transport.factory import peer_transport
 
         return peer_transport(
-            endpoint, self.addresses, self.hosts, self.namespace, link_delay_s, spin_s, spin_idle, self.keys
+            endpoint,
+            self.addresses,
+            self.hosts,
+            self.namespace,
+            link_delay_s,
+            spin_s,
+            spin_idle,
+            self.keys,
+            self.incarnations,
         )
 
 
@@ -177,24 +189,30 @@ def host_local_store():
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
+def _client(spec: RendezvousSpec, who: str):
+    from torch.distributed import TCPStore
+
+    host, port = spec.address.rsplit(":", 1)
+    try:
+        return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=spec.timeout))
+    except (RuntimeError, OSError):
+        raise ConfigError(
+            f"{who} got no answer from the rendezvous at {spec.address} "
+            f"within {spec.timeout:.0f} s: start every role with the same --dist-init-addr, and the "
+            "attention role (which hosts it) on that address"
+        ) from None
+
+
 def register(
     spec: RendezvousSpec, endpoint: int, num_endpoints: int, host_id: str = "", torch_group: bool = False
 ) -> PeerTable:
     """Announces `endpoint` at a fresh port of this machine and on `host_id` (its host for shared
     memory, see `shm_host`; "" for none); returns where all `num_endpoints` endpoints are. With
-    `torch_group`, the table says how to form the deployment's torch.distributed group instead."""
-    from torch.distributed import TCPStore
-
-    host, port = spec.address.rsplit(":", 1)
+    `torch_group`, the table says how to form the deployment's torch.distributed group instead.
+    A replacement process announces itself the same way (its address replaces the lost one's);
+    DeploymentStore.admit then tells the others it is there."""
     timeout = timedelta(seconds=spec.timeout)
-    try:
-        store = TCPStore(host, int(port), is_master=False, timeout=timeout)
-    except (RuntimeError, OSError):
-        raise ConfigError(
-            f"rank (endpoint {endpoint}) got no answer from the rendezvous at {spec.address} "
-            f"within {spec.timeout:.0f} s: start every role with the same --dist-init-addr, and the "
-            "attention role (which hosts it) on that address"
-        ) from None
+    store = _client(spec, f"rank (endpoint {endpoint})")
     store.set(_HOST_KEY.format(endpoint), _sign(spec.keys, host_id))
     address = f"tcp://{spec.host_ip}:{free_port(spec.host_ip)}"
     store.set(_KEY.format(endpoint), _sign(spec.keys, address))  # last: see _peers
@@ -217,9 +235,52 @@ def register(
 def _peers(store, num_endpoints: int, keys: ClusterKeys | None = None) -> PeerTable:
     """The table once every endpoint's address is in (each rank sets its host id before it)."""
     ids = range(num_endpoints)
+    incarnations = {
+        i: int(_read(store, _INCARNATION_KEY.format(i), keys)) for i in ids if _has(store, _INCARNATION_KEY.format(i))
+    }
     return PeerTable(
         {i: _read(store, _KEY.format(i), keys) for i in ids},
         {i: _read(store, _HOST_KEY.format(i), keys) for i in ids},
         _read(store, _RUN_KEY, keys),
         keys=keys,
+        incarnations=incarnations,
     )
+
+
+def _has(store, key: str) -> bool:
+    return store.check([key])
+
+
+class DeploymentStore:
+    """What a running fault-tolerant deployment keeps at its rendezvous: the FFN ranks it serves
+    without, and the replacement processes that announced themselves (their incarnation, address
+    and host). Attention rank 0 writes the lost ranks; a replacement reads them (which ranks to
+    start) and announces itself; every rank reads where a replacement is."""
+
+    def __init__(self, spec: RendezvousSpec) -> None:
+        self.spec, self.keys = spec, spec.keys
+        self._store = _client(spec, "a rank")
+
+    def serving(self) -> bool:
+        """Whether the deployment runs already (a role started now replaces lost ranks)."""
+        return _has(self._store, _LOST_KEY)
+
+    def lost(self) -> list[int]:
+        return json.loads(_read(self._store, _LOST_KEY, self.keys)) if self.serving() else []
+
+    def set_lost(self, ranks) -> None:
+        self._store.set(_LOST_KEY, _sign(self.keys, json.dumps(sorted(ranks))))
+
+    def incarnation(self, endpoint: int) -> int:
+        key = _INCARNATION_KEY.format(endpoint)
+        return int(_read(self._store, key, self.keys)) if _has(self._store, key) else 0
+
+    def admit(self, endpoint: int, incarnation: int) -> None:
+        """A replacement says it is ready to be talked to (after it registered and opened its links)."""
+        self._store.set(_INCARNATION_KEY.format(endpoint), _sign(self.keys, str(incarnation)))
+
+    def peer(self, endpoint: int) -> tuple[str, str]:
+        """(address, host id) of the endpoint's current process."""
+        return _read(self._store, _KEY.format(endpoint), self.keys), _read(
+            self._store, _HOST_KEY.format(endpoint), self.keys
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -12,7 +13,7 @@ import torch
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.distributed.attention_runner import PipelineRunner
 from afd_engine.distributed.ffn_worker import DescriptorMismatchError, FfnWorker, PeerLostError, RecoveryFailed
-from afd_engine.distributed.rendezvous import PeerTable, RendezvousSpec, register, shm_host
+from afd_engine.distributed.rendezvous import DeploymentStore, PeerTable, RendezvousSpec, register, shm_host
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine
 from afd_engine.engine_args import EngineArgs
@@ -22,15 +23,20 @@ from afd_engine.runtime.host_memory import retain_freed_memory
 from comm.transport.base import Transport
 
 
-def _transport(endpoint: int, comm: PeerTable | RendezvousSpec, spec: DeploymentSpec, device) -> Transport:
+def _transport(
+    endpoint: int, comm: PeerTable | RendezvousSpec, spec: DeploymentSpec, device, incarnation: int = 0
+) -> Transport:
     """The data-plane transport: peers given (every rank on this machine) or found at the
     rendezvous; shared memory to the ranks on this host, ZeroMQ/TCP to the others. A rank offers
     shared memory only where /dev/shm has room for its rings (one each way per possible peer).
-    With --transport torch: torch.distributed between every pair, payloads on `device`."""
+    With --transport torch: torch.distributed between every pair, payloads on `device`.
+    `incarnation` > 0: this process replaces a lost one (its rings get names of their own)."""
     args = spec.args
     if isinstance(comm, RendezvousSpec):
         n = spec.topology.num_endpoints
         comm = register(comm, endpoint, n, shm_host(args.transport, 2 * n), torch_group=args.transport == "torch")
+        if incarnation:
+            comm = dataclasses.replace(comm, incarnations={**comm.incarnations, endpoint: incarnation})
     return comm.transport(
         endpoint, device, args.inject_link_delay_ms / 1000, args.comm_spin_us / 1e6, args.comm_spin_priority == "idle"
     )
@@ -41,9 +47,10 @@ def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     topo = spec.topology
     transport = _transport(topo.sender_endpoint(rank), comm_addresses, spec, args.device_for(rank))
     experts = spec.expert_slots(rank) if topo.colocated else {}  # AFD: no routed experts here
+    store = _store(args, comm_addresses)
 
     def runner(model, pool):
-        return PipelineRunner(model, pool, spec, rank, transport)
+        return PipelineRunner(model, pool, spec, rank, transport, store)
 
     return Engine(args, expert_slots=experts, rank_runner=runner, rank_device=args.device_for(rank))
 
@@ -53,9 +60,16 @@ def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int
     run_engine_process(args, addrs, ready, rank, functools.partial(_attention_engine, args, rank, comm_addresses))
 
 
-def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_index: int) -> None:
+def _store(args: EngineArgs, comm) -> DeploymentStore | None:
+    """Where a fault-tolerant deployment of roles keeps its lost ranks and replacements."""
+    ok = args.enable_ffn_fault_tolerance and isinstance(comm, RendezvousSpec)
+    return DeploymentStore(comm) if ok else None
+
+
+def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_index: int, rejoin: bool = False) -> None:
     """An FFN rank of an AFD deployment: loads only its experts, serves every attention rank.
-    `local_index` is its place among this machine's ranks (which GPU it takes)."""
+    `local_index` is its place among this machine's ranks (which GPU it takes). `rejoin`: it
+    replaces a lost rank of a running deployment (fault tolerance), which admits it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from afd_engine.proctitle import ffn_title, set_title
 
@@ -69,7 +83,12 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
         if device.type == "cuda":
             torch.cuda.set_device(device)
         shard = load_shard(args, cfg, device, spec.expert_slots(rank))
-        transport = _transport(spec.topology.ffn_endpoint(rank), comm_addresses, spec, device)
+        store = _store(args, comm_addresses)
+        endpoint = spec.topology.ffn_endpoint(rank)
+        incarnation = store.incarnation(endpoint) + 1 if rejoin else 0
+        transport = _transport(endpoint, comm_addresses, spec, device, incarnation)
+        if rejoin:
+            store.admit(endpoint, incarnation)
     except Exception as exc:  # reported to the launcher, which stops the deployment
         ready.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
@@ -77,7 +96,8 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
     logging.getLogger("afd.ffn").info("FFN rank %d ready", rank)
     gc.freeze()  # what loading made lives as long as the process: later collections skip it
     try:
-        FfnWorker(shard, spec, rank, transport, device, functools.partial(load_shard, args, cfg, device)).run()
+        load = functools.partial(load_shard, args, cfg, device)
+        FfnWorker(shard, spec, rank, transport, device, load, store, incarnation).run()
     except (PeerLostError, DescriptorMismatchError, RecoveryFailed) as exc:  # expected ends: one line, status 1
         logging.getLogger("afd.ffn").error("%s", exc)
         _exit_now(transport)

@@ -123,6 +123,19 @@ class Rebalancer:
         self._acked.clear()
         self._planning = None  # a placement being computed is dropped when it comes
 
+    def admit(self, new: ExpertMap, ffn_endpoints: list[int]) -> None:
+        """A placement that uses replacement ranks as well becomes the pending one: the live ranks
+        learn it from the next descriptor, the replacements from their admission, and every one
+        of `ffn_endpoints` answers `eplb_ready` once staged; the switch follows as for a rebalance."""
+        self.pending, self.ffn = new, ffn_endpoints
+        self._announce, self._switch, self._stage = True, False, False
+        self._acked.clear()
+
+    @property
+    def idle(self) -> bool:
+        """No rebalance under way: none planned, computing or staging."""
+        return self.pending is None and self._planning is None
+
     @property
     def next_version(self) -> int:
         """A placement version no placement has had, pending or planned."""

@@ -12,9 +12,12 @@ from afd_engine.server.state import ServerState
 
 
 class ExpertPlacement(BaseModel):
-    version: int = Field(description="0 at start, +1 per rebalance")
+    version: int = Field(description="0 at start, higher with every rebalance, recovery or admission")
     slots_per_rank: int
     slot_expert: dict[str, list[int]] = Field(description="per MoE layer: the logical expert of each physical slot")
+    dead: list[int] = Field(
+        default_factory=list, description="FFN ranks lost and served without (--enable-ffn-fault-tolerance)"
+    )
 
 
 class ExpertLoad(BaseModel):

@@ -48,6 +48,13 @@ class Transport(ABC):
         """Messages from src of this kind received and not yet taken (what has reached the inbox)."""
         return self.inbox.pending(src, kind)
 
+    def readmit(self, peer: int, address: str, host: str, incarnation: int) -> None:
+        """Talks to a new process in place of `peer` (a replacement of a lost rank): at `address`
+        (ZeroMQ) or over fresh shared-memory rings where `host` is this one's; `incarnation`
+        (1 for the first replacement) names the rings, so that both ends open the same new ones.
+        What the lost process sent and nobody took is dropped."""
+        raise CommError(f"endpoint {self.endpoint}: {type(self).__name__} cannot take a replacement peer")
+
     def drop_stale(self, floors: dict[str, int]) -> None:
         """From now on, a `kind` message whose key's step is below floors[kind] is dropped when it
         reaches the head of its channel instead of being received (an aborted step's messages,
@@ -96,6 +103,12 @@ class Inbox:
             if channel:
                 self._drop_stale_heads(channel, kind)
             return len(channel or ())
+
+    def forget(self, src: int) -> None:
+        """Drops every message of src not taken yet (a lost process's)."""
+        with self._lock:
+            for channel in [c for c in self._channels if c[0] == src]:
+                del self._channels[channel]
 
     def drop_stale(self, floors: dict[str, int]) -> None:
         """See Transport.drop_stale; floors only rise."""

@@ -74,6 +74,7 @@ def peer_transport(
     spin_s: float = 0.0,
     spin_idle: bool = False,
     keys=None,
+    incarnations: dict[int, int] | None = None,
 ) -> Transport:
     """The transport of `endpoint` among peers: shared memory to those with its host id
     (`shm_transport.host_id()`; "" for none), ZeroMQ at `addresses` to the others. Every endpoint
@@ -83,25 +84,10 @@ def peer_transport(
     mine = hosts.get(endpoint, "")
     if not mine:
         return make_transport("zmq", endpoint, addresses=addresses, link_delay_s=link_delay_s, keys=keys)
+    shm = dict(
+        namespace=namespace, link_delay_s=link_delay_s, spin_s=spin_s, spin_idle=spin_idle, incarnations=incarnations
+    )
     local = {e for e, h in hosts.items() if h == mine}
     if not (set(addresses) | set(hosts)) - local:
-        return make_transport(
-            "shm",
-            endpoint,
-            peers=local,
-            namespace=namespace,
-            link_delay_s=link_delay_s,
-            spin_s=spin_s,
-            spin_idle=spin_idle,
-        )
-    return make_transport(
-        "hybrid",
-        endpoint,
-        addresses=addresses,
-        local=local,
-        namespace=namespace,
-        link_delay_s=link_delay_s,
-        spin_s=spin_s,
-        spin_idle=spin_idle,
-        keys=keys,
-    )
+        return make_transport("shm", endpoint, peers=local, **shm)
+    return make_transport("hybrid", endpoint, addresses=addresses, local=local, keys=keys, host=mine, **shm)

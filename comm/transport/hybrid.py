@@ -31,9 +31,10 @@ class HybridTransport(Transport):
         namespace: str,
         link_delay_s: float = 0.0,
         keys=None,
+        host: str = "",
         **shm_kwargs,
     ) -> None:
-        self.endpoint = endpoint
+        self.endpoint, self.host = endpoint, host
         self.local = set(local) | {endpoint}
         self._inbox = make_inbox(endpoint, link_delay_s)
         self._shm = ShmTransport(endpoint, self.local, namespace=namespace, inbox=self._inbox, **shm_kwargs)
@@ -45,6 +46,18 @@ class HybridTransport(Transport):
 
     def send(self, dst: int, msg: Message) -> None:
         (self._shm if dst in self.local else self._zmq).send(dst, msg)
+
+    def readmit(self, peer: int, address: str, host: str, incarnation: int) -> None:
+        """A replacement of `peer`: over shared memory where it runs on this host, else ZeroMQ
+        (it may run somewhere else than the process it replaces)."""
+        if host and host == self.host:
+            self.local.add(peer)
+            self._shm.readmit(peer, address, host, incarnation)
+        else:
+            self.local.discard(peer)
+            with self._shm._pump_lock:
+                self._shm._drop_peer(peer)
+            self._zmq.readmit(peer, address)
 
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
         return self._inbox.take([src], kind, key, timeout)

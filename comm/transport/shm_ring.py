@@ -288,6 +288,9 @@ class Doorbells:
     def add(self, fifo: WakeFifo) -> None:
         self._poll.register(fifo.fd, select.POLLIN)
 
+    def remove(self, fifo: WakeFifo) -> None:
+        self._poll.unregister(fifo.fd)
+
     def ring(self) -> None:
         _ring_bell(self._own_w)
 

@@ -85,8 +85,12 @@ DEFAULT_CAPACITY = 4 << 20  # bytes per ring: decode messages are far smaller; p
 _FLUSH_PAUSE = (20e-6, 1e-3)  # a flusher waiting for room polls, backing off from the first to the second
 
 
-def ring_path(directory: str, namespace: str, src: int, dst: int) -> str:
-    return f"{directory}/afd-{namespace}-{src}to{dst}"
+def ring_path(directory: str, namespace: str, src: int, dst: int, incarnations: dict[int, int] | None = None) -> str:
+    """The ring from src to dst; where either end is a replacement process (incarnation > 0), a
+    name of that pair of incarnations (both ends name it alike, and no old ring has it)."""
+    inc = incarnations or {}
+    pair = (inc.get(src, 0), inc.get(dst, 0))
+    return f"{directory}/afd-{namespace}-{src}to{dst}" + (f"-{pair[0]}.{pair[1]}" if any(pair) else "")
 
 
 def wake_path(ring: str) -> str:
@@ -116,6 +120,7 @@ class ShmTransport(Transport):
         pump_in_waiter: bool = True,
         spin_s: float = 0.0,
         spin_idle: bool = False,
+        incarnations: dict[int, int] | None = None,
     ) -> None:
         if not platform_supported():
             raise CommError("the shared-memory transport needs x86-64 (ordered stores); use the zmq transport")
@@ -133,17 +138,15 @@ class ShmTransport(Transport):
         self._closed = False
         self._bells = Doorbells()
         self._readers: list[tuple[FrameReader, WakeFifo]] = []
+        self._reader_of: dict[int, tuple[FrameReader, WakeFifo]] = {}
         self._outboxes: dict[int, _Outbox] = {}
+        self._rings = (directory, namespace, capacity, max_pending_bytes)
+        self.incarnations = dict(incarnations or {})
         try:  # every ring and FIFO now, so that nothing is created on the hot path
             for src in self.peers:
-                path = ring_path(directory, namespace, src, endpoint)
-                reader, wake = FrameReader(Ring(path, capacity)), WakeFifo(wake_path(path))
-                self._readers.append((reader, wake))
-                self._bells.add(wake)
-                reader.ring.set_flag(ATTACHED)
+                self._open_reader(src)
             for dst in self.peers:
-                path = ring_path(directory, namespace, endpoint, dst)
-                self._outboxes[dst] = _Outbox(Ring(path, capacity), WakeFifo(wake_path(path)), dst, max_pending_bytes)
+                self._open_outbox(dst)
         except BaseException:
             self._release()
             raise
@@ -151,6 +154,51 @@ class ShmTransport(Transport):
         if not self._pumped:
             self._receiver = threading.Thread(target=self._receive_loop, name=f"shm-recv-{endpoint}", daemon=True)
             self._receiver.start()
+
+    def _open_reader(self, src: int) -> None:
+        directory, namespace, capacity, _ = self._rings
+        path = ring_path(directory, namespace, src, self.endpoint, self.incarnations)
+        reader, wake = FrameReader(Ring(path, capacity)), WakeFifo(wake_path(path))
+        self._readers.append((reader, wake))
+        self._reader_of[src] = (reader, wake)
+        self._bells.add(wake)
+        reader.ring.set_flag(ATTACHED)
+
+    def _open_outbox(self, dst: int) -> None:
+        directory, namespace, capacity, max_pending = self._rings
+        path = ring_path(directory, namespace, self.endpoint, dst, self.incarnations)
+        self._outboxes[dst] = _Outbox(Ring(path, capacity), WakeFifo(wake_path(path)), dst, max_pending)
+
+    def readmit(self, peer: int, address: str, host: str, incarnation: int) -> None:
+        """Fresh rings to and from a replacement of `peer` (its host must be this one's)."""
+        if host != host_id(self._rings[0]):
+            raise CommError(
+                f"endpoint {self.endpoint} reaches its peers through shared memory only; the replacement of "
+                f"endpoint {peer} runs on another machine"
+            )
+        with self._pump_lock:
+            self._drop_peer(peer)
+            self.incarnations[peer] = incarnation
+            self.peers = sorted(set(self.peers) | {peer})
+            self._open_reader(peer)
+            self._open_outbox(peer)
+
+    def _drop_peer(self, peer: int) -> None:
+        """Closes the rings of `peer` (call with the pump lock held) and forgets what it sent."""
+        old = self._reader_of.pop(peer, None)
+        if old is not None:
+            reader, wake = old
+            self._readers.remove(old)
+            self._bells.remove(wake)
+            reader.ring.close()
+            reader.ring.unlink()
+            wake.close()
+            wake.unlink()
+        out = self._outboxes.pop(peer, None)
+        if out is not None:
+            out.close(0.0)
+        self.peers = [p for p in self.peers if p != peer]
+        self._inbox.forget(peer)
 
     # -- Transport -------------------------------------------------------------------------
 

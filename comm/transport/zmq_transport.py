@@ -152,6 +152,16 @@ class ZmqTransport(Transport):
                     f"({self.addresses[dst]}): the peer is down or not keeping up"
                 ) from e
 
+    def readmit(self, peer: int, address: str, host: str = "", incarnation: int = 0) -> None:
+        """Sends to a replacement of `peer` at its own address; what was queued for the lost one
+        is dropped, and what it sent and nobody took."""
+        with self._send_lock:
+            old = self._senders.pop(peer, None)
+            if old is not None:
+                old.close(linger=0)
+            self.addresses[peer] = address
+        self._inbox.forget(peer)
+
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
         return self._inbox.take([src], kind, key, timeout)
 

@@ -384,3 +384,43 @@ def test_peer_transport_picks_by_host():
         shm.close(), zmq.close()
     t = make_transport("shm", 0, peers=[0], namespace=ns)
     t.close()
+
+
+def test_a_replacement_of_a_lost_peer_gets_fresh_rings_and_none_of_the_old_traffic(pair, tmp_path):
+    """A peer's process is lost (never closed: its rings stay as they were, half read); its
+    replacement opens rings named for its incarnation, the survivor readmits it, and the two
+    talk as before, with nothing of what went to or came from the lost one."""
+    from comm.transport.shm_transport import host_id
+
+    a, lost = pair(0), pair(1)
+    a.send(1, Message("data", K, 0, [torch.arange(4)]))
+    assert lost.recv(0, "data", K, 5).tensors[0].tolist() == [0, 1, 2, 3]
+    lost.send(0, Message("data", MsgKey(9, 0, 0), 1))  # sent, never taken: dropped on readmission
+    a.send(1, Message("data", MsgKey(7, 0, 0), 0))  # to the lost one: never reaches the replacement
+    again = pair(1, incarnations={1: 1})
+    a.readmit(1, "", host_id(str(tmp_path)), 1)
+    a.send(1, Message("data", MsgKey(1, 0, 0), 0, [torch.ones(2)]))
+    assert again.recv(0, "data", MsgKey(1, 0, 0), 5).tensors[0].tolist() == [1.0, 1.0]
+    again.send(0, Message("data", MsgKey(2, 0, 0), 1))
+    assert a.recv(1, "data", MsgKey(2, 0, 0), 5).src == 1
+    assert a.pending(1, "data") == 0 and again.pending(0, "data") == 0
+    with pytest.raises(CommError, match="the replacement of endpoint 1 runs on another machine"):
+        a.readmit(1, "", "another host", 2)
+
+
+def test_a_zmq_peer_replaced_at_a_new_address_is_reached_there():
+    addrs = dict(enumerate(free_tcp_addresses(3)))
+    a, lost = ZmqTransport(0, addrs), ZmqTransport(1, addrs)
+    try:
+        a.send(1, Message("data", K, 0))
+        assert lost.recv(0, "data", K, 5).src == 0
+        lost.close()  # its machine is gone; the replacement listens elsewhere
+        again = ZmqTransport(1, {0: addrs[0], 1: addrs[2]})
+        a.readmit(1, addrs[2])
+        a.send(1, Message("data", MsgKey(1, 0, 0), 0))
+        assert again.recv(0, "data", MsgKey(1, 0, 0), 5).src == 0
+        again.send(0, Message("back", K, 1))
+        assert a.recv(1, "back", K, 5).src == 1
+        again.close()
+    finally:
+        a.close()

@@ -12,15 +12,19 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
-from afd_engine import SamplingParams, make_engine
+from afd_engine import Engine, SamplingParams, make_engine
 from afd_engine.errors import ConfigError
 from tests.engine_helpers import run_staggered, staggered_reference
-from tests.process_helpers import proc_title
+from tests.process_helpers import ENV, free_port, proc_title, wait_healthy
 from tests.server.test_engine_death import children
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -135,3 +139,91 @@ def test_fault_tolerance_is_refused_where_it_cannot_apply():
         make_engine(mode="colocated", dp_size=2, enable_ffn_fault_tolerance=True)
     with pytest.raises(ConfigError, match="needs the shm or zmq data plane"):
         make_engine(mode="afd", transport="torch", enable_ffn_fault_tolerance=True)
+
+
+ROLES = (
+    "--mode afd --dp-size 1 --ffn-nodes 2 --ffn-ranks-per-node 1 --ep-num-redundant-experts 16 "
+    "--enable-ffn-fault-tolerance --comm-timeout 3 --num-threads 1 --served-model-name tiny"
+).split()
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3, tmp_path):
+    """Roles on one machine; FFN node 1's role is killed (its process group: launcher and rank)
+    and started again with the same command: it is admitted, stages the slots of a placement
+    that uses it, and serves again; the tokens stay those of the single engine."""
+    rdv, port = f"127.0.0.1:{free_port()}", free_port()
+    common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, *ROLES]
+    logs = []
+
+    def role(*args: str) -> subprocess.Popen:
+        logs.append(open(tmp_path / f"role{len(logs)}.log", "w"))
+        cmd = [sys.executable, "-m", "afd_engine.cli", "launch", *args, *common]
+        return subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+
+    procs = [role("--role", "ffn", "--node-rank", "0"), role("--role", "ffn", "--node-rank", "1")]
+    procs.append(role("--role", "attention", "--port", str(port)))
+    url = f"http://127.0.0.1:{port}"
+    prompts = ["across machines", "a node is lost", "and comes back"]
+    with Engine(model_path=tiny_v3, num_threads=1) as single:
+        expected = [
+            o.text
+            for o in single.generate(
+                prompts=prompts, sampling_params=SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+            )
+        ]
+    try:
+        wait_healthy(url, proc=None)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+        def texts() -> list[str]:
+            outs = [
+                client.completions.create(
+                    model="tiny", prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+                )
+                for p in prompts
+            ]
+            return [o.choices[0].text for o in outs]
+
+        def metric(name: str) -> float:
+            return next(
+                float(line.split()[1])
+                for line in httpx.get(url + "/metrics").text.splitlines()
+                if line.startswith(name + " ")
+            )
+
+        assert texts() == expected
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        assert texts() == expected  # served by node 0 alone
+        assert metric("afd_ffn_ranks_alive") == 1 and httpx.get(url + "/expert_load").json()["placement"]["dead"] == [1]
+        # a second replacement of a node that lost nothing is refused
+        extra = role("--role", "ffn", "--node-rank", "0")
+        assert extra.wait(timeout=120) != 0
+        assert (
+            "every FFN rank of node 0 with it: there is no lost rank to replace"
+            in (tmp_path / f"role{len(logs) - 1}.log").read_text()
+        )
+        procs.append(role("--role", "ffn", "--node-rank", "1"))
+        deadline = time.monotonic() + 120
+        while metric("afd_ffn_ranks_alive") < 2:
+            assert time.monotonic() < deadline, "the replacement did not rejoin"
+            assert texts() == expected  # requests keep being served while it stages
+        before = httpx.get(url + "/expert_load").json()
+        assert before["placement"]["dead"] == [] and before["placement"]["version"] >= 2
+        assert texts() == expected
+        after = httpx.get(url + "/expert_load").json()
+        assert after["expert_rank_load"][1] > before["expert_rank_load"][1]  # rank 1 takes tokens again
+        procs[2].terminate()  # the attention role stops: the FFN roles (the replacement too) end cleanly
+        assert procs[2].wait(timeout=60) == 0
+        assert procs[0].wait(timeout=60) == 0 and procs[3].wait(timeout=60) == 0
+    except BaseException:
+        for f in logs:
+            f.flush()
+            print(f"--- {f.name}:\n{Path(f.name).read_text()[-4000:]}")
+        raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in logs:
+            f.close()
