@@ -374,6 +374,12 @@ class Engine(OfflineEngine):
         """This rank's expert load window and placement (eplb/report.py)."""
         return rank_report(self.load_recorder, self.expert_map)
 
+    def ffn_fault_counters(self) -> tuple[int, int, int]:
+        """AFD (fault tolerance): FFN ranks serving, recoveries so far, experts they read from the
+        checkpoint; zeros where the runner has no FFN ranks."""
+        r = self.runner
+        return getattr(r, "ffn_alive", 0), getattr(r, "recoveries", 0), getattr(r, "experts_read", 0)
+
     def expert_rank_load(self) -> tuple[float, ...]:
         """Tokens per expert rank over this rank's window, under the current placement."""
         return tuple(self.expert_map.rank_loads(self.load_recorder.window()).tolist())

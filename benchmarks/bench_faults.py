@@ -21,7 +21,7 @@ kill. It reports:
   * experts the recovery read from the checkpoint, and KV pages still held once the load stops.
 
     python benchmarks/bench_faults.py --json faults.json
-    python benchmarks/bench_faults.py --quick            # about 40 seconds
+    python benchmarks/bench_faults.py --quick            # about 30 seconds
 """
 
 from __future__ import annotations
@@ -251,11 +251,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=6, help="distinct prompts the requests draw from")
     p.add_argument("--before-s", type=float, default=20.0, help="seconds of load before the kill")
     p.add_argument("--after-s", type=float, default=60.0, help="seconds of load after it")
-    p.add_argument("--quick", action="store_true", help="a short run: 6 s before, 20 s after, a replacement at 4 s")
+    p.add_argument("--quick", action="store_true", help="a short run: 4 s before, 14 s after, a replacement at 2 s")
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
     if args.quick:
-        args.before_s, args.after_s, args.rejoin_after_s = 6.0, 20.0, 4.0
+        args.before_s, args.after_s, args.rejoin_after_s = 4.0, 14.0, 2.0
         args.concurrency, args.output_len = 4, 32
     return args
 

@@ -138,9 +138,7 @@ class EngineLoop:
             getattr(pd, "reserved_pages", 0),
             pd.transfer_bytes if pd is not None else 0,
             pd.transfer_seconds if pd is not None else 0.0,
-            getattr(self.engine.runner, "ffn_alive", 0),
-            getattr(self.engine.runner, "recoveries", 0),
-            getattr(self.engine.runner, "experts_read", 0),
+            *self.engine.ffn_fault_counters(),
         )
 
     def _expert_rank_load(self) -> tuple[float, ...]:

@@ -129,6 +129,7 @@ class PipelineRunner(StepRunner):
         self._checked = 0.0  # when begin_step last looked at the heartbeats
         self._space = process_space()
         self._pids: dict[int, int] = {}  # FFN endpoint -> its pid, where this rank can look it up
+        self._why: dict[int, str] = {}  # FFN rank -> why _lost_ffn counted it lost
         self.last_recovery: dict | None = None
         self.store = store
         self.incarnations = dict.fromkeys(self.ffn, 0)  # FFN endpoint -> its process's incarnation
@@ -151,6 +152,7 @@ class PipelineRunner(StepRunner):
         self._keepalive()
         mine = sum(n for _, n in plan.extend) + len(plan.decode)
         while True:
+            round_start = time.monotonic()
             eplb_meta, loads = self.rebalancer.sync_out(self.step_id)
             meta = {"tokens": mine, "stop": self.want_stop, **eplb_meta}
             if self.ft:
@@ -162,7 +164,7 @@ class PipelineRunner(StepRunner):
                 if self.ft:
                     self._admit(meta, metas)
                 break
-            self._recover([meta, *metas])
+            self._recover([meta, *metas], since=round_start)
             if any(m["failed"] for m in metas):  # a peer's step failed: it runs again, this rank's too
                 if self._last is None:
                     raise RecoveryFailed(f"attention rank {self.rank} has no step to run again")
@@ -218,6 +220,7 @@ class PipelineRunner(StepRunner):
             return self._run(batches)
         before = [dict(m) for m in batches]
         while True:
+            attempt = time.monotonic()
             try:
                 out = self._run(batches)
                 self._last = before
@@ -225,7 +228,7 @@ class PipelineRunner(StepRunner):
             except FfnRankLost as exc:
                 log.warning("attention rank %d: step %d failed: %s", self.rank, self.step_id, exc)
                 meta = {"tokens": 0, "stop": False, "lost": exc.ranks, "failed": True, "step_id": self.step_id}
-                self._recover([meta, *(m.meta for m in self._exchange(meta, []))])
+                self._recover([meta, *(m.meta for m in self._exchange(meta, []))], since=attempt)
                 batches = [dict(m) for m in before]
 
     # -- fault tolerance -----------------------------------------------------------------------
@@ -268,7 +271,8 @@ class PipelineRunner(StepRunner):
         self.rebalancer.admit(new, self.ffn + sorted(agreed))
         for ep, incarnation in agreed.items():
             key = MsgKey(incarnation, JOIN_LAYER, 0)
-            self.transport.send(ep, Message("join", key, self.sender.endpoint, meta={"plan": new.describe()}))
+            meta = {"plan": new.describe(), "recoveries": self.recoveries}  # the recovery count keys its messages
+            self.transport.send(ep, Message("join", key, self.sender.endpoint, meta=meta))
         self._joiners, self._seen = agreed, {}
         self._readmit_next = {str(ep): n for ep, n in agreed.items()}
         log.warning(
@@ -323,26 +327,26 @@ class PipelineRunner(StepRunner):
                 self._heard[ep] = now
                 if self._space and beat.meta.get("space") == self._space:
                     self._pids[ep] = beat.meta["pid"]
-        limit = self.spec.args.comm_timeout
-        return [
-            ep - self.spec.topology.num_senders
-            for ep in self.ffn
-            if now - self._heard[ep] > limit or (ep in self._pids and process_exited(self._pids[ep]))
-        ]
+        limit, lost = self.spec.args.comm_timeout, {}
+        for ep in self.ffn:
+            if ep in self._pids and process_exited(self._pids[ep]):
+                lost[ep - self.spec.topology.num_senders] = "its process exited"
+            elif now - self._heard[ep] > limit:
+                lost[ep - self.spec.topology.num_senders] = f"no heartbeat for {now - self._heard[ep]:.1f} s"
+        self._why = lost
+        return sorted(lost)
 
     def _check_ffn(self) -> None:
         """The interrupt of this rank's waits for results: FfnRankLost once an FFN rank is silent."""
         lost = self._lost_ffn()
         if lost:
-            raise FfnRankLost(
-                lost,
-                f"FFN rank(s) {lost} exited or sent no heartbeat for {self.spec.args.comm_timeout:g} s "
-                "(--comm-timeout)",
-            )
+            why = "; ".join(f"FFN rank {r}: {self._why[r]}" for r in lost)
+            raise FfnRankLost(lost, f"lost {why} (--comm-timeout {self.spec.args.comm_timeout:g} s)")
 
-    def _recover(self, metas: list[dict]) -> None:
+    def _recover(self, metas: list[dict], since: float) -> None:
         """Every attention rank runs this after the same round, from the same metas: the lost
-        ranks masked, their experts given slots on the survivors, which load them and answer."""
+        ranks masked, their experts given slots on the survivors, which load them and answer.
+        `since`: when the step (or round) that saw the loss began, for the log's pause."""
         args, topo, start = self.spec.args, self.spec.topology, time.monotonic()
         lost = sorted({r for m in metas for r in m["lost"]})
         old = self.rebalancer.map
@@ -385,11 +389,12 @@ class PipelineRunner(StepRunner):
         self.step_id = next_step
         moved = {layer: _moved(old.placements[layer].slot_expert, p.slot_expert) for layer, p in new.placements.items()}
         log.warning(
-            "attention rank %d: serving without FFN rank(s) %s after %.2f s of recovery: %d FFN ranks left; "
-            "experts given new slots: %s; %d read from the checkpoint",
+            "attention rank %d: serving without FFN rank(s) %s after %.2f s of recovery (serving paused %.2f s): "
+            "%d FFN ranks left; experts given new slots: %s; %d read from the checkpoint",
             self.rank,
             sorted(new.dead),
             time.monotonic() - start,
+            time.monotonic() - since,
             len(live),
             "; ".join(f"layer {layer}: {m}" for layer, m in moved.items() if m) or "none (copies took over)",
             read,

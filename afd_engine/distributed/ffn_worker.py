@@ -225,6 +225,7 @@ class FfnWorker:
         if len({json.dumps(p, sort_keys=True) for p in plans.values()}) > 1:
             raise DescriptorMismatchError(f"FFN rank {self.rank}: the attention ranks disagree on its placement")
         self._plan = ExpertMap.from_description(self.spec.layout, plans[self.senders[0]]["plan"])
+        self.recoveries = plans[self.senders[0]]["recoveries"]  # the next recovery's key follows theirs
         self._start_heartbeats()
         self.stager.stage(self._plan, self._ready)
         start = MsgKey(self.incarnation, JOIN_LAYER, 1)

@@ -143,6 +143,9 @@ class IdleLockstepEngine:
     def expert_rank_load(self) -> tuple:
         return ()
 
+    def ffn_fault_counters(self) -> tuple:
+        return 0, 0, 0
+
     def close(self) -> None:
         """Nothing to release."""
 

@@ -196,6 +196,7 @@ def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3,
         os.killpg(procs[1].pid, signal.SIGKILL)
         assert texts() == expected  # served by node 0 alone
         assert metric("afd_ffn_ranks_alive") == 1 and httpx.get(url + "/expert_load").json()["placement"]["dead"] == [1]
+        assert httpx.get(url + "/health").status_code == 200  # degraded, not down
         # a second replacement of a node that lost nothing is refused
         extra = role("--role", "ffn", "--node-rank", "0")
         assert extra.wait(timeout=120) != 0
@@ -213,9 +214,12 @@ def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3,
         assert texts() == expected
         after = httpx.get(url + "/expert_load").json()
         assert after["expert_rank_load"][1] > before["expert_rank_load"][1]  # rank 1 takes tokens again
-        procs[2].terminate()  # the attention role stops: the FFN roles (the replacement too) end cleanly
-        assert procs[2].wait(timeout=60) == 0
-        assert procs[0].wait(timeout=60) == 0 and procs[3].wait(timeout=60) == 0
+        # the replacement is a survivor like any other: now node 0 is lost, and it serves alone
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        assert texts() == expected
+        assert (metric("afd_ffn_ranks_alive"), metric("afd_ffn_recoveries_total")) == (1, 2)
+        procs[2].terminate()  # the attention role stops: the FFN role of the replacement ends cleanly
+        assert procs[2].wait(timeout=60) == 0 and procs[3].wait(timeout=60) == 0
     except BaseException:
         for f in logs:
             f.flush()
