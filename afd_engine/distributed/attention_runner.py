@@ -49,7 +49,7 @@ from afd_engine.runtime.scheduler import StepPlan
 from comm.attention_side import attention_endpoint
 from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
-from comm.messages import CommError, CommTimeout, Message, MsgKey
+from comm.messages import CommError, CommTimeout, KeyMismatchError, Message, MsgKey
 from comm.protocol import (
     HEARTBEAT_LAYER,
     JOIN_LAYER,
@@ -130,6 +130,8 @@ class PipelineRunner(StepRunner):
         self._space = process_space()
         self._pids: dict[int, int] = {}  # FFN endpoint -> its pid, where this rank can look it up
         self._why: dict[int, str] = {}  # FFN rank -> why _lost_ffn counted it lost
+        self._beating: set[int] = set()  # FFN endpoints whose current process has sent a heartbeat
+        self._admitted = 0.0  # when the replacements in _joiners were admitted
         self.last_recovery: dict | None = None
         self.store = store
         self.incarnations = dict.fromkeys(self.ffn, 0)  # FFN endpoint -> its process's incarnation
@@ -259,11 +261,24 @@ class PipelineRunner(StepRunner):
         if not agreed:
             return
         topo, now = self.spec.topology, time.monotonic()
-        for ep, incarnation in agreed.items():
-            self.transport.readmit(ep, *self.store.peer(ep), incarnation)
-            self.incarnations[ep] = incarnation
+        for ep, incarnation in list(agreed.items()):
+            self.incarnations[ep] = incarnation  # seen: not reported again, whatever comes of it
+            try:
+                self.transport.readmit(ep, *self.store.peer(ep), incarnation)
+            except CommError as exc:  # every attention rank fails alike: all leave it out
+                log.warning(
+                    "attention rank %d: cannot admit the replacement of FFN rank %d: %s",
+                    self.rank,
+                    ep - topo.num_senders,
+                    exc,
+                )
+                del agreed[ep]
+                continue
             self._heartbeats[ep], self._heard[ep] = 0, now
             self._pids.pop(ep, None)
+            self._beating.discard(ep)
+        if not agreed:
+            return
         version = self.rebalancer.next_version
         still = self.rebalancer.map.dead - {ep - topo.num_senders for ep in agreed}
         full = ExpertMap(self.spec.layout, self.spec.initial_map().placements, version)
@@ -271,9 +286,13 @@ class PipelineRunner(StepRunner):
         self.rebalancer.admit(new, self.ffn + sorted(agreed))
         for ep, incarnation in agreed.items():
             key = MsgKey(incarnation, JOIN_LAYER, 0)
-            meta = {"plan": new.describe(), "recoveries": self.recoveries}  # the recovery count keys its messages
+            meta = {
+                "plan": new.describe(),
+                "recoveries": self.recoveries,  # the recovery count keys its messages
+                "joiners": {str(e): n for e, n in agreed.items()},  # replacements of its node link to each other
+            }
             self.transport.send(ep, Message("join", key, self.sender.endpoint, meta=meta))
-        self._joiners, self._seen = agreed, {}
+        self._joiners, self._seen, self._admitted = agreed, {}, now
         self._readmit_next = {str(ep): n for ep, n in agreed.items()}
         log.warning(
             "attention rank %d: admitted replacement FFN rank(s) %s; they serve once placement %d is staged",
@@ -281,6 +300,14 @@ class PipelineRunner(StepRunner):
             sorted(ep - topo.num_senders for ep in agreed),
             version,
         )
+
+    def _void_admission(self, why: str) -> None:
+        """An admission under way is given up (its placement is void): the replacements are told,
+        and exit; they may be started again."""
+        for ep, incarnation in self._joiners.items():
+            key = MsgKey(incarnation, JOIN_LAYER, 1)
+            self.transport.send(ep, Message("start", key, self.sender.endpoint, meta={"void": why}))
+        self._joiners, self._seen = {}, {}
 
     def _serve_joiners(self) -> None:
         """The step that switches to the placement using the replacements: they learn its id,
@@ -315,30 +342,53 @@ class PipelineRunner(StepRunner):
 
     def _lost_ffn(self) -> list[int]:
         """The FFN ranks (not endpoints) that have sent no heartbeat for --comm-timeout, or whose
-        process (on this machine) has exited."""
+        process (on this machine) has exited; and replacements being admitted that are lost, or
+        not staged within --ffn-recovery-timeout + --comm-timeout."""
         now = self._checked = time.monotonic()
-        for ep in self.ffn:
-            while True:
-                try:
-                    beat = self.transport.recv(ep, "heartbeat", MsgKey(self._heartbeats[ep], HEARTBEAT_LAYER, 0), 0.0)
-                except CommTimeout:
-                    break
-                self._heartbeats[ep] += 1
-                self._heard[ep] = now
-                if self._space and beat.meta.get("space") == self._space:
-                    self._pids[ep] = beat.meta["pid"]
-        limit, lost = self.spec.args.comm_timeout, {}
-        for ep in self.ffn:
+        watched = self.ffn + sorted(self._joiners)
+        for ep in watched:
+            self._take_heartbeats(ep, now)
+        args, lost = self.spec.args, {}
+        for ep in watched:
+            rank = ep - self.spec.topology.num_senders
             if ep in self._pids and process_exited(self._pids[ep]):
-                lost[ep - self.spec.topology.num_senders] = "its process exited"
-            elif now - self._heard[ep] > limit:
-                lost[ep - self.spec.topology.num_senders] = f"no heartbeat for {now - self._heard[ep]:.1f} s"
+                lost[rank] = "its process exited"
+            elif now - self._heard[ep] > args.comm_timeout:
+                lost[rank] = f"no heartbeat for {now - self._heard[ep]:.1f} s" + (
+                    "" if ep in self._beating else " (none ever: was it started without --enable-ffn-fault-tolerance?)"
+                )
+            elif ep in self._joiners and now - self._admitted > args.ffn_recovery_timeout + args.comm_timeout:
+                lost[rank] = "a replacement that did not stage its experts within --ffn-recovery-timeout"
         self._why = lost
         return sorted(lost)
 
+    def _take_heartbeats(self, ep: int, now: float) -> None:
+        """Every heartbeat ep's current process has sent; a lost process's (an older incarnation,
+        over ZeroMQ, or one that came back after it was given up) are dropped."""
+        while True:
+            try:
+                beat = self.transport.recv(ep, "heartbeat", MsgKey(self._heartbeats[ep], HEARTBEAT_LAYER, 0), 0.0)
+            except CommTimeout:
+                return
+            except KeyMismatchError:  # not the next one expected: take it whatever its id
+                beat = self.transport.inbox.pop(ep, "heartbeat")
+                if beat is None:
+                    return
+                if beat.meta.get("incarnation", 0) == self.incarnations.get(ep, 0):
+                    self._heartbeats[ep] = beat.key.step  # the current process's: count on from it
+            if beat.meta.get("incarnation", 0) != self.incarnations.get(ep, 0):
+                continue
+            self._heartbeats[ep] += 1
+            self._heard[ep] = now
+            self._beating.add(ep)
+            if self._space and beat.meta.get("space") == self._space:
+                self._pids[ep] = beat.meta["pid"]
+
     def _check_ffn(self) -> None:
-        """The interrupt of this rank's waits for results: FfnRankLost once an FFN rank is silent."""
-        lost = self._lost_ffn()
+        """The interrupt of this rank's waits for results: FfnRankLost once an FFN rank it uses is
+        lost (a replacement not serving yet counts in the next agreement round, not here)."""
+        serving = {ep - self.spec.topology.num_senders for ep in self.ffn}
+        lost = [r for r in self._lost_ffn() if r in serving]
         if lost:
             why = "; ".join(f"FFN rank {r}: {self._why[r]}" for r in lost)
             raise FfnRankLost(lost, f"lost {why} (--comm-timeout {self.spec.args.comm_timeout:g} s)")
@@ -369,15 +419,18 @@ class PipelineRunner(StepRunner):
             try:
                 answer = self.transport.recv(ep, "recovered", key, max(deadline - time.monotonic(), 0.0)).meta
             except CommTimeout:
+                rank = ep - topo.num_senders
+                why = self._why.get(rank, "it did not answer") if rank in self._lost_ffn() else "it did not answer"
                 raise RecoveryFailed(
-                    f"FFN rank {ep - topo.num_senders} did not take part in the recovery from the loss of FFN rank(s) "
-                    f"{lost} within {args.ffn_recovery_timeout:g} s (--ffn-recovery-timeout)"
+                    f"FFN rank {rank} did not take part in the recovery from the loss of FFN rank(s) {lost} within "
+                    f"{args.ffn_recovery_timeout + args.comm_timeout:g} s (--ffn-recovery-timeout + --comm-timeout): "
+                    f"{why}"
                 ) from None
             if answer["error"] is not None:
                 raise RecoveryFailed(answer["error"])
             read += answer["read"]
         self.experts_read += read
-        self._joiners, self._seen = {}, {}  # an admission under way is void (its placement had the lost ranks)
+        self._void_admission(f"FFN rank(s) {lost} were lost while it staged")
         self.rebalancer.recovered(new, live)
         if self.store is not None and self.rank == 0:
             self.store.set_lost(new.dead)
@@ -456,6 +509,7 @@ class PipelineRunner(StepRunner):
         self.last_ffn_send = time.monotonic()
 
     def close(self) -> None:
+        self._void_admission("the deployment shut down")
         self._announce([], shutdown=True)  # to the live FFN ranks
         self.rebalancer.close()
         if self.server is not None:

@@ -226,10 +226,18 @@ class FfnWorker:
             raise DescriptorMismatchError(f"FFN rank {self.rank}: the attention ranks disagree on its placement")
         self._plan = ExpertMap.from_description(self.spec.layout, plans[self.senders[0]]["plan"])
         self.recoveries = plans[self.senders[0]]["recoveries"]  # the next recovery's key follows theirs
+        me, topo = self.spec.topology.ffn_endpoint(self.rank), self.spec.topology
+        for ep, incarnation in plans[self.senders[0]]["joiners"].items():  # replacements of this node, together
+            ep = int(ep)
+            if ep != me and topo.node_of_rank(ep - topo.num_senders) == topo.node_of_rank(self.rank):
+                self.transport.readmit(ep, *self.store.peer(ep), incarnation)
         self._start_heartbeats()
         self.stager.stage(self._plan, self._ready)
         start = MsgKey(self.incarnation, JOIN_LAYER, 1)
         starts = {ep: self.transport.recv(ep, "start", start, wait).meta for ep in self.senders}
+        void = next((m["void"] for m in starts.values() if "void" in m), None)
+        if void is not None:
+            raise RecoveryFailed(f"FFN rank {self.rank}: the deployment gave up admitting this replacement: {void}")
         self.step_id = starts[self.senders[0]]["step"]
         self.keepalives = {ep: m["keepalive"] for ep, m in starts.items()}
         self._use_topology(self._plan.dead)
@@ -259,7 +267,8 @@ class FfnWorker:
         """Tells every attention rank that this rank is alive, every HEARTBEAT_S, whatever the
         main thread is doing (a rank blocked on a lost peer is alive too)."""
         me, count = self.spec.topology.ffn_endpoint(self.rank), 0
-        who = {"pid": os.getpid(), "space": process_space()}  # lets a rank of this machine see it exit
+        # pid and process space: a rank of this machine sees it exit; incarnation: a lost process's are told apart
+        who = {"pid": os.getpid(), "space": process_space(), "incarnation": self.incarnation}
         while not self._stopped.wait(HEARTBEAT_S):
             try:
                 for ep in self.senders:

@@ -135,7 +135,8 @@ class Deployment:
         rejoin = self.role == "ffn" and self._replacing()
         if rejoin:
             ffn_ranks = self._lost_ranks_of_node()
-        # device index on this machine (GPU base + index): attention ranks first, then FFN ranks
+        # device index on this machine (GPU base + index): attention ranks first, then FFN ranks;
+        # a replacement takes the GPU of the rank it replaces (its place in the node)
         ffn = [
             (
                 run_ffn_worker,
@@ -143,11 +144,11 @@ class Deployment:
                     "args": self.args,
                     "rank": r,
                     "comm_addresses": comm,
-                    "local_index": len(attn) + r % topo.ranks_per_node,
+                    "local_index": r % topo.ranks_per_node if rejoin else len(attn) + k,
                     **({"rejoin": True} if rejoin else {}),
                 },
             )
-            for r in ffn_ranks
+            for k, r in enumerate(ffn_ranks)
         ]
         return ffn + [
             (run_attention_worker, {"args": self.args, "addrs": self.addrs, "rank": i, "comm_addresses": comm})
@@ -168,8 +169,8 @@ class Deployment:
         lost = [r for r in self._deployment_store.lost() if r in node]
         if not lost:
             raise ConfigError(
-                f"the deployment at {self.rendezvous.address} serves, and every FFN rank of node {self.node_rank} "
-                "with it: there is no lost rank to replace"
+                f"the deployment at {self.rendezvous.address} serves and has recorded no lost rank of FFN node "
+                f"{self.node_rank}: nothing to replace (a loss is recorded once noticed, within --comm-timeout)"
             )
         log.info("FFN node %d: replacing lost FFN rank(s) %s of a serving deployment", self.node_rank, lost)
         return lost

@@ -104,6 +104,13 @@ class Inbox:
                 self._drop_stale_heads(channel, kind)
             return len(channel or ())
 
+    def pop(self, src: int, kind: str) -> Message | None:
+        """The head of src's `kind` channel whatever its key (None when empty): a receiver that
+        keys a kind loosely takes an unexpected message out of the way with it."""
+        with self._lock:
+            channel = self._channels.get((src, kind))
+            return channel.popleft()[1] if channel else None
+
     def forget(self, src: int) -> None:
         """Drops every message of src not taken yet (a lost process's)."""
         with self._lock:

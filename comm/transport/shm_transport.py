@@ -174,7 +174,7 @@ class ShmTransport(Transport):
         if host != host_id(self._rings[0]):
             raise CommError(
                 f"endpoint {self.endpoint} reaches its peers through shared memory only; the replacement of "
-                f"endpoint {peer} runs on another machine"
+                f"endpoint {peer} offers none to it (it runs on another machine, or /dev/shm had no room for it)"
             )
         with self._pump_lock:
             self._drop_peer(peer)
@@ -190,6 +190,7 @@ class ShmTransport(Transport):
             reader, wake = old
             self._readers.remove(old)
             self._bells.remove(wake)
+            reader.ring.set_flag(CLOSED)  # a lost writer that comes back drops what it would send
             reader.ring.close()
             reader.ring.unlink()
             wake.close()

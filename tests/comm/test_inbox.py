@@ -108,3 +108,12 @@ def test_messages_of_a_step_given_up_are_dropped_below_the_floor():
     inbox.put(Message("combine", MsgKey(8, 2, 0), 4))
     assert inbox.take([4], "combine", MsgKey(8, 2, 0), 1).key.step == 8
     assert inbox.take([4], "sync", MsgKey(1, -2, 0), 1).key.step == 1  # other kinds untouched
+
+
+def test_pop_takes_the_head_whatever_its_key():
+    inbox = Inbox(0)
+    assert inbox.pop(4, "heartbeat") is None
+    inbox.put(Message("heartbeat", MsgKey(9, -5, 0), 4))
+    inbox.put(Message("heartbeat", MsgKey(0, -5, 0), 4))
+    assert inbox.pop(4, "heartbeat").key.step == 9
+    assert inbox.take([4], "heartbeat", MsgKey(0, -5, 0), 1).key.step == 0

@@ -201,7 +201,7 @@ def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3,
         extra = role("--role", "ffn", "--node-rank", "0")
         assert extra.wait(timeout=120) != 0
         assert (
-            "every FFN rank of node 0 with it: there is no lost rank to replace"
+            "has recorded no lost rank of FFN node 0: nothing to replace"
             in (tmp_path / f"role{len(logs) - 1}.log").read_text()
         )
         procs.append(role("--role", "ffn", "--node-rank", "1"))
