@@ -34,7 +34,7 @@ from afd_engine.operations import run_micro_batches
 from afd_engine.operations.strategy import AFD_FFN
 from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
-from comm.messages import CommError, CommTimeout, Message, MsgKey
+from comm.messages import CommError, CommTimeout, KeyMismatchError, Message, MsgKey
 from comm.protocol import (
     EPLB_LAYER,
     HEARTBEAT_LAYER,
@@ -240,6 +240,8 @@ class FfnWorker:
             raise RecoveryFailed(f"FFN rank {self.rank}: the deployment gave up admitting this replacement: {void}")
         self.step_id = starts[self.senders[0]]["step"]
         self.keepalives = {ep: m["keepalive"] for ep, m in starts.items()}
+        # what was sent to the lost process and reached this one (a reused address): never its
+        self.transport.drop_stale(dict.fromkeys(STEP_KINDS, self.step_id))
         self._use_topology(self._plan.dead)
         log.info(
             "FFN rank %d (replacement %d) joined: it serves from step %d", self.rank, self.incarnation, self.step_id
@@ -395,5 +397,10 @@ class FfnWorker:
                 self.transport.recv(ep, "keepalive", MsgKey(self.keepalives[ep], KEEPALIVE_LAYER, 0), 0.0)
             except CommTimeout:
                 return
+            except KeyMismatchError:  # one meant for the process this one replaces: out of the way
+                old = self.transport.inbox.pop(ep, "keepalive")
+                if old is None or old.key.step < self.keepalives[ep]:
+                    continue
+                self.keepalives[ep] = old.key.step
             self.keepalives[ep] += 1
             self.heard[ep] = time.monotonic()

@@ -57,7 +57,7 @@ class HybridTransport(Transport):
             self.local.discard(peer)
             with self._shm._pump_lock:
                 self._shm._drop_peer(peer)
-            self._zmq.readmit(peer, address)
+            self._zmq.readmit(peer, address, host, incarnation)
 
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
         return self._inbox.take([src], kind, key, timeout)

@@ -170,13 +170,17 @@ class ShmTransport(Transport):
         self._outboxes[dst] = _Outbox(Ring(path, capacity), WakeFifo(wake_path(path)), dst, max_pending)
 
     def readmit(self, peer: int, address: str, host: str, incarnation: int) -> None:
-        """Fresh rings to and from a replacement of `peer` (its host must be this one's)."""
+        """Fresh rings to and from a replacement of `peer` (its host must be this one's). Nothing
+        changes where this endpoint already knows `peer` under that incarnation: the rings it has
+        are the ones the peer opens (two replacements that started together)."""
         if host != host_id(self._rings[0]):
             raise CommError(
                 f"endpoint {self.endpoint} reaches its peers through shared memory only; the replacement of "
                 f"endpoint {peer} offers none to it (it runs on another machine, or /dev/shm had no room for it)"
             )
         with self._pump_lock:
+            if self.incarnations.get(peer, 0) == incarnation and peer in self._reader_of:
+                return
             self._drop_peer(peer)
             self.incarnations[peer] = incarnation
             self.peers = sorted(set(self.peers) | {peer})

@@ -91,6 +91,7 @@ class ZmqTransport(Transport):
         self._auth = start_authenticator(self._ctx, keys) if keys is not None else None
         self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)  # delay: experiments
         self._senders: dict[int, zmq.Socket] = {}
+        self.incarnations: dict[int, int] = {}  # peers replaced so far (readmit)
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
@@ -156,10 +157,13 @@ class ZmqTransport(Transport):
         """Sends to a replacement of `peer` at its own address; what was queued for the lost one
         is dropped, and what it sent and nobody took."""
         with self._send_lock:
+            if self.incarnations.get(peer, 0) == incarnation and self.addresses.get(peer) == address:
+                return  # already there (two replacements that started together)
             old = self._senders.pop(peer, None)
             if old is not None:
                 old.close(linger=0)
             self.addresses[peer] = address
+            self.incarnations[peer] = incarnation
         self._inbox.forget(peer)
 
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:

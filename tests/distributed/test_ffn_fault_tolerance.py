@@ -142,16 +142,17 @@ def test_fault_tolerance_is_refused_where_it_cannot_apply():
 
 
 ROLES = (
-    "--mode afd --dp-size 1 --ffn-nodes 2 --ffn-ranks-per-node 1 --ep-num-redundant-experts 16 "
+    "--mode afd --dp-size 1 --ffn-nodes 2 --ffn-ranks-per-node 2 --ep-num-redundant-experts 16 "
     "--enable-ffn-fault-tolerance --comm-timeout 3 --num-threads 1 --served-model-name tiny"
 ).split()
 
 
 @pytest.mark.timeout(300)
 def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3, tmp_path):
-    """Roles on one machine; FFN node 1's role is killed (its process group: launcher and rank)
-    and started again with the same command: it is admitted, stages the slots of a placement
-    that uses it, and serves again; the tokens stay those of the single engine."""
+    """Roles on one machine, two FFN nodes of two ranks; FFN node 1's role is killed (its process
+    group: launcher and ranks, a lost machine) and started again with the same command: its two
+    replacements link to each other, are admitted, stage the slots of a placement that uses them,
+    and serve again; the tokens stay those of the single engine."""
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
     common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, *ROLES]
     logs = []
@@ -195,7 +196,10 @@ def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3,
         assert texts() == expected
         os.killpg(procs[1].pid, signal.SIGKILL)
         assert texts() == expected  # served by node 0 alone
-        assert metric("afd_ffn_ranks_alive") == 1 and httpx.get(url + "/expert_load").json()["placement"]["dead"] == [1]
+        assert metric("afd_ffn_ranks_alive") == 2 and httpx.get(url + "/expert_load").json()["placement"]["dead"] == [
+            2,
+            3,
+        ]
         assert httpx.get(url + "/health").status_code == 200  # degraded, not down
         # a second replacement of a node that lost nothing is refused
         extra = role("--role", "ffn", "--node-rank", "0")
@@ -206,18 +210,19 @@ def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3,
         )
         procs.append(role("--role", "ffn", "--node-rank", "1"))
         deadline = time.monotonic() + 120
-        while metric("afd_ffn_ranks_alive") < 2:
+        while metric("afd_ffn_ranks_alive") < 4:
             assert time.monotonic() < deadline, "the replacement did not rejoin"
             assert texts() == expected  # requests keep being served while it stages
         before = httpx.get(url + "/expert_load").json()
         assert before["placement"]["dead"] == [] and before["placement"]["version"] >= 2
         assert texts() == expected
         after = httpx.get(url + "/expert_load").json()
-        assert after["expert_rank_load"][1] > before["expert_rank_load"][1]  # rank 1 takes tokens again
+        for rank in (2, 3):  # node 1's ranks take tokens again
+            assert after["expert_rank_load"][rank] > before["expert_rank_load"][rank]
         # the replacement is a survivor like any other: now node 0 is lost, and it serves alone
         os.killpg(procs[0].pid, signal.SIGKILL)
         assert texts() == expected
-        assert (metric("afd_ffn_ranks_alive"), metric("afd_ffn_recoveries_total")) == (1, 2)
+        assert (metric("afd_ffn_ranks_alive"), metric("afd_ffn_recoveries_total")) == (2, 2)
         procs[2].terminate()  # the attention role stops: the FFN role of the replacement ends cleanly
         assert procs[2].wait(timeout=60) == 0 and procs[3].wait(timeout=60) == 0
     except BaseException:
