@@ -29,7 +29,7 @@ from tests.server.test_engine_death import children
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 LENGTHS = [5, 9, 17, 3, 12, 7, 21, 4]
-FT = dict(mode="afd", enable_ffn_fault_tolerance=True, num_threads=1, comm_timeout=3, dispatch_dtype="fp32")
+FT = dict(mode="afd", enable_ffn_fault_tolerance=True, num_threads=1, comm_timeout=5, dispatch_dtype="fp32")
 
 # name: (flags, FFN rank killed, experts read from the checkpoint by the recovery (3 MoE layers))
 DEPLOYMENTS = {
@@ -143,7 +143,7 @@ def test_fault_tolerance_is_refused_where_it_cannot_apply():
 
 ROLES = (
     "--mode afd --dp-size 1 --ffn-nodes 2 --ffn-ranks-per-node 2 --ep-num-redundant-experts 16 "
-    "--enable-ffn-fault-tolerance --comm-timeout 3 --num-threads 1 --served-model-name tiny"
+    "--enable-ffn-fault-tolerance --comm-timeout 5 --num-threads 1 --served-model-name tiny"
 ).split()
 
 
