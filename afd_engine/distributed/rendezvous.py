@@ -141,9 +141,11 @@ def local_ip_towards(address: str) -> str:
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on `host` a moment ago, outside the ephemeral range where it can be
+    (comm.transport.zmq_transport.free_ports)."""
+    from comm.transport.zmq_transport import free_ports
+
+    return free_ports(1, host)[0]
 
 
 def host_rendezvous(spec: RendezvousSpec):

@@ -40,6 +40,7 @@ of the deployment's is not told apart: the ports must then be on a private netwo
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import threading
 from collections.abc import Iterable
@@ -235,15 +236,50 @@ class ZmqTransport(Transport):
 
 
 def free_tcp_addresses(n: int, host: str = "127.0.0.1") -> list[str]:
-    """n distinct "tcp://host:port" addresses whose ports were free a moment ago (for tests).
+    """n distinct "tcp://host:port" addresses whose ports were free a moment ago (`free_ports`)."""
+    return [f"tcp://{host}:{port}" for port in free_ports(n, host)]
 
-    All n sockets stay open until every port is picked, so the ports are distinct; another
-    process could still take one before it is bound again, which is fine for tests."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct TCP ports free on `host` a moment ago, for servers to bind soon after.
+
+    Drawn at random below the kernel's ephemeral range where that leaves room: every outgoing
+    connection of the machine takes its local port from that range, and could take a port picked
+    from it before its server binds it (a busy machine running many deployments hit this:
+    "address already in use"). All n sockets stay open until every port is picked, so the ports
+    are distinct; another process could still take one before it is bound again."""
+    low, rng = _ephemeral_low(), random.SystemRandom()
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        for s in socks:
+        for _ in range(100 * n):
+            if len(ports) == n:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            try:
+                s.bind((host, rng.randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT + 1000 else 0))
+            except OSError:  # taken: draw again
+                continue
+            ports.append(s.getsockname()[1])
+        while len(ports) < n:  # no luck below the range: the kernel's choice
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
             s.bind((host, 0))
-        return [f"tcp://{host}:{s.getsockname()[1]}" for s in socks]
+            ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in socks:
             s.close()
+
+
+_LOWEST_PORT = 10000  # below: well-known and registered services are more common
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0

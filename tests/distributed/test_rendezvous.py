@@ -33,3 +33,19 @@ def test_the_transport_flag_decides_what_a_rank_offers():
     assert shm_host("auto", too_many) == ""  # falls back to ZeroMQ
     with pytest.raises(ConfigError, match=r"--transport shm: shared memory is not available here .*use --transport"):
         shm_host("shm", too_many)
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
+    """Outgoing connections take their local ports from the kernel's ephemeral range: a port a
+    server is about to bind is drawn below it, where no connect() can take it first."""
+    import socket
+
+    from comm.transport.zmq_transport import _ephemeral_low, free_ports
+
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    if _ephemeral_low() > 11000:
+        assert all(10000 <= p < _ephemeral_low() for p in ports), ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
