@@ -64,9 +64,10 @@ class Roles:
         self.ranks = self.nodes * int(_flag(self.common, "--ffn-ranks-per-node", 1))
 
     def start(self, *role: str) -> subprocess.Popen:
-        log = open(Path(self.logdir) / f"{'-'.join(role).replace('--', '')}-{len(self.procs)}.log", "w")
+        name = Path(self.logdir) / f"{'-'.join(role).replace('--', '')}-{len(self.procs)}.log"
         cmd = [sys.executable, "-m", "afd_engine.cli", "launch", *role, *self.common]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(name, "w") as log:  # the process keeps its own copy of the descriptor
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
 

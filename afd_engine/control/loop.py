@@ -8,6 +8,7 @@ steps every round, with or without work, because its peers must agree on every s
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -245,12 +246,9 @@ def run_engine_process(
 def _last_words(addrs: ControlAddrs, rank: int, message: str) -> None:
     """Tells the front end why this rank stops (best effort, at most a second)."""
     ctx = zmq.Context()
-    try:
+    with contextlib.suppress(zmq.ZMQError):  # the front end is gone: nobody to tell
         sock = ctx.socket(zmq.PUSH)
         sock.connect(addrs.outputs)
         sock.send(msgs.encode_output(msgs.RankFailed(rank, message)), zmq.NOBLOCK)
         sock.close(linger=1000)
-    except zmq.ZMQError:
-        pass
-    finally:
-        ctx.term()
+    ctx.term()

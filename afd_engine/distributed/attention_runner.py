@@ -233,9 +233,7 @@ class PipelineRunner(StepRunner):
                 self._recover([meta, *(m.meta for m in self._exchange(meta, []))], since=attempt)
                 batches = [dict(m) for m in before]
 
-    # -- fault tolerance -----------------------------------------------------------------------
-
-    # -- replacements -------------------------------------------------------------------------
+    # -- fault tolerance: replacements --------------------------------------------------------
 
     def _joining(self) -> dict[str, int]:
         """Replacements of lost ranks announced at the rendezvous (looked at once a second, and
@@ -318,7 +316,7 @@ class PipelineRunner(StepRunner):
             self.transport.send(
                 ep, Message("start", MsgKey(incarnation, JOIN_LAYER, 1), self.sender.endpoint, meta=meta)
             )
-        live = [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks) if r not in new.dead]
+        live = self._endpoints_without(new.dead)
         self.ffn, self.ffn_alive, self.rebalancer.ffn = live, len(live), live
         self._use_topology(new.dead)
         log.warning(
@@ -333,12 +331,19 @@ class PipelineRunner(StepRunner):
         if self.store is not None and self.rank == 0:
             self.store.set_lost(new.dead)
 
+    def _endpoints_without(self, dead: frozenset[int]) -> list[int]:
+        """The endpoints of the FFN ranks not in `dead`, in rank order."""
+        topo = self.spec.topology
+        return [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks) if r not in dead]
+
     def _use_topology(self, dead: frozenset[int]) -> None:
         """A fresh sender endpoint for these dead ranks (relays move with them)."""
         topo = dataclasses.replace(self.spec.topology, dead=dead)
         sender = attention_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
         sender.stats, sender.interrupt = self.sender.stats, self._check_ffn
         self.sender = self.executor.endpoint = sender
+
+    # -- fault tolerance: losses --------------------------------------------------------------
 
     def _lost_ffn(self) -> list[int]:
         """The FFN ranks (not endpoints) that have sent no heartbeat for --comm-timeout, or whose
@@ -410,7 +415,7 @@ class PipelineRunner(StepRunner):
         self.recoveries += 1
         key = MsgKey(self.recoveries, RECOVER_LAYER, 0)
         next_step = max(m["step_id"] for m in metas) + 1
-        live = [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks) if r not in new.dead]
+        live = self._endpoints_without(new.dead)
         plan = {"placement": new.describe(), "next_step": next_step}
         for ep in live:
             self.transport.send(ep, Message("recover", key, self.sender.endpoint, meta=plan))

@@ -247,12 +247,16 @@ class FfnWorker:
             "FFN rank %d (replacement %d) joined: it serves from step %d", self.rank, self.incarnation, self.step_id
         )
 
-    def _use_topology(self, dead: frozenset[int], drain: bool = True) -> None:
-        """A fresh endpoint where the dead ranks differ from the current endpoint's."""
+    def _use_topology(self, dead: frozenset[int], abandon: bool = False) -> None:
+        """A fresh endpoint where the dead ranks differ from the current endpoint's; with
+        `abandon` (a recovery) a fresh one in any case, the old one's relay threads still waiting
+        on the lost step giving up at once."""
         old = self.server.endpoint
-        if old.topo.dead == dead:
+        if old.topo.dead == dead and not abandon:
             return
-        old.close(drain=drain)
+        if abandon:
+            old.interrupt = _aborted
+        old.close(drain=not abandon)
         topo = dataclasses.replace(self.spec.topology, dead=dead)
         self.server.endpoint = ffn_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
         self.server.endpoint.interrupt = self._interrupt if self.ft else None
@@ -304,12 +308,7 @@ class FfnWorker:
             raise DescriptorMismatchError(f"recovery {self.recoveries}: the attention ranks disagree on the placement")
         plan = plans[self.senders[0]]
         new_map = ExpertMap.from_description(self.spec.layout, plan["placement"])
-        old = self.server.endpoint
-        old.interrupt = _aborted  # its relay threads still waiting on the lost step give up
-        old.close(drain=False)
-        topo = dataclasses.replace(self.spec.topology, dead=new_map.dead)
-        self.server.endpoint = ffn_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
-        self.server.endpoint.interrupt = self._interrupt
+        self._use_topology(new_map.dead, abandon=True)
         self.transport.drop_stale(dict.fromkeys(STEP_KINDS, plan["next_step"]))
         self._to_stage, error, read = None, None, 0
         try:
@@ -321,7 +320,7 @@ class FfnWorker:
             error = f"FFN rank {self.rank} could not load its experts of placement {new_map.version}: {exc}"
         self.step_id = plan["next_step"]
         self.heard = dict.fromkeys(self.senders, time.monotonic())  # they were busy recovering, not gone
-        me = topo.ffn_endpoint(self.rank)
+        me = self.spec.topology.ffn_endpoint(self.rank)
         for ep in self.senders:
             self.transport.send(ep, Message("recovered", key, me, meta={"read": read, "error": error}))
         if error is not None:

@@ -132,9 +132,10 @@ class Deployment:
             else (topo.node_ranks(self.node_rank) if self.role == "ffn" else range(topo.num_ffn_ranks))
         )
         attn = [] if self.role == "ffn" else range(topo.num_senders)
-        rejoin = self.role == "ffn" and self._replacing()
+        replaced = self._ranks_to_replace() if self.role == "ffn" else None
+        rejoin = replaced is not None
         if rejoin:
-            ffn_ranks = self._lost_ranks_of_node()
+            ffn_ranks = replaced
         # device index on this machine (GPU base + index): attention ranks first, then FFN ranks;
         # a replacement takes the GPU of the rank it replaces (its place in the node)
         ffn = [
@@ -155,18 +156,18 @@ class Deployment:
             for i in attn
         ]
 
-    def _replacing(self) -> bool:
-        """An FFN role started while its fault-tolerant deployment serves replaces lost ranks."""
+    def _ranks_to_replace(self) -> list[int] | None:
+        """An FFN role started while its fault-tolerant deployment serves replaces the lost ranks
+        of its node (None: the deployment is starting, every rank of the node starts)."""
         if not self.args.enable_ffn_fault_tolerance:
-            return False
+            return None
         from afd_engine.distributed.rendezvous import DeploymentStore
 
-        self._deployment_store = DeploymentStore(self.rendezvous)
-        return self._deployment_store.serving()
-
-    def _lost_ranks_of_node(self) -> list[int]:
+        store = DeploymentStore(self.rendezvous)
+        if not store.serving():
+            return None
         node = self.spec.topology.node_ranks(self.node_rank)
-        lost = [r for r in self._deployment_store.lost() if r in node]
+        lost = [r for r in store.lost() if r in node]
         if not lost:
             raise ConfigError(
                 f"the deployment at {self.rendezvous.address} serves and has recorded no lost rank of FFN node "

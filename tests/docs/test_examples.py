@@ -20,6 +20,7 @@ a code block, or an unclosed fence fails test_markers_valid, which names page an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -199,10 +200,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already, or not ours
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_block(runner: str, code: str, timeout: float = BLOCK_TIMEOUT) -> tuple[int | None, str]:
@@ -275,10 +274,8 @@ class DocsServer:
     def stop(self, kill: bool = False) -> None:
         """SIGTERM to the server's process group (SIGKILL when `kill`), SIGKILL to what is left after 15 s."""
         _kill_group(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # what is left is killed below
             self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
         deadline = time.monotonic() + 5  # its children, shutting down after it
         while time.monotonic() < deadline and _group_alive(self.proc.pid):
             time.sleep(0.1)
@@ -528,7 +525,8 @@ def test_run_block_timeout_kills_what_it_started():
     rc, out = run_block("bash", "sleep 60 &\necho $!\nsleep 60\n", timeout=1)
     assert rc is None and time.monotonic() - start < 10
     time.sleep(0.5)
-    try:  # the background sleep is gone, or a zombie nobody reaps
-        assert Path(f"/proc/{int(out)}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    try:
+        state = Path(f"/proc/{int(out)}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        pass
+        state = "X"  # gone
+    assert state in "ZX"  # the background sleep is gone, or a zombie nobody reaps
