@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from afd_engine.errors import ConfigError
-from afd_engine.runtime.cuda_graph import DEFAULT_MAX_BS, graph_buckets, parse_buckets
+from afd_engine.graph_sizes import DEFAULT_MAX_BS, graph_buckets, parse_buckets
 from kernels.registry import ATTENTION_BACKENDS, MOE_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

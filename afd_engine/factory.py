@@ -6,10 +6,10 @@ make_engine(model_path=p, mode="afd", dp_size=2)    DistributedEngine: the ranks
 
 from __future__ import annotations
 
-from afd_engine.distributed.engine import DistributedEngine
 from afd_engine.engine import Engine
 from afd_engine.engine_args import EngineArgs
 from afd_engine.offline import OfflineEngine
+from afd_engine.offline_deployment import DistributedEngine
 
 
 def make_engine(args: EngineArgs | None = None, **kwargs) -> OfflineEngine:

@@ -38,26 +38,6 @@ import torch
 from afd_engine.runtime.forward_batch import ForwardBatch
 from afd_engine.runtime.kv_cache import KVPool
 
-DEFAULT_MAX_BS = 64
-
-
-def graph_buckets(max_bs: int) -> list[int]:
-    """The default captured batch sizes, ascending: 1, 2, 4, 8, then every 8 up to `max_bs` (which
-    is always one)."""
-    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8))
-    return sorted({*sizes, max_bs})
-
-
-def parse_buckets(text: str) -> list[int]:
-    """--cuda-graph-bs as ints; ValueError naming what is wrong."""
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"{text!r} is not a comma-separated list of batch sizes") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"{text!r}: give positive batch sizes, e.g. 1,2,4,8")
-    return sorted(set(sizes))
-
 
 class StaticDecode:
     """The persistent, padded decode batch of every bucket (see the module docstring)."""

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from afd_engine.control.client import ControlClient, EngineUnavailable
 from afd_engine.control.loop import ControlAddrs
 from afd_engine.control.router import Router
 from afd_engine.errors import AFDError, InvalidRequestError
@@ -35,7 +36,6 @@ from afd_engine.server import renderers as R
 from afd_engine.server.admin import admin_routes
 from afd_engine.server.auth import install_auth
 from afd_engine.server.choices import make_choices, run_choices
-from afd_engine.server.engine_client import EngineClient, EngineUnavailable
 from afd_engine.server.errors import (
     APIError,
     error_body,
@@ -75,7 +75,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_app):
-        client = EngineClient(addrs, router, alive, route_by_room=mode == "prefill")
+        client = ControlClient(addrs, router, alive, route_by_room=mode == "prefill")
         try:
             info = start_ranks()
             bootstrap = _bootstrap_server(engine_args, info) if mode == "prefill" else None

@@ -12,10 +12,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from afd_engine.control.client import ControlClient
 from afd_engine.runtime.request import TokenLogprob, TokenUpdate
 from afd_engine.sampling_params import SamplingParams
 from afd_engine.server.detokenizer import IncrementalDetokenizer
-from afd_engine.server.engine_client import EngineClient
 from afd_engine.server.metrics import ServerMetrics
 
 
@@ -78,7 +78,7 @@ def make_choices(
 
 
 async def run_choices(
-    client: EngineClient, choices: list[Choice], metrics: ServerMetrics, start: float
+    client: ControlClient, choices: list[Choice], metrics: ServerMetrics, start: float
 ) -> AsyncIterator[tuple[Choice, str, TokenUpdate]]:
     """Yields (choice, text delta, update) as updates arrive from the engine. One choice (the
     usual request) reads its engine request's stream directly; several are merged through a

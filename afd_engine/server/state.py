@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd_engine.server.engine_client import EngineClient
+from afd_engine.control.client import ControlClient
 from afd_engine.server.logprobs import LogprobFormatter
 from afd_engine.server.metrics import ServerMetrics
 
 
 @dataclass
 class ServerState:
-    client: EngineClient
+    client: ControlClient
     tokenizer: object
     model_name: str
     context_len: int

@@ -127,14 +127,14 @@ def run_all(engine, prompts: list[list[int]], monkeypatch) -> tuple[list[int | N
     """Submits every prompt at once; returns per prompt the rank the router chose, the ranks whose
     outputs carried its updates, and its tokens."""
     served: dict[str, set[int]] = {}
-    absorb = engine._absorb
+    absorb = engine.client._absorb
 
     def spy(msg):
         for u in getattr(msg, "updates", []):
             served.setdefault(u.request_id, set()).add(msg.rank)
         return absorb(msg)
 
-    monkeypatch.setattr(engine, "_absorb", spy)
+    monkeypatch.setattr(engine.client, "_absorb", spy)
     rids = [engine.add_request(prompt_token_ids=ids, params=GREEDY) for ids in prompts]
     routed = [engine.router.rank_of(rid) for rid in rids]
     with pytest.raises(InvalidRequestError, match="already in use"):  # would count twice, maybe elsewhere

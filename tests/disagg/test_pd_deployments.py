@@ -7,7 +7,7 @@ import pytest
 
 from afd_engine import Engine, SamplingParams
 from afd_engine.disagg.transfer import mooncake_available
-from afd_engine.distributed.engine import DistributedEngine
+from afd_engine.offline_deployment import DistributedEngine
 from tests.disagg.pd_helpers import COMMON, PDPair, idle_pages
 from tests.engine_helpers import run_staggered, staggered_reference
 

@@ -1,0 +1,291 @@
+"""The front end's side of the control plane: the one client of the attention ranks.
+
+Both front ends drive this class: the HTTP server from its own event loop, and the offline API of
+a multi-rank deployment (`ranks_engine.RanksEngine`) from a private loop through `BlockingClient`.
+So routing, submission, hang detection and the reasons a rank gave for failing are written once.
+
+A Router picks each request's attention rank. One background task reads the ranks' messages and
+routes each update to its request's queue; another checks health every second and, when the
+deployment has gone (a rank process exited, or an attention rank sent nothing for `dead_after_s`),
+wakes every waiting request with the news (a wait per token with its own timeout cost the front end
+about 5 us a token). A request whose consumer goes away (client disconnected, task cancelled) is
+aborted in the engine, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from afd_engine.control import messages as msgs
+from afd_engine.control.loop import HEARTBEAT_S, ControlAddrs, FrontEndSockets
+from afd_engine.control.router import Router
+from afd_engine.eplb.report import merge_reports
+from afd_engine.errors import AFDError, InvalidRequestError
+from afd_engine.runtime.request import TokenUpdate
+from afd_engine.sampling_params import SamplingParams
+
+DEAD_AFTER_S = 15.0  # no message for this long: a live engine process is considered hung (death is seen at once)
+_ENGINE_LOST = object()  # what the health check puts into the queue of every waiting request
+T = TypeVar("T")
+
+
+class EngineUnavailable(AFDError):
+    """The engine process died or stopped answering."""
+
+
+class RequestFailed(EngineUnavailable):
+    """The engine ended this request with an error (a disaggregated request whose peer failed);
+    `update` is its last update (tokens produced before the failure, the error)."""
+
+    def __init__(self, message: str, update: TokenUpdate | None = None) -> None:
+        super().__init__(message)
+        self.update = update
+
+
+class RequestStream:
+    """One submitted request's updates, in order, until it finishes (`async for`).
+
+    Raises InvalidRequestError if the engine refused the request, RequestFailed if the engine
+    ended it with an error and EngineUnavailable if the deployment went away. `close()` aborts the
+    request in the engine unless it finished."""
+
+    def __init__(self, client: ControlClient, rid: str, queue: asyncio.Queue) -> None:
+        self.client, self.rid, self._queue = client, rid, queue
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenUpdate:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _ENGINE_LOST:
+            reason = self.client.down_reason() or "no message for too long"
+            raise EngineUnavailable(f"the engine process stopped answering: {reason}")
+        if isinstance(item, msgs.Rejected):
+            self.finished = True
+            raise InvalidRequestError(item.message, item.param)
+        self.finished = item.finish_reason is not None
+        if item.finish_reason == "error":
+            raise RequestFailed(item.error or "the engine failed this request", item)
+        return item
+
+    def close(self) -> None:
+        """Idempotent; the request is no longer the rank's load, and is aborted if unfinished."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client._queues.pop(self.rid, None)
+        self.client.router.finished(self.rid)
+        if not self.finished:  # the consumer left early: free the engine's resources
+            self.client._send_nowait(msgs.AbortRequest(self.rid))
+
+
+class ControlClient:
+    def __init__(
+        self,
+        addrs: ControlAddrs,
+        router: Router,
+        alive: Callable[[], bool] = lambda: True,
+        route_by_room: bool = False,
+        dead_after_s: float | None = None,
+    ) -> None:
+        """`router` spans the deployment's attention ranks; `alive()` says whether every rank
+        process still runs. With `route_by_room` (a prefill instance) a disaggregated request goes
+        to rank room mod ranks, where decode ranks look for it. An attention rank silent for
+        `dead_after_s` (default DEAD_AFTER_S) counts as hung."""
+        self.route_by_room = route_by_room
+        ranks = range(router.num_ranks)
+        self.router = router
+        self.dead_after_s = DEAD_AFTER_S if dead_after_s is None else dead_after_s
+        self.ctx = zmq.asyncio.Context()
+        self.sockets = FrontEndSockets.bind(self.ctx, addrs, router.num_ranks)
+        self.push, self.pub, self.pull = self.sockets.push, self.sockets.pub, self.sockets.pull
+        self.alive = alive
+        self.rank_stats = {r: msgs.EngineStats() for r in ranks}
+        self.last_heard = dict.fromkeys(ranks, time.monotonic())  # from start() on: when ranks are up
+        self.failures: dict[int, str] = {}  # rank -> why it stopped (its last words)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._load_reports: dict[str, tuple[dict[int, dict], asyncio.Future]] = {}
+        self._load_ids = 0
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """Called on the running loop once the ranks are up."""
+        self.last_heard = dict.fromkeys(self.last_heard, time.monotonic())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._check_health())]
+
+    @property
+    def healthy(self) -> bool:
+        return self.down_reason() is None
+
+    def down_reason(self) -> str | None:
+        """Why the engine is not running (None: it is): a rank process exited, or an attention
+        rank has sent nothing (not even a heartbeat) for `dead_after_s`."""
+        if not self.alive():
+            why = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
+            return "a rank process exited" + (f" ({why})" if why else "")
+        now = time.monotonic()
+        silent = max(self.last_heard, key=lambda r: now - self.last_heard[r], default=None)
+        if silent is not None and now - self.last_heard[silent] >= self.dead_after_s:
+            return f"attention rank {silent} has sent nothing for {now - self.last_heard[silent]:.0f} s"
+        return None
+
+    def _check_up(self) -> None:
+        if (reason := self.down_reason()) is not None:
+            raise EngineUnavailable(f"the engine is not running: {reason}")
+
+    @property
+    def stats(self) -> msgs.EngineStats:
+        """The deployment's counters: the sum over attention ranks."""
+        return msgs.EngineStats.total(self.rank_stats.values())
+
+    async def _read(self) -> None:
+        while True:
+            self._absorb(msgs.decode_output(await self.pull.recv()))
+
+    def _absorb(self, msg) -> None:
+        if isinstance(msg, msgs.StepOutput):
+            self.last_heard[msg.rank] = time.monotonic()
+            self.rank_stats[msg.rank] = msg.stats
+            for update in msg.updates:
+                self._deliver(update.request_id, update)
+        elif isinstance(msg, msgs.Rejected):
+            self._deliver(msg.rid, msg)
+        elif isinstance(msg, msgs.RankFailed):
+            self.failures[msg.rank] = msg.message
+        elif isinstance(msg, msgs.ExpertLoadReport) and msg.token in self._load_reports:
+            reports, done = self._load_reports[msg.token]
+            reports[msg.rank] = msg.report
+            if len(reports) == self.router.num_ranks and not done.done():
+                done.set_result(merge_reports([reports[r] for r in sorted(reports)]))
+
+    async def _check_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S * 2)
+            if self._queues and not self.healthy:
+                for queue in self._queues.values():
+                    queue.put_nowait(_ENGINE_LOST)
+
+    async def expert_load(self, timeout: float = 10.0) -> dict:
+        """The deployment's expert load report: every attention rank answers, the loads are summed."""
+        self._check_up()
+        self._load_ids += 1
+        token = f"load-{self._load_ids}"
+        done = asyncio.get_running_loop().create_future()
+        self._load_reports[token] = ({}, done)
+        try:
+            self._send_nowait(msgs.DumpExpertLoad(token))
+            return await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"not every attention rank reported its expert load within {timeout:g} s") from None
+        finally:
+            del self._load_reports[token]
+
+    def _deliver(self, rid: str, item) -> None:
+        queue = self._queues.get(rid)
+        if queue is not None:
+            queue.put_nowait(item)
+
+    def in_use(self, rid: str) -> bool:
+        return rid in self._queues
+
+    async def open(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, disaggregation: dict | None = None
+    ) -> RequestStream:
+        """Routes and submits one request; its updates come from the returned stream. Raises
+        EngineUnavailable (and submits nothing) if the deployment is down."""
+        self._check_up()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        stream = RequestStream(self, rid, queue)
+        try:
+            if self.route_by_room and disaggregation is not None:
+                rank = self.router.route_to(rid, disaggregation["room"] % self.router.num_ranks)
+            else:
+                rank = self.router.route(rid, prompt_ids)
+            await self._submit(rank, msgs.AddRequest(rid, prompt_ids, params, disaggregation))
+        except BaseException:
+            stream.finished = True  # never reached a rank: nothing to abort
+            stream.close()
+            raise
+        return stream
+
+    async def generate(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, disaggregation: dict | None = None
+    ) -> AsyncIterator[TokenUpdate]:
+        """Yields the request's updates until it finishes (see RequestStream for the errors)."""
+        stream = await self.open(rid, prompt_ids, params, disaggregation)
+        try:
+            async for update in stream:
+                yield update
+        finally:
+            stream.close()
+
+    async def _submit(self, rank: int, msg: msgs.AddRequest) -> None:
+        """Sends at once to a connected rank; waits while the rank has not connected yet (a dead
+        rank never will). The wait polls, which costs several times the send: a burst of requests
+        once spent a fifth of the front end's time polling sockets that were ready."""
+        data, sock = msgs.encode(msg), self.push[rank]
+        while True:
+            try:
+                await sock.send(data, zmq.NOBLOCK)
+                break
+            except zmq.Again:  # no rank connected yet: nothing queued, wait for one
+                if not await sock.poll(HEARTBEAT_S * 2000, zmq.POLLOUT) and not self.healthy:
+                    reason = self.down_reason()
+                    raise EngineUnavailable(f"the engine process stopped answering: {reason}") from None
+        self.sockets.wake_ranks()
+
+    def _send_nowait(self, msg) -> None:
+        """Broadcast control messages; never blocks (ranks may be gone)."""
+        with contextlib.suppress(zmq.Again):
+            self.pub.send(msgs.encode(msg), zmq.NOBLOCK)
+
+    def abort(self, rid: str) -> None:
+        self._send_nowait(msgs.AbortRequest(rid))
+
+    async def shutdown(self) -> None:
+        self._send_nowait(msgs.Shutdown())
+        for task in self._tasks:
+            task.cancel()
+        self.sockets.close()
+
+
+class BlockingClient:
+    """A private event loop in a daemon thread, for synchronous callers of a ControlClient.
+
+    `call(coro)` runs a coroutine there and waits for its result; the client and everything it
+    touches live on that loop's thread only."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="control-client", daemon=True)
+        self._thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        async def cancel_all() -> None:
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        with contextlib.suppress(Exception):
+            self.call(cancel_all(), timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
