@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -31,12 +31,28 @@ from afd_engine.runtime.model_runner import ModelRunner, StepRunner
 from afd_engine.runtime.radix_cache import RadixCache
 from afd_engine.runtime.request import Request, RequestOutput, TokenUpdate
 from afd_engine.runtime.scheduler import Scheduler
+from afd_engine.runtime.step_recorder import StepRecorder
 from afd_engine.runtime.stepper import Stepper
 from afd_engine.runtime.stop_checker import StopChecker, trim_text
 from afd_engine.sampling_params import SamplingParams
 
 RankRunnerFactory = Callable[[torch.nn.Module, KVPool], StepRunner]
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank of a deployment adds to an Engine.
+
+    `index` is the attention rank's number; `make_runner(model, pool)` makes its step runner
+    (lockstep with its peers); `expert_slots` is which routed experts the rank holds (per MoE
+    layer, the expert of each slot; {} for none); `device` is the rank's device (`--device` names
+    the deployment's)."""
+
+    index: int
+    make_runner: RankRunnerFactory
+    expert_slots: dict[int, list[int]]
+    device: torch.device
 
 
 class Engine(OfflineEngine):
@@ -48,66 +64,49 @@ class Engine(OfflineEngine):
     A rank of such a deployment builds its Engine with that rank's runner and experts.
     """
 
-    def __init__(
-        self,
-        args: EngineArgs | None = None,
-        *,
-        rank_runner: RankRunnerFactory | None = None,
-        expert_slots: dict[int, list[int]] | None = None,
-        rank_device: torch.device | None = None,
-        **kwargs,
-    ) -> None:
-        """`rank_runner(model, pool)` makes the runner of one rank of a deployment (lockstep with its
-        peers); `expert_slots` is which routed experts that rank holds (per MoE layer, the expert of
-        each slot); `rank_device` that rank's device (`device`, like every other keyword, is the
-        EngineArgs setting).
-        Without them this process runs the whole model on `args.device_for(0)`."""
-        args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
-        args.validate()
-        if rank_runner is None and args.mode != "single":
-            raise ConfigError(
-                f"Engine(...) runs the whole model in this process, but --mode={args.mode}: use "
-                "afd_engine.make_engine(...), which starts the deployment's ranks"
-            )
-        torch.set_num_threads(args.threads)
-        retain_freed_memory()  # a step's large temporaries are reused, not page-faulted in again
-        self.device = rank_device or args.device_for(0)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+    def __init__(self, args: EngineArgs | None = None, *, rank: RankContext | None = None, **kwargs) -> None:
+        """`rank`: what a rank of a deployment adds (its runner, experts and device); without it this
+        process runs the whole model on `args.device_for(0)`."""
+        args = _resolved(args, kwargs, rank)
+        self.args, self.rank = args, rank
+        self.device = _claim_device(args, rank)
         self.model_path = resolve_model_path(args.model_path)
-        self.args = args
         # a deployment's rank runs on a checkpoint its launcher has inspected already
-        inspect = ModelConfig.from_pretrained if rank_runner is not None else inspect_checkpoint
-        self.config = inspect(self.model_path)
+        self.config = (ModelConfig.from_pretrained if rank else inspect_checkpoint)(self.model_path)
         self.tokenizer = _load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
-        self.model = load_model(self.config, self.model_path, args.torch_dtype, expert_slots, kernels, self.device)
+        experts = rank.expert_slots if rank else None
+        self.model = load_model(self.config, self.model_path, args.torch_dtype, experts, kernels, self.device)
         self.load_recorder = ExpertLoadRecorder(
             self.config.moe_layers, self.config.n_routed_experts, args.load_window_steps
         )
         self.model.load_recorder = self.load_recorder
         self._local_map: ExpertMap | None = None
-        self.context_len = min(
-            args.context_length or self.config.max_position_embeddings, self.config.max_position_embeddings
-        )
+        max_pos = self.config.max_position_embeddings
+        self.context_len = min(args.context_length or max_pos, max_pos)
         self.pool = _make_pool(self.config, args, self.context_len, self.device)
         self.cache = RadixCache(self.pool, enabled=not args.disable_radix_cache)
         self.scheduler = Scheduler(
-            self.pool,
-            args.max_num_batched_tokens,
-            args.max_running_requests,
-            self.context_len,
-            self.cache,
+            self.pool, args.max_num_batched_tokens, args.max_running_requests, self.context_len, self.cache,
             args.schedule_policy,
-        )
-        self.runner: StepRunner = (rank_runner or ModelRunner)(self.model, self.pool)
-        self.graph_capture_seconds = self._capture_graphs() if rank_runner is None else None
+        )  # fmt: skip
+        self.runner: StepRunner = (rank.make_runner if rank else ModelRunner)(self.model, self.pool)
+        self.graph_capture_seconds = None if rank else self._capture_graphs()
         if args.record_steps:
-            rank = getattr(self.runner, "rank", None)
-            path = args.record_steps if rank is None else f"{args.record_steps}.a{rank}.jsonl"
-            self.runner.execute = StepRecorder(path, self.runner.execute)
+            self.runner.execute = StepRecorder(_record_path(args.record_steps, rank), self.runner.execute)
         eos = set(self.config.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
-        self.stepper = Stepper(
+        self.stepper = self._make_stepper(eos)
+        self.disagg = make_side(self)  # prefill-decode disaggregation: None unless --disaggregation-mode
+        # constrained requests wait here for their grammar, compiled on a worker thread
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(eos))
+        self._compiling: list[tuple[Request, Future, Callable[[Request], None]]] = []
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seeds = random.Random(args.seed)
+
+    def _make_stepper(self, eos: set[int]) -> Stepper:
+        args = self.args
+        return Stepper(
             self.scheduler,
             self.runner,
             StopChecker(self.tokenizer, eos),
@@ -117,13 +116,6 @@ class Engine(OfflineEngine):
             # a prefill instance sends each step's pages right after it: no step may be under way then
             overlap=args.overlap_on(self.device) and args.disaggregation_mode != "prefill",
         )
-        self.disagg = make_side(self)  # prefill-decode disaggregation: None unless --disaggregation-mode
-        # constrained requests wait here for their grammar, compiled on a worker thread
-        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(eos))
-        self._compiling: list[tuple[Request, Future, Callable[[Request], None]]] = []
-        self._requests: dict[str, Request] = {}
-        self._ids = itertools.count()
-        self._seeds = random.Random(args.seed)
 
     def _capture_graphs(self) -> float | None:
         """Single mode on a GPU: captures the decode CUDA graphs (runtime/cuda_graph.py); returns the
@@ -403,31 +395,30 @@ class Engine(OfflineEngine):
             self.disagg.close()
 
 
-class StepRecorder:
-    """Wraps a runner's `execute`: one JSONL line per step with this rank's load, as the simulator
-    counts it (tokens, sequences, KV positions its decodes read, query-key pairs of its prefill
-    chunks), and the monotonic start and end of the forward (`--record-steps`)."""
-
-    def __init__(self, path: str, execute: Callable) -> None:
-        self.file = open(path, "w", buffering=1)
-        self.execute = execute
-        self.step = 0
-
-    def __call__(self, prepared):
-        plan = prepared.plan  # committed: num_cached already counts this step's tokens
-        t0 = time.monotonic()
-        out = self.execute(prepared)
-        t1 = time.monotonic()
-        ext = sum(n for _, n in plan.extend)
-        pairs = sum(n * (r.num_cached - n) + n * (n + 1) / 2 for r, n in plan.extend)
-        kv = sum(r.num_cached for r in plan.decode)
-        rec = [self.step, ext + len(plan.decode), len(plan.extend) + len(plan.decode), kv, pairs, t0, t1]
-        self.file.write(json.dumps(dict(zip(STEP_FIELDS, rec))) + "\n")
-        self.step += 1
-        return out
+def _resolved(args: EngineArgs | None, kwargs: dict, rank: RankContext | None) -> EngineArgs:
+    args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
+    args.validate()
+    if rank is None and args.mode != "single":
+        raise ConfigError(
+            f"Engine(...) runs the whole model in this process, but --mode={args.mode}: use "
+            "afd_engine.make_engine(...), which starts the deployment's ranks"
+        )
+    return args
 
 
-STEP_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
+def _claim_device(args: EngineArgs, rank: RankContext | None) -> torch.device:
+    """This process's device, made current; also its threads and allocator settings."""
+    torch.set_num_threads(args.threads)
+    retain_freed_memory()  # a step's large temporaries are reused, not page-faulted in again
+    device = rank.device if rank else args.device_for(0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _record_path(path: str, rank: RankContext | None) -> str:
+    """--record-steps: a rank of a deployment writes PATH.a<rank>.jsonl beside the others."""
+    return path if rank is None else f"{path}.a{rank.index}.jsonl"
 
 
 def _load_tokenizer(model_path):

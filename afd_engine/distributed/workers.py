@@ -15,7 +15,7 @@ from afd_engine.distributed.attention_runner import PipelineRunner
 from afd_engine.distributed.ffn_worker import DescriptorMismatchError, FfnWorker, PeerLostError, RecoveryFailed
 from afd_engine.distributed.rendezvous import DeploymentStore, PeerTable, RendezvousSpec, register, shm_host
 from afd_engine.distributed.spec import DeploymentSpec
-from afd_engine.engine import Engine
+from afd_engine.engine import Engine, RankContext
 from afd_engine.engine_args import EngineArgs
 from afd_engine.eplb.stager import load_shard
 from afd_engine.model_config import ModelConfig
@@ -52,7 +52,7 @@ def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
     def runner(model, pool):
         return PipelineRunner(model, pool, spec, rank, transport, store)
 
-    return Engine(args, expert_slots=experts, rank_runner=runner, rank_device=args.device_for(rank))
+    return Engine(args, rank=RankContext(rank, runner, experts, args.device_for(rank)))
 
 
 def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int, comm_addresses) -> None:
