@@ -302,7 +302,7 @@ async def _render_chat(s: ServerState, body: P.ChatCompletionRequest) -> list[in
     """The prompt's token ids through the model's chat template, in a worker thread.
 
     Tools go to a template that renders them; for one that cannot, the conversation is rewritten
-    in the documented default form (server/tool_calls.py: default_tool_messages).
+    in the documented default form (server/tool_calls/prompts.py: default_tool_messages).
     A template refuses what it cannot render (a role it does not know, turns out of order) by
     raising; that is the client's request, so it is a 400 quoting the template's reason.
     """

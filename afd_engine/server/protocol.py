@@ -362,7 +362,7 @@ class ChatMessage(_NullMeansDefault):
 
 
 class FunctionSchema(BaseModel):
-    """What the OpenAPI document shows of a tool's function (server/tool_calls.py checks it)."""
+    """What the OpenAPI document shows of a tool's function (server/tool_calls/validation.py checks it)."""
 
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None

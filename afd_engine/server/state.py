@@ -21,6 +21,6 @@ class ServerState:
     max_prompt_chars: int
     sampling_defaults: dict  # temperature / top_p / top_k from the model's generation_config.json
     vocab_size: int = 0  # the model's (logit_bias ids must be below it)
-    tool_call_parser: str = "deepseekv3"  # server/tool_calls.py's PARSERS
+    tool_call_parser: str = "deepseekv3"  # server/tool_calls/registry.py's PARSERS
     disaggregation_mode: str = "null"
     bootstrap_port: int | None = None  # a prefill instance's bootstrap server
