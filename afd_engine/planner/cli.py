@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate_parser(sub) -> None:
-    from afd_engine.planner.simulate import SPEC_HELP
+    from afd_engine.planner.sim.spec import SPEC_HELP
 
     v = sub.add_parser(
         "simulate",
@@ -302,14 +302,14 @@ def _simulate_parser(sub) -> None:
 
 
 def _simulate(ns) -> dict:
-    from afd_engine.planner.simulate import run_cli
+    from afd_engine.planner.sim.command import run_cli
 
     return run_cli(ns)
 
 
 def _print_human(what: str, out: dict) -> None:
     if what == "simulate":
-        from afd_engine.planner.simulate import print_report
+        from afd_engine.planner.sim.command import print_report
 
         print_report(out)
         return

@@ -1,8 +1,9 @@
 """Accelerators the planner knows: peak compute, memory, links, and how much of each a real decode
 step gets (efficiency factors). More come from a YAML file (`--hw-file`).
 
-Peaks are dense (no sparsity) vendor figures; REFERENCE.md lists the ones the published designs
-use. Efficiency factors are one set per hardware type, shared by every model and deployment mode;
+Peaks are dense (no sparsity) vendor figures; for the accelerators of Step-3's table (H800, H20,
+A800, 910B) tests/planner/test_published_figures.py holds their rooflines to that table.
+Efficiency factors are one set per hardware type, shared by every model and deployment mode;
 `planner/README` says where the H800 set comes from (two published deployments) and that the other
 types inherit it until someone measures them (`afd plan calibrate`).
 """

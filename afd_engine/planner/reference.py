@@ -1,4 +1,4 @@
-"""The published figures the planner is held to (REFERENCE.md), next to what it computes.
+"""The published figures the planner is held to, each with its source, next to what it computes.
 
 `afd plan reference` prints this table; tests/planner asserts each row on its own.
 """

@@ -1,4 +1,4 @@
-"""Published checkpoints' config.json (../shared/real_configs, copied into tests/models/real_configs):
+"""Published checkpoints' config.json (tests/models/real_configs, whose README gives their source):
 scaled-down copies served token-exact in both spellings, full sizes counted, the unserved refused."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The planner against the published figures of ../shared/REFERENCE.md, with one set of efficiency
-factors per hardware type (the catalog's), no per-case constants.
+"""The planner against the figures published with the designs it models (Step-3, Baidu's AFD,
+DeepSeek's profile, DeepEP), with one set of efficiency factors per hardware type (the catalog's),
+no per-case constants.
 
 Each test name says `fitted` (the figure, or the assumption behind it, was used to set an H800
 efficiency factor, so matching it checks consistency only) or `predicted` (nothing was set from it).

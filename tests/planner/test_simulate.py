@@ -7,6 +7,7 @@ expected time below is a short sum written out next to the assertion.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +31,8 @@ from afd_engine.planner.stages import StageModel
 from afd_engine.planner.traces import from_records, load_mooncake, poisson
 
 A, B = 0.010, 0.001  # a step: 10 ms + 1 ms per token
-SHARED_TRACE = "../shared/traces/mooncake_conversation_first30min.jsonl"
+# the Mooncake trace the repository ships (benchmarks/datasets/README.md), found from this file
+MOONCAKE = Path(__file__).resolve().parents[2] / "benchmarks" / "datasets" / "mooncake_conversation_first30min.jsonl"
 
 
 def exact(x: float):
@@ -315,8 +317,8 @@ def test_mooncake_trace_scaling(tmp_path):
     assert [(r.input_len, r.output_len) for r in tiny.requests] == [(100, 1), (1, 1), (1, 1)]
     assert t.rate == exact(2 / 1.0)
     assert [r.arrival_s for r in t.scaled(4.0).requests] == [0.0, 0.0625, 0.25]
-    shared = load_mooncake(SHARED_TRACE, rate_scale=2.0)
-    assert len(shared) == 5719 and shared.span_s == exact(1797.0 / 2)
+    full = load_mooncake(MOONCAKE, rate_scale=2.0)
+    assert len(full) == 5719 and full.span_s == exact(1797.0 / 2)
     for bad, msg in [
         ('{"timestamp": 0}', "expected JSON"),
         ('{"timestamp": 0, "input_length": 0, "output_length": 1}', "must be >= 1"),
@@ -325,7 +327,7 @@ def test_mooncake_trace_scaling(tmp_path):
         with pytest.raises(ConfigError, match=msg):
             load_mooncake(f)
     with pytest.raises(ConfigError, match="rate-scale"):
-        load_mooncake(SHARED_TRACE, rate_scale=0)
+        load_mooncake(MOONCAKE, rate_scale=0)
     with pytest.raises(ConfigError, match="no such file"):
         load_mooncake(tmp_path / "missing.jsonl")
 
@@ -371,7 +373,7 @@ def test_cli_rejects_a_bad_workload(capsys):
     for args, msg in [
         ([], "give a workload"),
         (["--poisson", "1"], "needs --duration"),
-        (["--poisson", "1", "--duration", "5", "--trace", SHARED_TRACE], "not both"),
+        (["--poisson", "1", "--duration", "5", "--trace", str(MOONCAKE)], "not both"),
         (["--poisson", "1", "--duration", "5", "--rates", "1,x"], "--rates"),
     ]:
         assert main(["plan", "simulate", "--deployment", "colocated:gpus=16", *args]) == 2
@@ -386,7 +388,7 @@ def test_parse_spec_pd():
 
 def test_cli_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
-    args = ["plan", "simulate", "--trace", SHARED_TRACE, "--limit", "40", "--rate-scale", "4"]
+    args = ["plan", "simulate", "--trace", str(MOONCAKE), "--limit", "40", "--rate-scale", "4"]
     pd_spec = "pd:prefill=[colocated:gpus=16],decode=[afd:a=8,f=16]"
     args += ["--deployment", "colocated:gpus=16", "--deployment", pd_spec]
     args += ["--rates", "0.5,1", "--plot", str(png), "--json", str(out)]

@@ -1,0 +1,12 @@
+"""The cluster simulator behind `afd plan simulate`, one concern per module:
+
+- `step_time`: how long an instance's step takes for its ranks' loads;
+- `cluster`: the instances and KV link being simulated;
+- `request`, `router`, `kv_cache`, `rank`: a request's state, the router, a rank's KV pool and
+  prefix cache, a rank's scheduler;
+- `loop`: instances stepping in lockstep and the events between them;
+- `results`: `simulate` and what it measures against an SLO;
+- `spec`, `command`: deployment SPEC strings and the command line.
+
+`afd_engine.planner.simulate` gathers the public names.
+"""
