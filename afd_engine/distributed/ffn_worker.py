@@ -18,13 +18,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 
 import torch
 
+from afd_engine.distributed.fault_tolerance import (
+    READMIT,
+    DescriptorMismatchError,
+    PeerLostError,
+    StepAborted,
+    silence_limit,
+)
+from afd_engine.distributed.fault_tolerance_member import RecoveryMember
 from afd_engine.distributed.remote_experts import CommExpertServer
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.distributed.timeline import Timeline
@@ -34,56 +40,12 @@ from afd_engine.operations import run_micro_batches
 from afd_engine.operations.strategy import AFD_FFN
 from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
-from comm.messages import CommError, CommTimeout, KeyMismatchError, Message, MsgKey
-from comm.protocol import (
-    EPLB_LAYER,
-    HEARTBEAT_LAYER,
-    HEARTBEAT_S,
-    JOIN_LAYER,
-    KEEPALIVE_LAYER,
-    RECOVER_LAYER,
-    STEP_KINDS,
-    STEP_LAYER,
-)
+from comm.messages import CommTimeout, KeyMismatchError, Message, MsgKey
+from comm.protocol import EPLB_LAYER, KEEPALIVE_LAYER, STEP_LAYER
 from comm.transport.base import Transport
 
 log = logging.getLogger("afd.ffn")
 LIVENESS_CHECK_S = 1.0  # how often a waiting FFN rank checks that its attention ranks are alive
-
-
-class PeerLostError(CommError):
-    """An attention rank went silent without shutting down."""
-
-
-class DescriptorMismatchError(CommError):
-    """The attention ranks' step descriptors do not describe the step this FFN rank serves."""
-
-
-class StepAborted(CommError):
-    """The attention ranks started a recovery: the step under way is given up (it runs again)."""
-
-
-class RecoveryFailed(CommError):
-    """This rank could not take its part of a recovery (the attention ranks fail fast with why)."""
-
-
-def process_space() -> str:
-    """Equal for two processes exactly when each can look the other up by pid: the same running
-    kernel and pid namespace ("" where that cannot be told)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() + ":" + os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def process_exited(pid: int) -> bool:
-    """Whether process `pid` (of this process space) has exited: gone, or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def _aborted() -> None:
@@ -114,7 +76,7 @@ def check_descriptors(metas: dict[int, dict], num_micro_batches: int, step: int)
     counts = {ep: len(m["tokens"]) for ep, m in metas.items()}
     if len(set(counts.values())) > 1:
         raise DescriptorMismatchError(f"step {step}: attention endpoints disagree on the micro-batch count: {counts}")
-    for field in ("eplb_plan", "eplb_switch", "readmit"):
+    for field in ("eplb_plan", "eplb_switch", READMIT):
         if len({json.dumps(m.get(field), sort_keys=True) for m in metas.values()}) > 1:
             raise DescriptorMismatchError(f"step {step}: attention endpoints disagree on {field}")
     return next(iter(counts.values()))
@@ -144,7 +106,6 @@ class FfnWorker:
         `store` (rendezvous.DeploymentStore): where a deployment of roles tells where replacement
         ranks are; `incarnation` > 0: this rank replaces a lost one and joins a running deployment."""
         self.shard, self.spec, self.rank, self.transport = shard, spec, rank, transport
-        self.store, self.incarnation = store, incarnation
         self._plan: ExpertMap | None = None  # the placement staged last (its dead ranks too)
         topo = spec.topology
         self.stager = ExpertStager(load_shard, rank, shard.routed_experts()) if load_shard is not None else None
@@ -169,19 +130,15 @@ class FfnWorker:
         )
         self.ops = ops
         self._arranged: dict[int, list[object]] = {}  # micro-batch count -> the arranged operations
-        self.ft = spec.args.enable_ffn_fault_tolerance
-        self.recoveries = 0
-        self._stopped = threading.Event()
-        if self.ft:  # the attention ranks tell a lost FFN rank by its missing heartbeats
+        # fault tolerance: heartbeats (the attention ranks tell a lost FFN rank by their absence),
+        # admission as a replacement, recoveries
+        self.recovery = RecoveryMember(spec, rank, transport, store, incarnation, self._use_topology)
+        self.ft = self.recovery.enabled
+        if self.ft:
             self.server.endpoint.interrupt = self._interrupt
-            if not incarnation:  # a replacement starts once admitted (_join)
-                self._start_heartbeats()
-
-    def _start_heartbeats(self) -> None:
-        threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.rank}", daemon=True).start()
 
     def run(self) -> None:
-        if self.incarnation:
+        if self.recovery.incarnation:
             self._join()
         try:
             while True:
@@ -191,7 +148,7 @@ class FfnWorker:
                 except StepAborted:
                     self._recover()
         finally:
-            self._stopped.set()
+            self.recovery.stop()
         self.server.endpoint.close()
         if self.stager is not None:
             self.stager.close()
@@ -213,39 +170,29 @@ class FfnWorker:
         self.step_id += 1
         return True
 
-    # -- fault tolerance ---------------------------------------------------------------------
+    # -- fault tolerance (the protocol: fault_tolerance_recovery.py) --------------------------
 
     def _join(self) -> None:
-        """A replacement's way in: every attention rank admits it with the placement that uses it
-        (it stages its slots and says `eplb_ready` like any rank in a rebalance), then names the
-        step it first serves, whose descriptor switches every rank to that placement."""
-        args, key = self.spec.args, MsgKey(self.incarnation, JOIN_LAYER, 0)
-        wait = args.ffn_recovery_timeout + 3 * args.comm_timeout + 60  # the deployment notices it between steps
-        plans = {ep: self.transport.recv(ep, "join", key, wait).meta for ep in self.senders}
-        if len({json.dumps(p, sort_keys=True) for p in plans.values()}) > 1:
-            raise DescriptorMismatchError(f"FFN rank {self.rank}: the attention ranks disagree on its placement")
-        self._plan = ExpertMap.from_description(self.spec.layout, plans[self.senders[0]]["plan"])
-        self.recoveries = plans[self.senders[0]]["recoveries"]  # the next recovery's key follows theirs
-        me, topo = self.spec.topology.ffn_endpoint(self.rank), self.spec.topology
-        for ep, incarnation in plans[self.senders[0]]["joiners"].items():  # replacements of this node, together
-            ep = int(ep)
-            if ep != me and topo.node_of_rank(ep - topo.num_senders) == topo.node_of_rank(self.rank):
-                self.transport.readmit(ep, *self.store.peer(ep), incarnation)
-        self._start_heartbeats()
-        self.stager.stage(self._plan, self._ready)
-        start = MsgKey(self.incarnation, JOIN_LAYER, 1)
-        starts = {ep: self.transport.recv(ep, "start", start, wait).meta for ep in self.senders}
-        void = next((m["void"] for m in starts.values() if "void" in m), None)
-        if void is not None:
-            raise RecoveryFailed(f"FFN rank {self.rank}: the deployment gave up admitting this replacement: {void}")
-        self.step_id = starts[self.senders[0]]["step"]
-        self.keepalives = {ep: m["keepalive"] for ep, m in starts.items()}
-        # what was sent to the lost process and reached this one (a reused address): never its
-        self.transport.drop_stale(dict.fromkeys(STEP_KINDS, self.step_id))
+        """A replacement's way in (RecoveryMember.join): it serves from the step the attention
+        ranks name, over the endpoint of the placement that uses it."""
+        self._plan, self.step_id, self.keepalives = self.recovery.join(self.stager, self._ready)
         self._use_topology(self._plan.dead)
         log.info(
-            "FFN rank %d (replacement %d) joined: it serves from step %d", self.rank, self.incarnation, self.step_id
+            "FFN rank %d (replacement %d) joined: it serves from step %d",
+            self.rank,
+            self.recovery.incarnation,
+            self.step_id,
         )
+
+    def _recover(self) -> None:
+        """Its part in a recovery (RecoveryMember.recover); then on from the step it names."""
+        self._to_stage = None
+        self.step_id = self.recovery.recover(self.stager)
+        self.heard = dict.fromkeys(self.senders, time.monotonic())  # they were busy recovering, not gone
+
+    def _interrupt(self) -> None:
+        """Called while a receive waits: StepAborted once an attention rank calls a recovery."""
+        self.recovery.check(self.step_id)
 
     def _use_topology(self, dead: frozenset[int], abandon: bool = False) -> None:
         """A fresh endpoint where the dead ranks differ from the current endpoint's; with
@@ -260,79 +207,6 @@ class FfnWorker:
         topo = dataclasses.replace(self.spec.topology, dead=dead)
         self.server.endpoint = ffn_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
         self.server.endpoint.interrupt = self._interrupt if self.ft else None
-
-    def _readmit(self, joiners: dict) -> None:
-        """Links to the replacements of lost ranks of this node (the others never talk to it)."""
-        topo = self.spec.topology
-        for ep, incarnation in joiners.items():
-            ep = int(ep)
-            if topo.node_of_rank(ep - topo.num_senders) == topo.node_of_rank(self.rank):
-                self.transport.readmit(ep, *self.store.peer(ep), incarnation)
-
-    def _heartbeats(self) -> None:
-        """Tells every attention rank that this rank is alive, every HEARTBEAT_S, whatever the
-        main thread is doing (a rank blocked on a lost peer is alive too)."""
-        me, count = self.spec.topology.ffn_endpoint(self.rank), 0
-        # pid and process space: a rank of this machine sees it exit; incarnation: a lost process's are told apart
-        who = {"pid": os.getpid(), "space": process_space(), "incarnation": self.incarnation}
-        while not self._stopped.wait(HEARTBEAT_S):
-            try:
-                for ep in self.senders:
-                    self.transport.send(ep, Message("heartbeat", MsgKey(count, HEARTBEAT_LAYER, 0), me, meta=who))
-            except CommError:  # the transport closed: the rank is stopping
-                return
-            count += 1
-
-    @property
-    def _silence_limit(self) -> float:
-        """How long an attention rank may send nothing: --comm-timeout, and with fault tolerance
-        also the time it may spend noticing a lost FFN rank and recovering."""
-        a = self.spec.args
-        return a.comm_timeout * 3 + a.ffn_recovery_timeout if self.ft else a.comm_timeout
-
-    def _interrupt(self) -> None:
-        """Called while a receive waits: StepAborted once an attention rank calls a recovery."""
-        if any(self.transport.pending(ep, "recover") for ep in self.senders):
-            raise StepAborted(f"FFN rank {self.rank}: the attention ranks called a recovery during step {self.step_id}")
-
-    def _recover(self) -> None:
-        """Takes its part in a recovery: the new placement from every attention rank (they must
-        agree), the experts it now holds loaded (copied, or read from the checkpoint), a fresh
-        endpoint over the live ranks, then "recovered" to every attention rank."""
-        args, start = self.spec.args, time.monotonic()
-        self.recoveries += 1
-        key = MsgKey(self.recoveries, RECOVER_LAYER, 0)
-        wait = args.ffn_recovery_timeout + 2 * args.comm_timeout
-        plans = {ep: self.transport.recv(ep, "recover", key, wait).meta for ep in self.senders}
-        if len({json.dumps(p, sort_keys=True) for p in plans.values()}) > 1:
-            raise DescriptorMismatchError(f"recovery {self.recoveries}: the attention ranks disagree on the placement")
-        plan = plans[self.senders[0]]
-        new_map = ExpertMap.from_description(self.spec.layout, plan["placement"])
-        self._use_topology(new_map.dead, abandon=True)
-        self.transport.drop_stale(dict.fromkeys(STEP_KINDS, plan["next_step"]))
-        self._to_stage, error, read = None, None, 0
-        try:
-            self.stager.cancel()  # a rebalance under way is void: its placement had the lost rank in it
-            self.stager.stage(new_map)
-            self.stager.switch(new_map.version, args.ffn_recovery_timeout)
-            read = self.stager.experts_read
-        except Exception as exc:  # noqa: BLE001 - reported to the attention ranks, which fail fast with it
-            error = f"FFN rank {self.rank} could not load its experts of placement {new_map.version}: {exc}"
-        self.step_id = plan["next_step"]
-        self.heard = dict.fromkeys(self.senders, time.monotonic())  # they were busy recovering, not gone
-        me = self.spec.topology.ffn_endpoint(self.rank)
-        for ep in self.senders:
-            self.transport.send(ep, Message("recovered", key, me, meta={"read": read, "error": error}))
-        if error is not None:
-            raise RecoveryFailed(error)
-        log.info(
-            "FFN rank %d: recovery %d without FFN ranks %s done in %.2f s (%d experts read from the checkpoint)",
-            self.rank,
-            self.recoveries,
-            sorted(new_map.dead),
-            time.monotonic() - start,
-            read,
-        )
 
     def _next_step(self) -> int | None:
         """Waits for every attention rank's descriptor of the next step; its micro-batch count, or
@@ -350,8 +224,8 @@ class FfnWorker:
     def _rebalance(self, meta: dict) -> None:
         """A descriptor's rebalance parts: stage a new placement (answering every attention rank
         when loaded), or serve the staged one from this step on."""
-        if "readmit" in meta:
-            self._readmit(meta["readmit"])
+        if READMIT in meta:  # the FFN ranks of the replacements' nodes link to them
+            self.recovery.link(meta[READMIT])
         if "eplb_plan" not in meta and "eplb_switch" not in meta:
             return
         if self.stager is None:
@@ -379,10 +253,11 @@ class FfnWorker:
                     self._interrupt()
                 self._take_keepalives(ep)
                 silent = time.monotonic() - self.heard[ep] if self.heard[ep] is not None else 0.0
-                if silent > self._silence_limit:
+                limit = silence_limit(self.spec.args, self.ft)
+                if silent > limit:
                     raise PeerLostError(
                         f"attention endpoint {ep} sent no step and no keepalive for {silent:.0f} s "
-                        f"(limit {self._silence_limit:g} s): it stopped without shutting down "
+                        f"(limit {limit:g} s): it stopped without shutting down "
                         f"(killed, or its machine is gone); FFN rank {self.rank} stops"
                     ) from None
                 continue

@@ -12,7 +12,8 @@ import torch
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.distributed.attention_runner import PipelineRunner
-from afd_engine.distributed.ffn_worker import DescriptorMismatchError, FfnWorker, PeerLostError, RecoveryFailed
+from afd_engine.distributed.fault_tolerance import DescriptorMismatchError, PeerLostError, RecoveryFailed
+from afd_engine.distributed.ffn_worker import FfnWorker
 from afd_engine.distributed.rendezvous import DeploymentStore, PeerTable, RendezvousSpec, register, shm_host
 from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine, RankContext

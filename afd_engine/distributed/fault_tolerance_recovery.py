@@ -1,0 +1,296 @@
+"""Recoveries from lost FFN ranks and admissions of their replacements (fault tolerance): the
+protocol, and an attention rank's side of it (an FFN rank's: fault_tolerance_member.py).
+
+A recovery: an attention rank that finds an FFN rank lost (fault_tolerance_liveness.py) says so
+in the next agreement round, or fails its step and starts a round of its own; from the same round
+every attention rank computes the same placement without the lost ranks (no leader), sends it to
+the survivors, which load the experts they now hold and answer, and the interrupted step runs
+again under a new step id (RecoveryCoordinator.recover, RecoveryMember.recover).
+
+An admission: a replacement registers at the rendezvous with the next incarnation of the lost
+rank's endpoint; once every attention rank has seen it, they link to it and send it a placement
+that uses it, which every FFN rank stages as for an EPLB rebalance, and the step that switches to
+that placement is the first it serves (RecoveryCoordinator.admit, RecoveryMember.join).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from afd_engine.distributed.fault_tolerance import (
+    JOIN,
+    READMIT,
+    RECOVER,
+    RECOVERED,
+    START,
+    FfnRankLost,
+    RecoveryFailed,
+    ffn_rank,
+    join_key,
+    live_ffn_endpoints,
+    readmit,
+    recover_key,
+    recovery_deadline,
+    start_key,
+)
+from afd_engine.distributed.fault_tolerance_liveness import FfnLiveness
+from afd_engine.distributed.spec import DeploymentSpec
+from afd_engine.eplb.expert_map import ExpertMap
+from afd_engine.eplb.placement import RecoveryImpossible
+from afd_engine.eplb.rebalancer import Rebalancer
+from comm.endpoint import INTERRUPT_CHECK_S
+from comm.messages import CommError, CommTimeout, Message
+from comm.protocol import STEP_KINDS
+from comm.transport.base import Transport
+
+log = logging.getLogger("afd.recovery")
+
+
+class RecoveryCoordinator:
+    """An attention rank's side: the FFN endpoints in use (`ffn`), the recoveries from lost FFN
+    ranks, and the admission of replacements. Every attention rank takes the same decisions from
+    the same agreement rounds. Without fault tolerance (`enabled` False) `ffn` never changes."""
+
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        rank: int,
+        transport: Transport,
+        rebalancer: Rebalancer,
+        ffn: list[int],
+        store,
+        use_topology: Callable[[frozenset[int]], None],
+    ) -> None:
+        """`store` (rendezvous.DeploymentStore, in a deployment of roles): where lost ranks are
+        recorded and replacements announce themselves. `use_topology(dead)`: the owner's sender
+        endpoint, made again whenever the FFN ranks in use change."""
+        topo = spec.topology
+        self.spec, self.rank, self.transport, self.rebalancer, self.store = spec, rank, transport, rebalancer, store
+        self.enabled = spec.args.enable_ffn_fault_tolerance and not topo.colocated
+        self.endpoint = topo.sender_endpoint(rank)
+        self.ffn = ffn  # the FFN endpoints serving, in rank order
+        self.recoveries = 0
+        self.experts_read = 0  # by the survivors of every recovery, from the checkpoint
+        self.last_recovery: dict | None = None
+        self.liveness = FfnLiveness(transport, topo, spec.args.comm_timeout, ffn)
+        self._use_topology = use_topology
+        self._why: dict[int, str] = {}  # FFN rank -> why _lost counted it lost
+        self._seen: dict[int, int] = {}  # replacements announced at the rendezvous, not admitted yet
+        self._looked = 0.0  # when the rendezvous was last looked at
+        self._joiners: dict[int, int] = {}  # replacements admitted, staging; they serve from the switch
+        self._admitted = 0.0  # when the replacements in _joiners were admitted
+        self._readmit_next: dict[str, int] = {}  # what the next descriptor tells the FFN ranks to readmit
+        if store is not None and rank == 0:
+            store.set_lost([])  # the deployment serves: an FFN role started from now on replaces
+
+    # -- agreement rounds ---------------------------------------------------------------------
+
+    def round_meta(self, step_id: int) -> dict:
+        """This rank's part of an agreement round: the FFN ranks it finds lost (looked for at most
+        every INTERRUPT_CHECK_S) and the replacements it has seen announced."""
+        if not self.enabled:
+            return {}
+        lost = self._lost() if time.monotonic() - self.liveness.checked >= INTERRUPT_CHECK_S else []
+        return {"lost": lost, "failed": False, "step_id": step_id, "joining": self._joining()}
+
+    @staticmethod
+    def failure_meta(lost: list[int], step_id: int) -> dict:
+        """The round of a rank whose step failed on lost FFN ranks: its peers recover with it, and
+        run their own step again."""
+        return {"tokens": 0, "stop": False, "lost": lost, "failed": True, "step_id": step_id}
+
+    def anyone_lost(self, metas: list[dict]) -> bool:
+        return self.enabled and any(m["lost"] for m in metas)
+
+    def check(self) -> None:
+        """The interrupt of the owner's waits for results: FfnRankLost once an FFN rank it uses is
+        lost (a replacement not serving yet counts in the next agreement round, not here)."""
+        serving = {ffn_rank(self.spec.topology, ep) for ep in self.ffn}
+        lost = [r for r in self._lost() if r in serving]
+        if lost:
+            why = "; ".join(f"FFN rank {r}: {self._why[r]}" for r in lost)
+            raise FfnRankLost(lost, f"lost {why} (--comm-timeout {self.spec.args.comm_timeout:g} s)")
+
+    def _lost(self) -> list[int]:
+        """The FFN ranks in use or being admitted that are lost, and replacements not staged within
+        --ffn-recovery-timeout + --comm-timeout."""
+        lost = self.liveness.lost(self.ffn + sorted(self._joiners))
+        if self.liveness.checked - self._admitted > recovery_deadline(self.spec.args):
+            for ep in self._joiners:
+                why = "a replacement that did not stage its experts within --ffn-recovery-timeout"
+                lost.setdefault(ffn_rank(self.spec.topology, ep), why)
+        self._why = lost
+        return sorted(lost)
+
+    # -- recovery -----------------------------------------------------------------------------
+
+    def recover(self, metas: list[dict], since: float) -> int:
+        """Every attention rank runs this after the same round, from the same metas: the lost
+        ranks masked, their experts given slots on the survivors, which load them and answer.
+        `since`: when the step (or round) that saw the loss began, for the log's pause. Returns
+        the id of the step that runs next."""
+        args, topo, start = self.spec.args, self.spec.topology, time.monotonic()
+        lost = sorted({r for m in metas for r in m["lost"]})
+        old = self.rebalancer.map
+        try:
+            new = old.without_ranks(set(lost), self.rebalancer.next_version)
+        except RecoveryImpossible as exc:
+            raise RecoveryFailed(
+                f"cannot serve without FFN rank(s) {lost}: {exc}; start with more --ep-num-redundant-experts "
+                "or more FFN ranks"
+            ) from None
+        self.recoveries += 1
+        key = recover_key(self.recoveries)
+        next_step = max(m["step_id"] for m in metas) + 1
+        live = live_ffn_endpoints(topo, new.dead)
+        plan = {"placement": new.describe(), "next_step": next_step}
+        for ep in live:
+            self.transport.send(ep, Message(RECOVER, key, self.endpoint, meta=plan))
+        read, deadline = 0, start + recovery_deadline(args)
+        for ep in live:
+            try:
+                answer = self.transport.recv(ep, RECOVERED, key, max(deadline - time.monotonic(), 0.0)).meta
+            except CommTimeout:
+                rank = ffn_rank(topo, ep)
+                why = self._why.get(rank, "it did not answer") if rank in self._lost() else "it did not answer"
+                raise RecoveryFailed(
+                    f"FFN rank {rank} did not take part in the recovery from the loss of FFN rank(s) {lost} within "
+                    f"{recovery_deadline(args):g} s (--ffn-recovery-timeout + --comm-timeout): {why}"
+                ) from None
+            if answer["error"] is not None:
+                raise RecoveryFailed(answer["error"])
+            read += answer["read"]
+        self.experts_read += read
+        self._void_admission(f"FFN rank(s) {lost} were lost while it staged")
+        self.rebalancer.recovered(new, live)
+        if self.store is not None and self.rank == 0:
+            self.store.set_lost(new.dead)
+        self.ffn = live
+        self.liveness.keep_only(live)
+        self._use_topology(new.dead)
+        self.transport.drop_stale({**dict.fromkeys(STEP_KINDS, next_step), "eplb_ready": new.version})
+        moved = {layer: _moved(old.placements[layer].slot_expert, p.slot_expert) for layer, p in new.placements.items()}
+        log.warning(
+            "attention rank %d: serving without FFN rank(s) %s after %.2f s of recovery (serving paused %.2f s): "
+            "%d FFN ranks left; experts given new slots: %s; %d read from the checkpoint",
+            self.rank,
+            sorted(new.dead),
+            time.monotonic() - start,
+            time.monotonic() - since,
+            len(live),
+            "; ".join(f"layer {layer}: {m}" for layer, m in moved.items() if m) or "none (copies took over)",
+            read,
+        )
+        self.last_recovery = {"lost": lost, "dead": sorted(new.dead), "experts_read": read, "moved": moved}
+        return next_step
+
+    # -- admission of replacements --------------------------------------------------------------
+
+    def _joining(self) -> dict[str, int]:
+        """Replacements of lost ranks announced at the rendezvous (looked at once a second, and
+        reported every round from then on, so that the ranks agree in one round)."""
+        dead = self.rebalancer.map.dead
+        if self.store is None or not dead or self._joiners or not self.rebalancer.idle:
+            return {}
+        if time.monotonic() - self._looked >= 1.0:
+            self._looked = time.monotonic()
+            for rank in dead:
+                ep = self.spec.topology.ffn_endpoint(rank)
+                incarnation = self.store.incarnation(ep)
+                if incarnation > self.liveness.incarnations.get(ep, 0):
+                    self._seen[ep] = incarnation
+        return {str(ep): n for ep, n in self._seen.items()}
+
+    def admit(self, metas: list[dict]) -> None:
+        """Replacements every attention rank has seen (the same incarnation) are admitted: links
+        to them, and a placement that uses them (the first one's, without the ranks still lost),
+        staged by every FFN rank as for a rebalance. `metas`: the round's, this rank's first."""
+        if not self.enabled:
+            return
+        views = [m.get("joining") or {} for m in metas]
+        agreed_on = {int(ep): n for ep, n in views[0].items() if all(v.get(ep) == n for v in views)}
+        if not agreed_on:
+            return
+        topo, now = self.spec.topology, time.monotonic()
+        for ep, incarnation in list(agreed_on.items()):
+            self.liveness.incarnations[ep] = incarnation  # seen: not reported again, whatever comes of it
+            try:
+                readmit(self.transport, self.store, ep, incarnation)
+            except CommError as exc:  # every attention rank fails alike: all leave it out
+                log.warning(
+                    "attention rank %d: cannot admit the replacement of FFN rank %d: %s",
+                    self.rank,
+                    ffn_rank(topo, ep),
+                    exc,
+                )
+                del agreed_on[ep]
+                continue
+            self.liveness.restart(ep, now)
+        if not agreed_on:
+            return
+        version = self.rebalancer.next_version
+        still = self.rebalancer.map.dead - {ffn_rank(topo, ep) for ep in agreed_on}
+        full = ExpertMap(self.spec.layout, self.spec.initial_map().placements, version)
+        new = full.without_ranks(still, version) if still else full
+        self.rebalancer.admit(new, self.ffn + sorted(agreed_on))
+        for ep, incarnation in agreed_on.items():
+            meta = {
+                "plan": new.describe(),
+                "recoveries": self.recoveries,  # the recovery count keys its messages
+                "joiners": {str(e): n for e, n in agreed_on.items()},  # replacements of its node link to each other
+            }
+            self.transport.send(ep, Message(JOIN, join_key(incarnation), self.endpoint, meta=meta))
+        self._joiners, self._seen, self._admitted = agreed_on, {}, now
+        self._readmit_next = {str(ep): n for ep, n in agreed_on.items()}
+        log.warning(
+            "attention rank %d: admitted replacement FFN rank(s) %s; they serve once placement %d is staged",
+            self.rank,
+            sorted(ffn_rank(topo, ep) for ep in agreed_on),
+            version,
+        )
+
+    def on_step(self, descriptor: dict, step_id: int, keepalive_id: int) -> None:
+        """Adds to a step's descriptor (its rebalance parts given) what admissions need: once, the
+        replacements the FFN ranks of their node link to; and where the step switches to the
+        placement using the replacements, they learn its id, and from it on get descriptors."""
+        if self._readmit_next:
+            descriptor[READMIT], self._readmit_next = self._readmit_next, {}
+        if self._joiners and "eplb_switch" in descriptor:
+            self._serve_joiners(step_id, keepalive_id)
+
+    def _serve_joiners(self, step_id: int, keepalive_id: int) -> None:
+        topo, new = self.spec.topology, self.rebalancer.map
+        for ep, incarnation in self._joiners.items():
+            meta = {"step": step_id, "keepalive": keepalive_id}
+            self.transport.send(ep, Message(START, start_key(incarnation), self.endpoint, meta=meta))
+        live = live_ffn_endpoints(topo, new.dead)
+        self.ffn = self.rebalancer.ffn = live
+        self._use_topology(new.dead)
+        log.warning(
+            "attention rank %d: FFN rank(s) %s serve again from step %d (placement %d, %d FFN ranks)",
+            self.rank,
+            sorted(ffn_rank(topo, ep) for ep in self._joiners),
+            step_id,
+            new.version,
+            len(live),
+        )
+        self._joiners = {}
+        if self.store is not None and self.rank == 0:
+            self.store.set_lost(new.dead)
+
+    def _void_admission(self, why: str) -> None:
+        """An admission under way is given up (its placement is void): the replacements are told,
+        and exit; they may be started again."""
+        for ep, incarnation in self._joiners.items():
+            self.transport.send(ep, Message(START, start_key(incarnation), self.endpoint, meta={"void": why}))
+        self._joiners, self._seen = {}, {}
+
+    def close(self) -> None:
+        self._void_admission("the deployment shut down")
+
+
+def _moved(before: list[int], after: list[int]) -> str:
+    """The slots a recovery gave another expert: "expert 4 -> slot 7, ..."."""
+    return ", ".join(f"expert {e} -> slot {s}" for s, (b, e) in enumerate(zip(before, after)) if b != e)
