@@ -4,10 +4,12 @@ Two things make this harder than ``decode(new_ids)``:
 
 * Byte-level BPE tokens can hold part of a UTF-8 character, and decoders that strip or insert
   spaces (SentencePiece's leading "▁") decode a token differently at the start of a sequence
-  than after other tokens. So each step decodes a short window that starts a few tokens back,
-  at a known character boundary, and only the part of the window's text beyond what the
-  earlier tokens produced is new. A window whose text ends in U+FFFD ends inside an incomplete
-  character; that character is held back until a later token completes it.
+  than after other tokens. The tokenizers library's ``DecodeStream`` solves this for a fast
+  tokenizer: it decodes a window that starts at the tokens of the text it produced last, and
+  returns the window's new text only once the window ends at a complete character. Two things
+  are added here. When a token completes characters and starts another one (a merge across a
+  character boundary), the complete ones are shown at once instead of with the next token; and
+  ``finish`` shows what the stream still holds (an incomplete end: the full decode's U+FFFD).
 * A stop string must never be streamed in part, since the engine may cut the text right
   before it. Any tail that could be the start of a stop string is held back until the next
   tokens rule it out, or until ``finish`` learns where the engine cut the text.
@@ -20,7 +22,34 @@ byte-level BPE tokenizers we serve, whose decode is thus the same.)
 
 from __future__ import annotations
 
+import functools
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 _REPLACEMENT = "\ufffd"
+
+
+class _WindowStream:
+    """``DecodeStream.step`` over a Python decode function: for a tokenizer without a Rust
+    backend (a slow one), and for a fast one whose DecodeStream refused a window."""
+
+    def __init__(self, decode, context: list[int]) -> None:
+        self._decode = decode
+        self._ids = list(context)  # the tokens of the last text produced, then those not read yet
+        self._read = len(self._ids)
+        self._prefix = decode(self._ids) if self._ids else ""  # the text of ids[:_read]
+
+    def step(self, ids: list[int]) -> str | None:
+        self._ids += ids
+        text = self._decode(self._ids)
+        if len(text) <= len(self._prefix) or text.endswith(_REPLACEMENT):
+            return None
+        new = text[len(self._prefix) :]
+        self._ids = self._ids[self._read :]
+        self._read = len(self._ids)
+        self._prefix = self._decode(self._ids)
+        return new
 
 
 class IncrementalDetokenizer:
@@ -39,17 +68,17 @@ class IncrementalDetokenizer:
         # Every proper prefix of every stop string: the tails that must be held back.
         self._stop_prefixes = {s[:k] for s in self.stop for k in range(1, len(s))}
         self._decode = self._pick_decoder(tokenizer, skip_special_tokens)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if isinstance(backend, Tokenizer) else None  # None: a slow tokenizer
+        self._step = self._stream([])
 
-        self._ids: list[int] = []
-        # The decode window is ids[_prefix_offset:]. Tokens before _read_offset have been turned
-        # into text already; decoding them again gives the window its left context.
-        # Both offsets always sit at character boundaries of the output.
-        self._prefix_offset = 0
-        self._read_offset = 0
-        self._prefix_len = 0  # len(decode(ids[_prefix_offset:_read_offset]))
-        # Characters of the window beyond _prefix_len already produced while its end was still
-        # an incomplete character (see add()).
-        self._partial = 0
+        self._count = 0
+        # The stream's window, mirrored: the tokens of the text it produced last (its left
+        # context) and the tokens it holds since, which end inside a character.
+        self._context: list[int] = []
+        self._context_len: int | None = None  # len(decode(_context)), once needed
+        self._held: list[int] = []
+        self._early = 0  # characters of the held tokens' text produced before the stream did
 
         self._pending = ""  # produced text held back (a possible stop string start)
         self._chunks: list[str] = []  # emitted deltas; joined lazily by .text
@@ -77,7 +106,7 @@ class IncrementalDetokenizer:
     @property
     def token_count(self) -> int:
         """Token ids received so far."""
-        return len(self._ids)
+        return self._count
 
     @property
     def text(self) -> str:
@@ -93,8 +122,8 @@ class IncrementalDetokenizer:
             raise RuntimeError("add() after finish()")
         if not new_ids:
             return ""
-        self._ids.extend(new_ids)
-        self._pending += self._produce(final=False)
+        self._count += len(new_ids)
+        self._pending += self._produce(list(new_ids))
         return self._emit(self._safe_len())
 
     def finish(self, trim: int | None = None) -> str:
@@ -103,7 +132,8 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         self._finished = True
-        self._pending += self._produce(final=True)
+        if self._held:
+            self._pending += self._new_text(self._decode(self._context + self._held), final=True)
         if trim is None:
             return self._emit(len(self._pending))
         # trim falls at or after everything emitted, because a stop string (where the engine
@@ -112,28 +142,48 @@ class IncrementalDetokenizer:
 
     # --- decoding ---------------------------------------------------------------------------
 
-    def _produce(self, final: bool) -> str:
-        """New text of the window ids[_prefix_offset:], excluding an incomplete last character
-        unless ``final``."""
-        text = self._decode(self._ids[self._prefix_offset :])
-        start = self._prefix_len + self._partial
-        if text.endswith(_REPLACEMENT) and not final:
-            # The window ends inside a character (or, rarely, in invalid bytes, which are only
-            # final once followed by more text). Produce what precedes the incomplete end but
-            # keep the window anchored: its end is no character boundary to restart from.
-            stable = len(text.rstrip(_REPLACEMENT))
-            if stable <= start:
-                return ""
-            self._partial = stable - self._prefix_len
-            return text[start:stable]
-        delta = text[start:]
-        # The window's end is a character boundary: slide it. The tokens just read become the
-        # left context of the next window, which keeps every window a few tokens long.
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._prefix_len = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
-        self._partial = 0
-        return delta
+    def _stream(self, context: list[int]):
+        """The `step` of a new stream whose last text came from the tokens `context`."""
+        if self._backend is None:
+            return _WindowStream(self._decode, context).step
+        stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
+        return functools.partial(stream.step, self._backend)
+
+    def _produce(self, new_ids: list[int]) -> str:
+        """The new text the tokens complete, including complete characters before an incomplete end."""
+        try:
+            chunk = self._step(new_ids)
+        except Exception:  # DecodeStream refuses a window whose text rewrites its context's
+            self._backend = None
+            self._step = self._stream(self._context)
+            chunk = self._step(self._held + new_ids)
+        if chunk is not None:
+            # The stream slid its window: these tokens are the left context of the next one.
+            self._context, self._held, self._context_len = self._held + new_ids, [], None
+            chunk, self._early = chunk[self._early :], 0
+            return chunk
+        self._held += new_ids
+        window = self._decode(self._context + self._held)
+        if not window.endswith(_REPLACEMENT):
+            # No new text (skipped special tokens), yet a stream slides its window only past new
+            # text: a long run of such tokens would grow the window. Start past them instead.
+            self._held, self._early = [], 0
+            self._step = self._stream(self._context)
+            return ""
+        return self._new_text(window, final=False)
+
+    def _new_text(self, window: str, final: bool) -> str:
+        """Text of the held tokens not produced yet, from the text of the window (context and
+        held tokens): the complete characters before its incomplete end, or (``final``)
+        everything, an incomplete end decoding to U+FFFD as in the full decode."""
+        if self._context_len is None:
+            self._context_len = len(self._decode(self._context)) if self._context else 0
+        start = self._context_len + self._early
+        end = len(window) if final else len(window.rstrip(_REPLACEMENT))
+        if end <= start:
+            return ""
+        self._early = end - self._context_len
+        return window[start:end]
 
     # --- stop-string hold-back --------------------------------------------------------------
 

@@ -4,12 +4,12 @@ the requests sent to that rank only."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import zmq
 
@@ -72,7 +72,7 @@ def until_done(socks: FrontEndSockets, rid: str):
 
 
 def raw_add(rid: str, prompt_ids, params: dict) -> bytes:
-    return json.dumps({"type": "AddRequest", "body": {"rid": rid, "prompt_ids": prompt_ids, "params": params}}).encode()
+    return msgspec.msgpack.encode(["AddRequest", rid, prompt_ids, params, None])
 
 
 def test_bad_requests_are_rejected_and_the_loop_keeps_serving(loop, tiny_v3):
@@ -81,9 +81,9 @@ def test_bad_requests_are_rejected_and_the_loop_keeps_serving(loop, tiny_v3):
     good = msgs.AddRequest("ok-1", [5, 6, 7], GREEDY)
     loop.push[0].send(msgs.encode(good))
     assert until_done(loop, "ok-1") == expected
-    params = {**json.loads(msgs.encode(good))["body"]["params"]}
+    params = msgspec.msgpack.decode(msgs.encode(good))[3]
     bad = {
-        "surrogate-stop": raw_add("surrogate-stop", [5], {**params, "stop": ["\ud800"]}),
+        "empty-stop": raw_add("empty-stop", [5], {**params, "stop": [""]}),
         "unknown-field": raw_add("unknown-field", [5], {**params, "bogus": 1}),
         "token-out-of-vocab": raw_add("token-out-of-vocab", [10**9], params),
         "not-a-list": raw_add("not-a-list", "abc", params),
@@ -93,7 +93,7 @@ def test_bad_requests_are_rejected_and_the_loop_keeps_serving(loop, tiny_v3):
         loop.push[0].send(raw)
         answers[rid] = until_done(loop, rid)
         assert isinstance(answers[rid], msgs.Rejected), (rid, answers[rid])
-    assert answers["surrogate-stop"].param == "stop" and "valid Unicode" in answers["surrogate-stop"].message
+    assert answers["empty-stop"].param == "stop" and "non-empty" in answers["empty-stop"].message
     assert "bogus" in answers["unknown-field"].message
     assert answers["token-out-of-vocab"].param == "prompt_token_ids"
     loop.push[0].send(b"not json at all")

@@ -96,3 +96,55 @@ def test_an_add_request_round_trips_with_every_sampling_field():
     assert [getattr(got.params, f.name) for f in dataclasses.fields(SamplingParams)] == [
         getattr(params, f.name) for f in dataclasses.fields(SamplingParams)
     ]
+
+
+def test_every_other_request_kind_round_trips_and_outputs_do_not_travel_that_way():
+    for msg in (msgs.AbortRequest("r-9"), msgs.Shutdown(), msgs.Wake(), msgs.DumpExpertLoad("load-3")):
+        assert msgs.decode(msgs.encode(msg)) == msg
+    with pytest.raises(TypeError, match="Rejected does not travel to the engine"):
+        msgs.encode(msgs.Rejected("r1", "no"))
+
+
+def test_a_rank_failure_round_trips():
+    failed = msgs.RankFailed(2, "RuntimeError: lost FFN rank 1 \u2603")
+    assert msgs.decode_output(msgs.encode_output(failed)) == failed
+
+
+def test_an_add_request_the_engine_cannot_take_is_answered_by_its_id():
+    params = msgpack.unpackb(msgs.encode(msgs.AddRequest("r", [5], SamplingParams())))[3]
+
+    def add(rid, prompt_ids, **changes) -> bytes:
+        return msgpack.packb(["AddRequest", rid, prompt_ids, {**params, **changes}, None])
+
+    bad_param = msgs.decode(add("r-1", [5], top_k=-7))
+    assert bad_param == msgs.InvalidAddRequest("r-1", bad_param.message, "top_k") and "top_k" in bad_param.message
+    unknown = msgs.decode(add("r-2", [5], bogus=1))
+    assert isinstance(unknown, msgs.InvalidAddRequest) and unknown.rid == "r-2" and "bogus" in unknown.message
+    wrong_type = msgs.decode(add("r-3", "abc"))
+    assert isinstance(wrong_type, msgs.InvalidAddRequest) and wrong_type.rid == "r-3"
+    with pytest.raises(ValueError):  # no request id to answer: the frame is dropped by the caller
+        msgs.decode(msgpack.packb(["AbortRequest", 7]))
+    with pytest.raises(ValueError):
+        msgs.decode(b"not msgpack at all")
+
+
+def test_a_lone_surrogate_cannot_go_on_the_wire():
+    # msgpack strings are UTF-8: the API server rejects such text before it would reach `encode`
+    with pytest.raises(UnicodeEncodeError):
+        msgs.encode(msgs.AbortRequest("\ud800"))
+
+
+def test_update_rows_follow_token_update_fields():
+    from afd_engine.control.messages import _UpdateRow
+
+    assert _UpdateRow.__struct_fields__ == tuple(f.name for f in dataclasses.fields(TokenUpdate))
+
+
+def test_engine_stats_total_sums_counters_and_takes_the_deployments_ffn_figures():
+    a = msgs.EngineStats(1, 2, expert_rank_load=(1.0, 2.0), ffn_ranks_alive=4, ffn_recoveries=1)
+    b = msgs.EngineStats(3, 0, expert_rank_load=(), ffn_ranks_alive=3, ffn_recoveries=2, kv_transfer_seconds=0.5)
+    total = msgs.EngineStats.total([a, b])
+    assert total == msgs.EngineStats(
+        4, 2, expert_rank_load=(1.0, 2.0), ffn_ranks_alive=3, ffn_recoveries=2, kv_transfer_seconds=0.5
+    )
+    assert msgs.EngineStats.total([]) == msgs.EngineStats()

@@ -94,7 +94,7 @@ def test_tokens_that_cross_character_boundaries(zh_tok):
     for i in ids:
         out += detok.add([i])
         assert text.startswith(out)
-        assert len(out) >= len(decode(zh_tok, ids[: len(detok._ids)]).rstrip("\ufffd"))
+        assert len(out) >= len(decode(zh_tok, ids[: detok.token_count]).rstrip("\ufffd"))
 
 
 def test_special_tokens(tok):
@@ -256,3 +256,39 @@ if given is not None:
         out += detok.finish(trim)
         assert out == (full if trim is None else full[:trim])
         assert "\ufffd" not in out
+
+
+class _SlowTokenizer:
+    """A tokenizer with a Python decode only (no Rust backend): the fallback stream."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=clean_up_tokenization_spaces
+        )
+
+
+@pytest.mark.parametrize("sizes", [None, [2] * 80, [3, 1, 4, 1, 5] * 20])
+def test_a_slow_tokenizer_streams_the_same_deltas(tok, zh_tok, sizes):
+    for tokenizer, text in ((tok, MIXED), (zh_tok, "今天我们去北京吃烤鸭😀🎉，你好世界！深度学习🌸 ok")):
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        for skip in (True, False):
+            fast = stream(IncrementalDetokenizer(tokenizer, skip, stop=("好世",)), ids, sizes)
+            slow = stream(IncrementalDetokenizer(_SlowTokenizer(tokenizer), skip, stop=("好世",)), ids, sizes)
+            assert fast == slow and "".join(fast) == decode(tokenizer, ids, skip)
+
+
+def test_a_window_the_stream_refuses_is_decoded_in_python(zh_tok):
+    text = "今天我们去北京吃烤鸭😀🎉，你好世界！"
+    ids = zh_tok.encode(text)
+    detok = IncrementalDetokenizer(zh_tok)
+    out = "".join(detok.add([i]) for i in ids[:5])
+
+    def refuse(_ids):
+        raise Exception("DecodeStream: invalid prefix")
+
+    detok._step = refuse  # what tokenizers' DecodeStream does when a window rewrites earlier text
+    out += "".join(detok.add([i]) for i in ids[5:]) + detok.finish()
+    assert out == text
