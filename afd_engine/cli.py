@@ -67,10 +67,10 @@ def _demo(ns: argparse.Namespace) -> int:
 
 def _serve(ns: argparse.Namespace) -> int:
     from afd_engine import EngineArgs
-    from afd_engine.server.launch import ServerArgs, serve
+    from afd_engine.server.serve import ServerArgs, serve
 
     if ns.pd:
-        from afd_engine.server.pd_launch import serve_pd
+        from afd_engine.server.pd_serve import serve_pd
 
         return serve_pd(ns.argv[1:], ns)
 
@@ -84,9 +84,9 @@ def _launch(ns: argparse.Namespace) -> int:
     import logging
 
     from afd_engine import EngineArgs
-    from afd_engine.distributed.launcher import Deployment
-    from afd_engine.distributed.rendezvous import RendezvousSpec, local_ip_towards
-    from afd_engine.server.launch import ServerArgs, serve
+    from afd_engine.processes.deployment import Deployment
+    from afd_engine.processes.rendezvous import RendezvousSpec, local_ip_towards
+    from afd_engine.server.serve import ServerArgs, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = EngineArgs.from_cli(ns)
@@ -219,7 +219,7 @@ def _train_tiny(rest: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from afd_engine.engine_args import EngineArgs
     from afd_engine.sampling_params import SamplingParams
-    from afd_engine.server.launch import ServerArgs
+    from afd_engine.server.serve import ServerArgs
 
     parser = argparse.ArgumentParser(prog="afd", description="AFD inference engine for MoE LLMs")
     sub = parser.add_subparsers(dest="command", required=True)

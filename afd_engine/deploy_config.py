@@ -18,7 +18,7 @@ from afd_engine.errors import ConfigError
 
 def _settings_class_of() -> dict:
     """Field name -> the settings dataclass (EngineArgs, ServerArgs) it belongs to."""
-    from afd_engine.server.launch import ServerArgs
+    from afd_engine.server.serve import ServerArgs
 
     return {f.name: cls for cls in (EngineArgs, ServerArgs) for f in fields(cls)}
 

@@ -197,7 +197,7 @@ def _yaml_keys(parser: argparse.ArgumentParser) -> list[str]:
 
 def render() -> str:
     from afd_engine.engine_args import EngineArgs
-    from afd_engine.server.launch import ServerArgs
+    from afd_engine.server.serve import ServerArgs
 
     commands = _real_parsers()
     engine_names = {f.name for f in fields(EngineArgs)}
@@ -225,7 +225,7 @@ def render() -> str:
         "It lists every flag of the `afd` command with its type, default and help text, as the argument",
         "parsers define them (`afd_engine/cli.py`). Engine flags are the fields of `EngineArgs`",
         "(`afd_engine/engine_args.py`) and server flags the fields of `ServerArgs`",
-        "(`afd_engine/server/launch.py`). A flag's name is the field's name with underscores turned into",
+        "(`afd_engine/server/serve.py`). A flag's name is the field's name with underscores turned into",
         "dashes: `--kv-cache-memory-mb 512` on the command line is `EngineArgs(kv_cache_memory_mb=512)` in",
         "Python (see [API](api.md)) and `kv-cache-memory-mb: 512` in a",
         "[configuration file](#yaml-configuration-files). `afd COMMAND --help` prints the same flags.",

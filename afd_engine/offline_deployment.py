@@ -13,11 +13,11 @@ import itertools
 import queue
 
 from afd_engine.control.client import BlockingClient, ControlClient, EngineUnavailable, RequestFailed, RequestStream
-from afd_engine.control.router import Router
-from afd_engine.distributed.launcher import Deployment
+from afd_engine.control.load_balance import LoadBalancer
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import InvalidRequestError
 from afd_engine.offline import OfflineEngine
+from afd_engine.processes.deployment import Deployment
 from afd_engine.runtime.request import RequestOutput
 from afd_engine.runtime.stop_checker import trim_text
 from afd_engine.sampling_params import SamplingParams
@@ -38,7 +38,7 @@ class DistributedEngine(OfflineEngine):
         self.deployment = Deployment(args)
         ranks = self.deployment.num_attention_ranks
         self._loop = BlockingClient()
-        router = Router.of(args.load_balance_method, ranks, args.page_size)
+        router = LoadBalancer.of(args.load_balance_method, ranks, args.page_size)
 
         async def bind() -> ControlClient:  # the client's sockets belong to the loop's thread
             by_room = args.disaggregation_mode == "prefill"

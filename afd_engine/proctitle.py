@@ -6,7 +6,7 @@ see which is which (SGLang and vLLM name theirs the same way):
     afd::engine              the engine process of single mode (afd::engine-<i>: replica i of --dp-size)
     afd::attention-<rank>    an attention rank (colocated and AFD)
     afd::ffn-<node>-<local>  FFN rank <local> of FFN node <node> (AFD)
-    afd::forkserver          the process that rank processes fork from (distributed/rank_process.py)
+    afd::forkserver          the process that rank processes fork from (processes/rank_process.py)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import random
 import torch
 
 from afd_engine import Engine, SamplingParams
-from afd_engine.runtime.forward_batch import ForwardBatch, SeqChunk
+from afd_engine.models.forward_batch import ForwardBatch, SeqChunk
 
 
 def engine_logits(engine: Engine, ids: list[int], cached: int = 0) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,13 @@ def test_no_import_cycles():
 
 # What only models/ and kernels/ may know: a MoE layer's parts and the stacked expert weights.
 MOE_INTERNALS = re.compile(r"\.mlp\b|shared_experts|\bw13\b|\bw2\b")
-OUTSIDE_MODELS = ("afd_engine/distributed", "afd_engine/server", "afd_engine/control", "afd_engine/engine.py")
+OUTSIDE_MODELS = (
+    "afd_engine/processes",
+    "afd_engine/ranks",
+    "afd_engine/server",
+    "afd_engine/control",
+    "afd_engine/engine.py",
+)
 
 
 def test_modes_do_not_reach_into_layers_or_kernels():
@@ -112,4 +119,104 @@ def test_modes_do_not_reach_into_layers_or_kernels():
                 for m in imports_of(module_name(path), path, set(project_modules()))
                 if m == "kernels" or m.startswith("kernels.")
             ]
+    assert offenders == []
+
+
+def folder_of(module: str) -> str:
+    """The room a module lives in: its folder under afd_engine/ (a file directly in afd_engine/ is a
+    room of its own), or its top-level package outside it."""
+    parts = module.split(".")
+    if parts[0] != "afd_engine" or len(parts) == 1:
+        return parts[0]
+    path = project_modules()[module]
+    return ".".join(parts[:2]) if path.name == "__init__.py" or len(parts) > 2 else module
+
+
+def folder_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = folder_of(name)
+        graph.setdefault(here, set())
+        for dep in imports_of(name, path, known):
+            graph.setdefault(folder_of(dep), set())
+            if folder_of(dep) != here:
+                graph[here].add(folder_of(dep))
+    return graph
+
+
+def test_no_folder_is_in_an_import_loop_with_another():
+    graph = folder_graph()
+    assert {"afd_engine.runtime", "afd_engine.models", "afd_engine.control"} <= set(graph)
+    assert "afd_engine.runtime" in graph["afd_engine.engine"], "the folder graph found nothing"
+    assert import_cycles(graph) == []
+
+
+# The settings layer: what the CLI, YAML files and the planner read without building an engine.
+SETTINGS = ("afd_engine.engine_args", "afd_engine.graph_sizes", "afd_engine.sampling_params", "afd_engine.model_config")
+
+
+def test_the_settings_layer_imports_no_runtime_module():
+    modules = project_modules()
+    known = set(modules)
+    offenders = {
+        name: sorted(d for d in imports_of(name, modules[name], known) if d.startswith("afd_engine.runtime"))
+        for name in SETTINGS
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+MAX_LINES = 900
+
+
+def test_no_engine_file_is_longer_than_the_limit():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sorted((ROOT / "afd_engine").rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
+def test_no_benchmark_or_test_edits_the_import_path():
+    pattern = re.compile(r"sys\.path\.(insert|append|extend)|sys\.path\s*[+]?=")
+    offenders = [
+        str(p.relative_to(ROOT))
+        for folder in ("benchmarks", "tests")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        if pattern.search(p.read_text())
+    ]
+    assert offenders == []
+
+
+def repository_files() -> list[Path]:
+    """The files a clone has: tracked ones (and new ones not ignored) where git can say, else the tree
+    without what the setup and the tests build."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return [ROOT / line for line in out.splitlines() if (ROOT / line).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", "site", "build", ".pytest_cache", "__pycache__"}
+        return [p for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.relative_to(ROOT).parts)]
+
+
+# A folder beside the checkout, or one machine's own paths: a user's clone has neither.
+OUTSIDE = re.compile("|".join([r"\.\./" + "shared\\b", r"\.\./\.library", "/" + "work/"]))
+
+
+def test_no_file_names_a_path_outside_the_repository():
+    offenders = []
+    for path in repository_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # binary: checkpoints, images
+            continue
+        offenders += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in OUTSIDE.finditer(text)]
     assert offenders == []

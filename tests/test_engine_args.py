@@ -12,7 +12,7 @@ from afd_engine import EngineArgs, make_engine
 from afd_engine.deploy_config import load_config
 from afd_engine.engine_args import setting_error
 from afd_engine.errors import ConfigError
-from afd_engine.server.launch import ServerArgs
+from afd_engine.server.serve import ServerArgs
 from tests.process_helpers import afd_run
 
 BAD = [

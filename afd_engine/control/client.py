@@ -4,7 +4,7 @@ Both front ends drive this class: the HTTP server from its own event loop, and t
 a multi-rank deployment (`ranks_engine.RanksEngine`) from a private loop through `BlockingClient`.
 So routing, submission, hang detection and the reasons a rank gave for failing are written once.
 
-A Router picks each request's attention rank. One background task reads the ranks' messages and
+A LoadBalancer picks each request's attention rank. One background task reads the ranks' messages and
 routes each update to its request's queue; another checks health every second and, when the
 deployment has gone (a rank process exited, or an attention rank sent nothing for `dead_after_s`),
 wakes every waiting request with the news (a wait per token with its own timeout cost the front end
@@ -25,8 +25,8 @@ import zmq
 import zmq.asyncio
 
 from afd_engine.control import messages as msgs
+from afd_engine.control.load_balance import LoadBalancer
 from afd_engine.control.loop import HEARTBEAT_S, ControlAddrs, FrontEndSockets
-from afd_engine.control.router import Router
 from afd_engine.eplb.report import merge_reports
 from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.runtime.request import TokenUpdate
@@ -95,7 +95,7 @@ class ControlClient:
     def __init__(
         self,
         addrs: ControlAddrs,
-        router: Router,
+        router: LoadBalancer,
         alive: Callable[[], bool] = lambda: True,
         route_by_room: bool = False,
         dead_after_s: float | None = None,

@@ -22,13 +22,13 @@ from torch import nn
 
 from afd_engine.model_config import ModelConfig
 from afd_engine.models.experts import ExpertExecutor, ExpertServer, LocalExpertExecutor, expert_operations
+from afd_engine.models.forward_batch import ForwardBatch
 from afd_engine.models.gqa import GQAttention
 from afd_engine.models.norm import RMSNorm, linear
 from afd_engine.models.rope import RotaryEmbedding, softmax_scale
 from afd_engine.models.routed_experts import RoutedExperts, all_experts
 from afd_engine.operations import Operation, run_micro_batches
 from afd_engine.operations.strategy import SINGLE, LayerOps, ModelOps
-from afd_engine.runtime.forward_batch import ForwardBatch
 
 
 class DenseMLP(nn.Module):

@@ -6,7 +6,7 @@ output back; between the two the mode may yield to other micro-batches:
 
     LocalExpertExecutor    single mode: dispatch computes the experts in place, combine returns it
     (remote executor)      colocated / AFD attention ranks: dispatch/combine through `comm/`
-                           (afd_engine.distributed.remote_experts)
+                           (afd_engine.ranks.remote_experts)
 
 Ranks that hold experts for others (FFN ranks, and colocated ranks for their peers) run the
 expert-side operations of `expert_operations` against an **expert server**: post the receive,

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from afd_engine.model_config import ModelConfig
+from afd_engine.models.forward_batch import ForwardBatch
 from afd_engine.models.norm import RMSNorm, linear
 from afd_engine.models.rope import RotaryEmbedding
-from afd_engine.runtime.forward_batch import ForwardBatch
 
 
 class GQAttention(nn.Module):

@@ -11,7 +11,7 @@ continuations, then admissions in fcfs or lpm order, under a token budget per st
 requests and a KV pool of pages; when a decode needs a page and none is free or evictable, the newest
 running request is preempted and later redone from whatever of it the prefix cache still holds. The
 prefix cache is keyed by the trace's block ids; a router sends each request to the rank that holds
-the longest cached prefix, unless that rank is much busier than the least loaded one (control/router.py).
+the longest cached prefix, unless that rank is much busier than the least loaded one (control/load_balance.py).
 
 An instance's step takes the time a `StepTimeModel` gives for the loads of its ranks: the planner's
 roofline (`StageStepTime`, with stage times from `StageModel` or from a `Calibration`, through the

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from afd_engine.runtime.forward_batch import ForwardBatch
+from afd_engine.models.forward_batch import ForwardBatch
 from afd_engine.runtime.kv_cache import KVPool
 
 

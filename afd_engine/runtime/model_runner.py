@@ -1,7 +1,7 @@
 """Runs the model on a scheduled step: builds the batch tensors, forwards, returns logits.
 
 `StepRunner` is the whole protocol the engine and its control loop use; `ModelRunner` is the
-single-process one. A rank of a deployment brings its own (distributed/attention_runner.py).
+single-process one. A rank of a deployment brings its own (ranks/attention_runner.py).
 A step is prepared (its tensors built, on the scheduling thread) apart from being executed
 (on the forward thread when scheduling overlaps), so that step n+1 is built while step n runs.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_engine.runtime.forward_batch import ForwardBatch, SeqChunk
+from afd_engine.models.forward_batch import ForwardBatch, SeqChunk
 from afd_engine.runtime.kv_cache import KVPool
 from afd_engine.runtime.request import Request
 from afd_engine.runtime.scheduler import StepPlan

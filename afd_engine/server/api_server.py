@@ -26,8 +26,8 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from afd_engine.control.client import ControlClient, EngineUnavailable
+from afd_engine.control.load_balance import LoadBalancer
 from afd_engine.control.loop import ControlAddrs
-from afd_engine.control.router import Router
 from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.runtime.grammar import check_guide
 from afd_engine.sampling_params import SamplingParams
@@ -60,7 +60,7 @@ def build_app(
     server_args,
     start_ranks: Callable[[], dict],
     addrs: ControlAddrs,
-    router: Router,
+    router: LoadBalancer,
     alive: Callable[[], bool] = lambda: True,
     engine_args=None,
 ) -> FastAPI:

@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from afd_engine.control.router import CacheAwareRouter
+from afd_engine.control.load_balance import CacheAwareBalancer
 from afd_engine.errors import ConfigError
 from afd_engine.server.auth import install_auth, resolve_keys, tls_settings
 from afd_engine.server.errors import error_body, invalid_api_key, openai_error
@@ -133,7 +133,7 @@ class PDRouter:
             )
         self.local_prefill_max_tokens = 0 if replicas else local_prefill_max_tokens
         self.prompt_length = PromptLength(tokenizer) if self.local_prefill_max_tokens else None
-        self.affinity = CacheAwareRouter(max(1, len(self.prefill)), PREFIX_BLOCK_BYTES)
+        self.affinity = CacheAwareBalancer(max(1, len(self.prefill)), PREFIX_BLOCK_BYTES)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         # the router's own calls to instances that share its key (a client's requests carry theirs)
         self.own_headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}

@@ -13,8 +13,8 @@ import zmq
 
 from afd_engine.control import messages as msgs
 from afd_engine.control.client import ControlClient, EngineUnavailable
+from afd_engine.control.load_balance import LoadBalancer
 from afd_engine.control.loop import ControlAddrs
-from afd_engine.control.router import Router
 from afd_engine.sampling_params import SamplingParams
 
 
@@ -35,7 +35,7 @@ def rank_socket(ctx: zmq.Context, addrs: ControlAddrs) -> zmq.Socket:
 
 def test_a_connected_rank_gets_the_request_without_a_poll(addrs):
     async def run():
-        client = ControlClient(addrs, Router.of("round_robin", 1, 16))
+        client = ControlClient(addrs, LoadBalancer.of("round_robin", 1, 16))
         ctx = zmq.Context()
         rank = rank_socket(ctx, addrs)
         try:
@@ -58,7 +58,7 @@ def test_a_connected_rank_gets_the_request_without_a_poll(addrs):
 
 def test_a_request_waits_for_its_rank_to_connect(addrs):
     async def run():
-        client = ControlClient(addrs, Router.of("round_robin", 1, 16))
+        client = ControlClient(addrs, LoadBalancer.of("round_robin", 1, 16))
         ctx = zmq.Context()
         try:
             submit = asyncio.ensure_future(client._submit(0, add("early")))
@@ -78,7 +78,7 @@ def test_a_request_waits_for_its_rank_to_connect(addrs):
 
 def test_a_dead_engine_is_reported_not_waited_for(addrs):
     async def run():
-        client = ControlClient(addrs, Router.of("round_robin", 1, 16), alive=lambda: False)
+        client = ControlClient(addrs, LoadBalancer.of("round_robin", 1, 16), alive=lambda: False)
         try:
             with pytest.raises(EngineUnavailable, match="stopped answering"):
                 await asyncio.wait_for(client._submit(0, add("lost")), 10)
@@ -101,7 +101,7 @@ def test_a_waiting_request_fails_once_its_engine_dies(addrs):
 
     async def run():
         alive = [True]
-        client = ControlClient(addrs, Router.of("round_robin", 1, 16), alive=lambda: alive[0])
+        client = ControlClient(addrs, LoadBalancer.of("round_robin", 1, 16), alive=lambda: alive[0])
         ctx = zmq.Context()
         rank = rank_socket(ctx, addrs)
         client.start()
@@ -127,7 +127,7 @@ def test_a_slow_live_engine_is_waited_for(addrs):
     """Tokens that take longer than a health check to come still reach the request."""
 
     async def run():
-        client = ControlClient(addrs, Router.of("round_robin", 1, 16))
+        client = ControlClient(addrs, LoadBalancer.of("round_robin", 1, 16))
         ctx = zmq.Context()
         rank = rank_socket(ctx, addrs)
         out = ctx.socket(zmq.PUSH)
@@ -163,7 +163,7 @@ def test_the_reason_the_engine_is_down_names_the_silent_rank_or_the_exit(addrs):
 
     async def run():
         alive = [True]
-        client = ControlClient(addrs, Router.of("round_robin", 2, 16), alive=lambda: alive[0])
+        client = ControlClient(addrs, LoadBalancer.of("round_robin", 2, 16), alive=lambda: alive[0])
         client.last_heard = {0: time.monotonic() - 2 * ec.DEAD_AFTER_S, 1: time.monotonic() - 2 * ec.DEAD_AFTER_S}
         client.start()  # (the ranks took long to start)
         try:

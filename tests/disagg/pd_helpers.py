@@ -8,8 +8,8 @@ import time
 
 from afd_engine import Engine
 from afd_engine.disagg.bootstrap import BootstrapServer
-from afd_engine.distributed.rendezvous import free_port
 from afd_engine.offline import OfflineEngine
+from afd_engine.processes.rendezvous import free_port
 
 # what the tests' P and D engines share: small pools and chunks, so prompts prefill in pieces
 COMMON = {"dtype": "float32", "num_threads": 1, "kv_cache_memory_mb": 8, "max_num_batched_tokens": 32}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from afd_engine.errors import ConfigError
-from afd_engine.server.pd_launch import instance_argv
+from afd_engine.server.pd_serve import instance_argv
 
 
 def test_each_instance_gets_the_shared_flags_its_role_and_its_own_flags():
@@ -28,7 +28,7 @@ def test_the_roles_flags_are_its_own(flag):
 def test_the_api_keys_reach_the_instances_by_environment_not_command_line(monkeypatch):
     """`ps` shows every process's command line: the keys travel in AFD_API_KEY, one per line."""
     from afd_engine.server.auth import ENV_KEY, resolve_keys
-    from afd_engine.server.pd_launch import instance_env
+    from afd_engine.server.pd_serve import instance_env
 
     argv = ["--pd", "--api-key", "k1", "--api-key=k2", "--api-key-file", "/keys", "--model-path", "m"]
     cmd = instance_argv(argv, "single", "prefill", 7, "", None)

@@ -157,7 +157,7 @@ def test_instances_on_different_machines_need_the_secret(monkeypatch):
 
 
 def test_serve_pd_hands_the_secret_to_its_instances_in_their_environment():
-    from afd_engine.server.pd_launch import instance_argv, instance_env
+    from afd_engine.server.pd_serve import instance_argv, instance_env
 
     argv = ["--cluster-secret", SECRET, "--num-threads", "1"]
     assert SECRET not in instance_argv(argv, "single", "decode", 1234, "", None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd_engine.distributed.ffn_worker import DescriptorMismatchError, check_descriptors
+from afd_engine.ranks.ffn_worker import DescriptorMismatchError, check_descriptors
 
 
 def test_agreeing_descriptors_give_the_micro_batch_count_and_shutdown_gives_none():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from afd_engine.distributed.fault_tolerance import HEARTBEAT, heartbeat_key
-from afd_engine.distributed.fault_tolerance_liveness import FfnLiveness
+from afd_engine.ranks.fault_tolerance import HEARTBEAT, heartbeat_key
+from afd_engine.ranks.fault_tolerance_liveness import FfnLiveness
 from comm.messages import Message
 from comm.topology import Topology
 from comm.transport.inproc import InProcessFabric

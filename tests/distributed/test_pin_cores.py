@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from afd_engine import SamplingParams, make_engine
-from afd_engine.distributed import launcher, workers
-from afd_engine.distributed.rendezvous import PeerTable
-from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import EngineArgs, core_shares, usable_core_ids
 from afd_engine.model_config import ModelConfig
+from afd_engine.processes import deployment, entrypoints
+from afd_engine.processes.rendezvous import PeerTable
+from afd_engine.ranks.spec import DeploymentSpec
 from comm.transport.shm_transport import ShmTransport, host_id
 from comm.transport.spin import idle_priority_supported
 
@@ -54,12 +54,12 @@ def test_rank_processes_run_on_their_share_of_the_cores(pin, tiny_v3):
     ],
 )
 def test_ranks_spin_by_default_only_where_each_has_cores_of_its_own(flags, cores, spin_us, tiny_v3, monkeypatch):
-    monkeypatch.setattr(launcher, "usable_cpus", lambda: cores)
-    deployment = launcher.Deployment(EngineArgs(model_path=tiny_v3, **flags))
+    monkeypatch.setattr(deployment, "usable_cpus", lambda: cores)
+    started = deployment.Deployment(EngineArgs(model_path=tiny_v3, **flags))
     try:
-        assert deployment.args.comm_spin_us == spin_us
+        assert started.args.comm_spin_us == spin_us
     finally:
-        deployment.stop()
+        started.stop()
 
 
 @pytest.mark.parametrize("priority, idle", [(None, True), ("idle", True), ("normal", False)])
@@ -70,7 +70,7 @@ def test_a_rank_looks_for_its_messages_at_the_priority_asked_for(priority, idle,
     args = EngineArgs(model_path=tiny_v3, mode="afd", dp_size=1, comm_spin_us=1500, **flags)
     spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(tiny_v3))
     table = PeerTable(hosts={0: host_id(), 1: host_id()}, namespace=uuid.uuid4().hex[:12])
-    transport = workers._transport(0, table, spec, torch.device("cpu"))
+    transport = entrypoints._transport(0, table, spec, torch.device("cpu"))
     try:
         assert isinstance(transport, ShmTransport)
         assert transport._spin.max_s == 0.0015

@@ -1,4 +1,4 @@
-"""Rank processes fork from the forkserver (afd_engine/distributed/rank_process.py), yet each sees
+"""Rank processes fork from the forkserver (afd_engine/processes/rank_process.py), yet each sees
 the launcher's environment as it is when the rank starts, runs on the cores given to it, and gets
 its arguments."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from afd_engine.distributed import rank_process
+from afd_engine.processes import rank_process
 
 
 def report(ready, value: str) -> None:

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from afd_engine.distributed.rendezvous import RendezvousSpec, free_port, host_rendezvous, register, shm_host
 from afd_engine.errors import ConfigError
+from afd_engine.processes.rendezvous import RendezvousSpec, free_port, host_rendezvous, register, shm_host
 from comm.transport.shm_transport import host_id
 
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import ConfigError
 from afd_engine.model_config import ModelConfig
+from afd_engine.ranks.spec import DeploymentSpec
 
 
 def spec_with(tiny_v3, path) -> DeploymentSpec:

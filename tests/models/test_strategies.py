@@ -100,7 +100,7 @@ def test_an_empty_micro_batch_computes_nothing_but_keeps_its_shapes(tiny_v3):
     table, attention, gate, shared expert, dense MLP, final norm and lm_head are not called (each
     costs ~0.02-0.3 ms of Python even on no rows)."""
     from afd_engine.models import load_model
-    from afd_engine.runtime.forward_batch import ForwardBatch
+    from afd_engine.models.forward_batch import ForwardBatch
 
     def refuse(*args, **kwargs):
         raise AssertionError("computed on no tokens")

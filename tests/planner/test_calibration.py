@@ -7,13 +7,13 @@ import json
 import pytest
 
 from afd_engine import SamplingParams, make_engine
-from afd_engine.distributed.timeline import Timeline
 from afd_engine.errors import ConfigError
 from afd_engine.planner.calibration import Calibration, LinearFit, calibrate, fit_line
 from afd_engine.planner.deploy import Deployment, estimate
 from afd_engine.planner.hardware import HARDWARE
 from afd_engine.planner.model_spec import MODELS
 from afd_engine.planner.stages import StageModel
+from afd_engine.ranks.timeline import Timeline
 
 
 def test_fit_line_recovers_a_line_and_clamps():

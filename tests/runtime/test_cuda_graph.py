@@ -17,12 +17,12 @@ import torch
 from afd_engine import Engine, SamplingParams
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import ConfigError
+from afd_engine.graph_sizes import graph_buckets, parse_buckets
 from afd_engine.models.experts import ExpertExecutor
+from afd_engine.models.forward_batch import ForwardBatch, SeqChunk
 from afd_engine.operations import run_micro_batches
 from afd_engine.operations.strategy import AFD_ATTENTION
-from afd_engine.graph_sizes import graph_buckets, parse_buckets
 from afd_engine.runtime.cuda_graph import GraphRunner
-from afd_engine.runtime.forward_batch import ForwardBatch, SeqChunk
 from afd_engine.tiny_model import make_tiny_model
 from tests.engine_helpers import random_prompts
 

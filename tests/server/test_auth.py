@@ -15,8 +15,8 @@ from starlette.routing import Route
 from afd_engine.errors import ConfigError
 from afd_engine.server import auth
 from afd_engine.server.api_server import build_app
-from afd_engine.server.launch import ServerArgs
 from afd_engine.server.pd_router import PDRouter, build_router_app
+from afd_engine.server.serve import ServerArgs
 from tests.server.conftest import serve_args
 
 KEY, OTHER = "k-1234-sesame", "k-5678-rotated"

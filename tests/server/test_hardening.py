@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from afd_engine.cli import build_parser
 from afd_engine.errors import ConfigError
-from afd_engine.server.launch import ServerArgs
+from afd_engine.server.serve import ServerArgs
 from tests.server.conftest import Server
 
 CHAT = "/v1/chat/completions"

@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from afd_engine.default_model import resolve_model_path
-from benchmarks.structured_schemas import SCHEMAS, TOOLS, ask_schema, ask_tool_call
+from benchmarks.lib.structured_schemas import SCHEMAS, TOOLS, ask_schema, ask_tool_call
 from tests.server.conftest import Server
 
 

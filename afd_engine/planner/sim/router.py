@@ -1,10 +1,10 @@
-"""Routing requests among the ranks of one role, as the engine's router does (control/router.py)."""
+"""Routing requests among the ranks of one role, as the engine's router does (control/load_balance.py)."""
 
 from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from afd_engine.control.router import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD
+from afd_engine.control.load_balance import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD
 from afd_engine.planner.sim.request import Request
 
 R = TypeVar("R")  # a rank (generic so that the router needs nothing of the rank's module)
@@ -22,7 +22,7 @@ class Domain(Generic[R]):
 
     def route(self, req: Request, limit: int) -> R:
         """cache_aware: the rank with the longest cached prefix of req (least loaded among equals),
-        unless it is much busier than the least loaded rank (control/router.py's thresholds);
+        unless it is much busier than the least loaded rank (control/load_balance.py's thresholds);
         shortest_queue: the least loaded rank; round_robin: ranks in turn. Ties: lowest index."""
         load = self.load
         if self.method == "round_robin":

@@ -10,7 +10,7 @@ error, which stops the rest); afterwards `alive()` is false as soon as any rank 
 default a deployment does not recover from a lost rank: the server reports unhealthy, fails the
 requests in flight and exits with a non-zero status (a supervisor restarts it). With
 --enable-ffn-fault-tolerance the attention ranks recover from the loss of FFN ranks
-(distributed/attention_runner.py), and only an attention rank's death counts here.
+(ranks/attention_runner.py), and only an attention rank's death counts here.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import tempfile
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
 from afd_engine.default_model import resolve_model_path
-from afd_engine.distributed import rank_process
-from afd_engine.distributed.rendezvous import (
+from afd_engine.engine_args import AUTO_SPIN_US, EngineArgs, core_shares, usable_core_ids, usable_cpus
+from afd_engine.errors import ConfigError
+from afd_engine.models.checkpoint import inspect_checkpoint
+from afd_engine.processes import rank_process
+from afd_engine.processes.rendezvous import (
     PeerTable,
     RendezvousSpec,
     TorchGroup,
@@ -32,10 +35,7 @@ from afd_engine.distributed.rendezvous import (
     new_namespace,
     shm_host,
 )
-from afd_engine.distributed.spec import DeploymentSpec
-from afd_engine.engine_args import AUTO_SPIN_US, EngineArgs, core_shares, usable_core_ids, usable_cpus
-from afd_engine.errors import ConfigError
-from afd_engine.models.checkpoint import inspect_checkpoint
+from afd_engine.ranks.spec import DeploymentSpec
 
 log = logging.getLogger("afd.launcher")
 
@@ -122,7 +122,7 @@ class Deployment:
                 (run_engine_process, {"args": self.args, "addrs": self.addrs, "rank": i})
                 for i in range(self.args.dp_size)
             ]
-        from afd_engine.distributed.workers import run_attention_worker, run_ffn_worker
+        from afd_engine.processes.entrypoints import run_attention_worker, run_ffn_worker
 
         topo = self.spec.topology
         comm = self.rendezvous or self._local_peers(topo.num_endpoints)
@@ -161,7 +161,7 @@ class Deployment:
         of its node (None: the deployment is starting, every rank of the node starts)."""
         if not self.args.enable_ffn_fault_tolerance:
             return None
-        from afd_engine.distributed.rendezvous import DeploymentStore
+        from afd_engine.processes.rendezvous import DeploymentStore
 
         store = DeploymentStore(self.rendezvous)
         if not store.serving():

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from afd_engine.control.router import Router
-from afd_engine.distributed.launcher import Deployment
+from afd_engine.control.load_balance import LoadBalancer
 from afd_engine.engine_args import EngineArgs, add_flags, check_fields, opt
+from afd_engine.processes.deployment import Deployment
 
 log = logging.getLogger("afd.serve")
 # after a rank dies, requests in flight get this long to fail (each within about a second) before the
@@ -141,7 +141,7 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
         server_args,
         start_ranks,
         deployment.addrs,
-        Router.of(args.load_balance_method, deployment.num_attention_ranks, args.page_size),
+        LoadBalancer.of(args.load_balance_method, deployment.num_attention_ranks, args.page_size),
         alive=deployment.alive,
         engine_args=args,
     )

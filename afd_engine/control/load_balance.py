@@ -41,7 +41,7 @@ BALANCE_REL_THRESHOLD = 1.5
 MAX_BLOCKS_PER_RANK = 1 << 16
 
 
-class Router(ABC):
+class LoadBalancer(ABC):
     """Routes requests to `num_ranks` ranks and counts each rank's unfinished requests."""
 
     def __init__(self, num_ranks: int) -> None:
@@ -50,14 +50,14 @@ class Router(ABC):
         self._rank_of: dict[str, int] = {}
 
     @staticmethod
-    def of(method: str, num_ranks: int, block_size: int) -> Router:
+    def of(method: str, num_ranks: int, block_size: int) -> LoadBalancer:
         """The router of `--load-balance-method`; `block_size` is the KV page size in tokens."""
         if method == "cache_aware":
-            return CacheAwareRouter(num_ranks, block_size)
+            return CacheAwareBalancer(num_ranks, block_size)
         if method == "shortest_queue":
-            return ShortestQueueRouter(num_ranks)
+            return ShortestQueueBalancer(num_ranks)
         if method == "round_robin":
-            return RoundRobinRouter(num_ranks)
+            return RoundRobinBalancer(num_ranks)
         raise ConfigError(f"--load-balance-method={method!r}: use cache_aware, shortest_queue or round_robin")
 
     def route(self, rid: str, prompt_ids: Sequence[int]) -> int:
@@ -92,7 +92,7 @@ class Router(ABC):
     def _choose(self, prompt_ids: Sequence[int]) -> int: ...
 
 
-class RoundRobinRouter(Router):
+class RoundRobinBalancer(LoadBalancer):
     def __init__(self, num_ranks: int) -> None:
         super().__init__(num_ranks)
         self._next = 0
@@ -102,12 +102,12 @@ class RoundRobinRouter(Router):
         return rank
 
 
-class ShortestQueueRouter(Router):
+class ShortestQueueBalancer(LoadBalancer):
     def _choose(self, prompt_ids: Sequence[int]) -> int:
         return self.least_loaded()
 
 
-class CacheAwareRouter(Router):
+class CacheAwareBalancer(LoadBalancer):
     def __init__(self, num_ranks: int, block_size: int, max_blocks: int = MAX_BLOCKS_PER_RANK) -> None:
         super().__init__(num_ranks)
         self.block_size, self.max_blocks = block_size, max_blocks

@@ -32,16 +32,16 @@ from contextlib import nullcontext
 
 import torch
 
-from afd_engine.distributed.fault_tolerance import FfnRankLost, RecoveryFailed, round_wait
-from afd_engine.distributed.fault_tolerance_recovery import RecoveryCoordinator
-from afd_engine.distributed.remote_experts import CommExpertServer, RemoteExpertExecutor
-from afd_engine.distributed.spec import DeploymentSpec
-from afd_engine.distributed.timeline import Timeline
 from afd_engine.eplb.rebalancer import Rebalancer
 from afd_engine.eplb.stager import ExpertStager, load_shard
+from afd_engine.models.forward_batch import ForwardBatch
 from afd_engine.operations import run_micro_batches, split_micro_batches
 from afd_engine.operations.strategy import AFD_ATTENTION, COLOCATED
-from afd_engine.runtime.forward_batch import ForwardBatch
+from afd_engine.ranks.fault_tolerance import FfnRankLost, RecoveryFailed, round_wait
+from afd_engine.ranks.fault_tolerance_recovery import RecoveryCoordinator
+from afd_engine.ranks.remote_experts import CommExpertServer, RemoteExpertExecutor
+from afd_engine.ranks.spec import DeploymentSpec
+from afd_engine.ranks.timeline import Timeline
 from afd_engine.runtime.kv_cache import KVPool
 from afd_engine.runtime.model_runner import PreparedStep, StepInputs, StepRunner, logit_rows
 from afd_engine.runtime.scheduler import StepPlan

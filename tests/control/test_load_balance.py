@@ -7,18 +7,18 @@ import math
 import pytest
 
 from afd_engine import Engine, SamplingParams, make_engine
-from afd_engine.control.router import (
+from afd_engine.control.load_balance import (
     BALANCE_ABS_THRESHOLD,
     BALANCE_REL_THRESHOLD,
-    CacheAwareRouter,
-    Router,
+    CacheAwareBalancer,
+    LoadBalancer,
 )
 from afd_engine.errors import ConfigError, InvalidRequestError
 
 PREFIX = list(range(10, 26))  # four blocks of 4
 
 
-def routes(router: Router, prompts: list[list[int]], tag: str = "r") -> list[int]:
+def routes(router: LoadBalancer, prompts: list[list[int]], tag: str = "r") -> list[int]:
     return [router.route(f"{tag}{i}", ids) for i, ids in enumerate(prompts)]
 
 
@@ -28,7 +28,7 @@ def first_overloaded(least: int) -> int:
 
 
 def test_round_robin_cycles_the_ranks_whatever_their_load():
-    router = Router.of("round_robin", 3, block_size=4)
+    router = LoadBalancer.of("round_robin", 3, block_size=4)
     assert routes(router, [[1]] * 4) == [0, 1, 2, 0]
     router.finished("r1")
     router.finished("r2")
@@ -37,7 +37,7 @@ def test_round_robin_cycles_the_ranks_whatever_their_load():
 
 
 def test_shortest_queue_follows_finished_requests():
-    router = Router.of("shortest_queue", 3, block_size=4)
+    router = LoadBalancer.of("shortest_queue", 3, block_size=4)
     assert routes(router, [[1]] * 4) == [0, 1, 2, 0]  # ties go to the lowest rank
     router.finished("r1")
     router.finished("unknown")  # ignored
@@ -50,11 +50,11 @@ def test_shortest_queue_follows_finished_requests():
 
 def test_an_unknown_method_names_the_flag():
     with pytest.raises(ConfigError, match="--load-balance-method"):
-        Router.of("random", 2, block_size=4)
+        LoadBalancer.of("random", 2, block_size=4)
 
 
 def test_block_hashes_chain_over_the_whole_prefix():
-    router = CacheAwareRouter(2, block_size=4)
+    router = CacheAwareBalancer(2, block_size=4)
     a = router.block_hashes(PREFIX + [1, 2, 3])
     assert len(a) == 4  # the partial last block is not a block
     assert router.block_hashes(PREFIX[:8] + [0] * 8)[:2] == a[:2]
@@ -63,7 +63,7 @@ def test_block_hashes_chain_over_the_whole_prefix():
 
 
 def test_cache_aware_sends_a_shared_prefix_to_the_rank_that_saw_it():
-    router = Router.of("cache_aware", 3, block_size=4)
+    router = LoadBalancer.of("cache_aware", 3, block_size=4)
     assert router.route("a", PREFIX + [1]) == 0  # nothing matched: the least loaded, lowest first
     assert router.route("b", [7] * 12) == 1  # unmatched: the least loaded
     assert router.route("c", PREFIX + [2, 3]) == 0  # four blocks matched, though rank 0 is busier
@@ -78,7 +78,7 @@ def test_cache_aware_sends_a_shared_prefix_to_the_rank_that_saw_it():
 
 
 def test_cache_aware_yields_to_the_least_loaded_beyond_the_absolute_threshold():
-    router = Router.of("cache_aware", 2, block_size=4)
+    router = LoadBalancer.of("cache_aware", 2, block_size=4)
     n = first_overloaded(0)  # rank 1 stays idle: the absolute margin decides
     assert n == BALANCE_ABS_THRESHOLD + 1
     assert routes(router, [PREFIX + [i] for i in range(n + 1)]) == [0] * n + [1]
@@ -86,7 +86,7 @@ def test_cache_aware_yields_to_the_least_loaded_beyond_the_absolute_threshold():
 
 
 def test_cache_aware_prefers_the_longest_match_then_the_least_loaded():
-    router = Router.of("cache_aware", 2, block_size=4)
+    router = LoadBalancer.of("cache_aware", 2, block_size=4)
     n = first_overloaded(0)
     assert routes(router, [PREFIX] * n) == [0] * n
     assert router.route("half", PREFIX[:8]) == 1  # rank 0 is overloaded
@@ -99,7 +99,7 @@ def test_cache_aware_prefers_the_longest_match_then_the_least_loaded():
 
 
 def test_cache_aware_keeps_affinity_within_the_relative_threshold():
-    router = Router.of("cache_aware", 2, block_size=4)
+    router = LoadBalancer.of("cache_aware", 2, block_size=4)
     assert router.route("p", PREFIX) == 0
     assert routes(router, [[i] for i in range(199)], tag="short") == [1, 0] * 99 + [1]  # unmatched
     assert router.load == [100, 100]
@@ -109,7 +109,7 @@ def test_cache_aware_keeps_affinity_within_the_relative_threshold():
 
 
 def test_the_record_is_bounded_and_evicts_the_least_recently_used_blocks():
-    router = CacheAwareRouter(1, block_size=2, max_blocks=5)
+    router = CacheAwareBalancer(1, block_size=2, max_blocks=5)
     a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
     routes(router, [a, b, a, c])  # a again: its blocks are the most recent but for c's
     assert [router.matched_blocks(0, router.block_hashes(p)) for p in (a, b, c)] == [2, 1, 2]

@@ -7,7 +7,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from afd_engine.distributed.fault_tolerance import (
+from afd_engine.eplb.expert_map import ExpertMap
+from afd_engine.eplb.stager import ExpertStager
+from afd_engine.ranks.fault_tolerance import (
     JOIN,
     RECOVER,
     RECOVERED,
@@ -23,10 +25,8 @@ from afd_engine.distributed.fault_tolerance import (
     recover_wait,
     start_key,
 )
-from afd_engine.distributed.fault_tolerance_liveness import HeartbeatSender
-from afd_engine.distributed.spec import DeploymentSpec
-from afd_engine.eplb.expert_map import ExpertMap
-from afd_engine.eplb.stager import ExpertStager
+from afd_engine.ranks.fault_tolerance_liveness import HeartbeatSender
+from afd_engine.ranks.spec import DeploymentSpec
 from comm.messages import Message
 from comm.protocol import STEP_KINDS
 from comm.transport.base import Transport

@@ -11,15 +11,15 @@ import os
 import torch
 
 from afd_engine.control.loop import ControlAddrs, run_engine_process
-from afd_engine.distributed.attention_runner import PipelineRunner
-from afd_engine.distributed.fault_tolerance import DescriptorMismatchError, PeerLostError, RecoveryFailed
-from afd_engine.distributed.ffn_worker import FfnWorker
-from afd_engine.distributed.rendezvous import DeploymentStore, PeerTable, RendezvousSpec, register, shm_host
-from afd_engine.distributed.spec import DeploymentSpec
 from afd_engine.engine import Engine, RankContext
 from afd_engine.engine_args import EngineArgs
 from afd_engine.eplb.stager import load_shard
 from afd_engine.model_config import ModelConfig
+from afd_engine.processes.rendezvous import DeploymentStore, PeerTable, RendezvousSpec, register, shm_host
+from afd_engine.ranks.attention_runner import PipelineRunner
+from afd_engine.ranks.fault_tolerance import DescriptorMismatchError, PeerLostError, RecoveryFailed
+from afd_engine.ranks.ffn_worker import FfnWorker
+from afd_engine.ranks.spec import DeploymentSpec
 from afd_engine.runtime.host_memory import retain_freed_memory
 from comm.transport.base import Transport
 

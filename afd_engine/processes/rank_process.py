@@ -18,8 +18,8 @@ import multiprocessing as mp
 import os
 import pickle
 
-# imported once by the server process that ranks fork from (afd_engine/distributed/rank_preload.py)
-PRELOAD = ["afd_engine.distributed.rank_preload"]
+# imported once by the server process that ranks fork from (afd_engine/processes/rank_preload.py)
+PRELOAD = ["afd_engine.processes.rank_preload"]
 
 
 def context() -> mp.context.BaseContext:

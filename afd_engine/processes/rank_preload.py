@@ -1,4 +1,4 @@
-"""What the server process that rank processes fork from imports once (afd_engine/distributed/
+"""What the server process that rank processes fork from imports once (afd_engine/processes/
 rank_process.py): the heavy imports every rank makes anyway. Nothing here runs a kernel, starts
 a thread or touches a GPU."""
 

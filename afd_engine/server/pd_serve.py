@@ -21,8 +21,8 @@ import time
 
 import httpx
 
-from afd_engine.distributed.rendezvous import free_port
 from afd_engine.errors import ConfigError
+from afd_engine.processes.rendezvous import free_port
 
 log = logging.getLogger("afd.serve")
 OWN_FLAGS = {"--pd": 0, "--prefill-mode": 1, "--decode-mode": 1, "--prefill-args": 1, "--decode-args": 1, "--port": 1}

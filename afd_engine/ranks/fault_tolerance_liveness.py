@@ -15,7 +15,7 @@ import os
 import threading
 import time
 
-from afd_engine.distributed.fault_tolerance import HEARTBEAT, HEARTBEAT_S, ffn_rank, heartbeat_key
+from afd_engine.ranks.fault_tolerance import HEARTBEAT, HEARTBEAT_S, ffn_rank, heartbeat_key
 from comm.messages import CommError, CommTimeout, KeyMismatchError, Message
 from comm.transport.base import Transport
 

@@ -23,21 +23,21 @@ from collections.abc import Callable
 
 import torch
 
-from afd_engine.distributed.fault_tolerance import (
+from afd_engine.eplb.expert_map import ExpertMap
+from afd_engine.eplb.stager import ExpertStager
+from afd_engine.operations import run_micro_batches
+from afd_engine.operations.strategy import AFD_FFN
+from afd_engine.ranks.fault_tolerance import (
     READMIT,
     DescriptorMismatchError,
     PeerLostError,
     StepAborted,
     silence_limit,
 )
-from afd_engine.distributed.fault_tolerance_member import RecoveryMember
-from afd_engine.distributed.remote_experts import CommExpertServer
-from afd_engine.distributed.spec import DeploymentSpec
-from afd_engine.distributed.timeline import Timeline
-from afd_engine.eplb.expert_map import ExpertMap
-from afd_engine.eplb.stager import ExpertStager
-from afd_engine.operations import run_micro_batches
-from afd_engine.operations.strategy import AFD_FFN
+from afd_engine.ranks.fault_tolerance_member import RecoveryMember
+from afd_engine.ranks.remote_experts import CommExpertServer
+from afd_engine.ranks.spec import DeploymentSpec
+from afd_engine.ranks.timeline import Timeline
 from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
 from comm.messages import CommTimeout, KeyMismatchError, Message, MsgKey

@@ -19,7 +19,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from afd_engine.distributed.fault_tolerance import (
+from afd_engine.eplb.expert_map import ExpertMap
+from afd_engine.eplb.placement import RecoveryImpossible
+from afd_engine.eplb.rebalancer import Rebalancer
+from afd_engine.ranks.fault_tolerance import (
     JOIN,
     READMIT,
     RECOVER,
@@ -35,11 +38,8 @@ from afd_engine.distributed.fault_tolerance import (
     recovery_deadline,
     start_key,
 )
-from afd_engine.distributed.fault_tolerance_liveness import FfnLiveness
-from afd_engine.distributed.spec import DeploymentSpec
-from afd_engine.eplb.expert_map import ExpertMap
-from afd_engine.eplb.placement import RecoveryImpossible
-from afd_engine.eplb.rebalancer import Rebalancer
+from afd_engine.ranks.fault_tolerance_liveness import FfnLiveness
+from afd_engine.ranks.spec import DeploymentSpec
 from comm.endpoint import INTERRUPT_CHECK_S
 from comm.messages import CommError, CommTimeout, Message
 from comm.protocol import STEP_KINDS

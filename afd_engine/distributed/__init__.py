@@ -1,1 +1,0 @@
-"""Multi-rank deployments: AFD (attention and FFN ranks apart) and the colocated DP+EP baseline."""
