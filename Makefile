@@ -1,10 +1,11 @@
-# Two entry points: `make serve` (main job on the embedded tiny model) and `make test`.
+# Two entry points: `make serve` (main job on the embedded tiny model) and `make test`
+# (`make test-fast` for the quick tier).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve lint docs test bench clean
+.PHONY: setup serve lint docs test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -32,11 +33,17 @@ lint: setup
 docs: setup
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(CURDIR)/site
 
+# the whole suite (what CI runs), with the 25 slowest tests at the end
 test: lint docs
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=25 tests
+
+# the quick tier: everything not marked slow (no deployments of processes, benchmarks or whole
+# engines under the Triton interpreter); GPU tests skip themselves without CUDA
+test-fast: lint
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10 -m "not slow" tests
 
 bench: setup
-	$(PY) benchmarks/bench_offline.py
+	$(PY) -m benchmarks.bench_offline
 
 clean:
 	rm -rf $(VENV) .pytest_cache build site *.egg-info

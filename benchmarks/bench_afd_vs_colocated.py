@@ -20,8 +20,8 @@ instead of searching. Writes JSON and a PNG (throughput per worker against TPOT 
 saturation points marked). On a CPU the numbers say how this engine behaves here, not what GPUs
 would do.
 
-    python benchmarks/bench_afd_vs_colocated.py [--workers 2] [--slo-tpot-ms 100] [--quick]
-    python benchmarks/bench_afd_vs_colocated.py --concurrency 1 4 16
+    python -m benchmarks.bench_afd_vs_colocated [--workers 2] [--slo-tpot-ms 100] [--quick]
+    python -m benchmarks.bench_afd_vs_colocated --concurrency 1 4 16
 """
 
 from __future__ import annotations
@@ -29,22 +29,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-import httpx
-
-from afd_engine.distributed.rendezvous import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import parse_args as serving_args  # noqa: E402
-from bench_serving import run_benchmark  # noqa: E402
+from benchmarks.bench_serving import parse_args as serving_args
+from benchmarks.bench_serving import run_benchmark
+from benchmarks.lib.results import write_json
+from benchmarks.lib.server import Server, afd_server
 
 # Flags whose default depends on --quick: (full run, quick run).
 SIZED_DEFAULTS = {
@@ -152,21 +145,11 @@ def deployments(workers: int, micro_batches_afd: int) -> dict[str, list[str]]:
     }
 
 
-def start_server(model: str | None, flags: list[str], port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "afd_engine.cli", "serve", "--port", str(port), "--served-model-name", "bench"]
-    cmd += ["--num-threads", "1", *flags] + (["--model-path", model] if model else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"afd serve {' '.join(flags)} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not become healthy within 300 s")
+def start_server(model: str | None, flags: list[str]) -> Server:
+    """`afd serve FLAGS` on a free port, healthy: served as "bench", one torch thread per rank
+    unless FLAGS say otherwise, the embedded tiny model unless `model`."""
+    args = ["serve", "--served-model-name", "bench", "--num-threads", "1", *flags]
+    return afd_server(*args, *(["--model-path", model] if model else []))
 
 
 def num_prompts(concurrency: int, args: argparse.Namespace) -> int:
@@ -198,23 +181,18 @@ def measure_point(base_url: str, concurrency: int, args: argparse.Namespace) -> 
 
 
 def sweep(name: str, flags: list[str], args: argparse.Namespace) -> Sweep:
-    port = free_port("127.0.0.1")
     server_flags = [*flags, "--max-running-requests", str(args.max_running_requests)]
-    proc = start_server(args.model_path, server_flags, port)
+    with start_server(args.model_path, server_flags) as server:
 
-    def measure(concurrency: int) -> Point:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name}: afd serve exited with {proc.returncode}")
-        print(f"{name}: concurrency {concurrency}", file=sys.stderr, flush=True)
-        return measure_point(f"http://127.0.0.1:{port}", concurrency, args)
+        def measure(concurrency: int) -> Point:
+            if not server.alive():
+                raise RuntimeError(f"{name}: afd serve exited with {server.proc.returncode}")
+            print(f"{name}: concurrency {concurrency}", file=sys.stderr, flush=True)
+            return measure_point(server.url, concurrency, args)
 
-    try:
         if args.concurrency:
             return measure_list(measure, args.slo_tpot_ms, args.concurrency)
         return search(measure, args.slo_tpot_ms, args.cap, bisect=not args.no_bisect)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_at_saturation": r is not None and afd.slo_bound and colo.slo_bound,
         "wall_s": wall_s,
     }
-    Path(args.json).write_text(json.dumps(record, indent=2))
+    write_json(args.json, record)
     print(f"wrote {args.json} and {args.png}")
     return 0
 

@@ -19,14 +19,13 @@ Three parts:
   bench_serving drives it; reports failed requests and the longest rebalance step against the
   median step.
 
-    python benchmarks/bench_eplb.py [--quick] [--serve] [--json out.json]
+    python -m benchmarks.bench_eplb [--quick] [--serve] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -36,19 +35,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from afd_engine import SamplingParams, make_engine
-from afd_engine.distributed.rendezvous import free_port
 from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
 from afd_engine.eplb.placement import imbalance
 from afd_engine.tiny_model import make_tiny_model
+from benchmarks.bench_afd_vs_colocated import start_server
+from benchmarks.bench_pipeline import load
+from benchmarks.bench_serving import parse_args as serving_args
+from benchmarks.bench_serving import run_benchmark
+from benchmarks.kernels.bench_comm import exchange
+from benchmarks.lib.results import write_json
 from comm.endpoint import CommConfig
 from comm.topology import Topology
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_afd_vs_colocated import start_server  # noqa: E402
-from bench_comm import exchange  # noqa: E402
-from bench_pipeline import load  # noqa: E402
-from bench_serving import parse_args as serving_args  # noqa: E402
-from bench_serving import run_benchmark  # noqa: E402
 
 DEPLOYMENT = "afd 1A + 1x4 FFN, direct, 4 redundant experts"
 
@@ -213,16 +210,11 @@ def under_load(args, workdir: Path, model_path: str) -> dict:
     flags = "--mode afd --dp-size 1 --ffn-ranks-per-node 4 --dispatch direct --micro-batches 1"
     flags += f" --ep-num-redundant-experts 4 --enable-eplb --eplb-rebalance-num-iterations {args.serve_every}"
     flags += f" --inject-ffn-delay-us-per-token {args.ffn_us_per_pair} --record-timeline {timeline}"
-    port = free_port("127.0.0.1")
-    proc = start_server(model_path, flags.split(), port)
-    try:
-        load = ["--base-url", f"http://127.0.0.1:{port}", "--backend", "completions", "--dataset-name", "random-ids"]
+    with start_server(model_path, flags.split()) as server:
+        load = ["--base-url", server.url, "--backend", "completions", "--dataset-name", "random-ids"]
         load += ["--num-prompts", str(args.serve_prompts), "--max-concurrency", str(args.serve_concurrency)]
         load += ["--random-input-len", "32", "--random-output-len", "32", "--disable-tqdm"]
         m = asyncio.run(run_benchmark(serving_args(load)))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     events = load_events(timeline)["a0"]
     times, tokens = step_times(events), step_tokens(events)
     rebalance = sorted({e["step"] for e in events if e["kind"] in ("eplb_plan", "eplb_switch")})
@@ -322,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             f"steps over 2x the overall median: {load['steps_over_2x_median']}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     return 0
 
 

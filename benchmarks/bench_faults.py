@@ -20,8 +20,8 @@ kill. It reports:
   * whether every request of a prompt produced the same tokens (greedy: it must);
   * experts the recovery read from the checkpoint, and KV pages still held once the load stops.
 
-    python benchmarks/bench_faults.py --json faults.json
-    python benchmarks/bench_faults.py --quick            # about 30 seconds
+    python -m benchmarks.bench_faults --json faults.json
+    python -m benchmarks.bench_faults --quick            # about 30 seconds
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from pathlib import Path
 
 import httpx
 
-from afd_engine.distributed.rendezvous import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import sse_data  # noqa: E402
-from bench_soak import kv_after_drain, stop_server, wait_healthy  # noqa: E402
+from afd_engine.processes.rendezvous import free_port
+from benchmarks.bench_serving import sse_data
+from benchmarks.bench_soak import kv_after_drain
+from benchmarks.lib.results import write_json
+from benchmarks.lib.server import Server, ServerNotReady, afd_command, spawn, stop_process
 
 DEPLOYMENT = (
     "--mode afd --dp-size 1 --ffn-nodes 2 --ffn-ranks-per-node 1 --ep-num-redundant-experts 16 --comm-timeout 5"
@@ -52,37 +52,47 @@ DEPLOYMENT = (
 
 
 class Roles:
-    """The deployment's role processes on this machine (each a process group, output to a log)."""
+    """The deployment's role processes on this machine (each a process group, output to a log):
+    FFN roles, then the attention role serving HTTP on a free port."""
 
-    def __init__(self, args, port: int, logdir: str) -> None:
-        self.args, self.port, self.logdir = args, port, logdir
+    def __init__(self, args, logdir: str) -> None:
+        self.args, self.logdir = args, logdir
         rdv = f"127.0.0.1:{free_port('127.0.0.1')}"
         self.common = ["--dist-init-addr", rdv, "--num-threads", "1", *args.deployment.split()]
         self.common += ["--enable-ffn-fault-tolerance"] + (["--model-path", args.model_path] if args.model_path else [])
-        self.procs: list[subprocess.Popen] = []
+        self.ffn: list[subprocess.Popen] = []
+        self.attention: Server | None = None
         self.nodes = int(_flag(self.common, "--ffn-nodes", 1))
         self.ranks = self.nodes * int(_flag(self.common, "--ffn-ranks-per-node", 1))
 
-    def start(self, *role: str) -> subprocess.Popen:
-        name = Path(self.logdir) / f"{'-'.join(role).replace('--', '')}-{len(self.procs)}.log"
-        cmd = [sys.executable, "-m", "afd_engine.cli", "launch", *role, *self.common]
-        with open(name, "w") as log:  # the process keeps its own copy of the descriptor
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
+    def log(self, *role: str) -> Path:
+        started = len(self.ffn) + (self.attention is not None)
+        return Path(self.logdir) / f"{'-'.join(role).replace('--', '')}-{started}.log"
+
+    def start_ffn(self, node: int) -> subprocess.Popen:
+        role = ("--role", "ffn", "--node-rank", str(node))
+        with open(self.log(*role), "w") as log:  # the process keeps its own copy of the descriptor
+            proc = spawn(afd_command("launch", *role, *self.common), stdout=log, new_session=True)
+        self.ffn.append(proc)
         return proc
 
     def up(self) -> dict[int, subprocess.Popen]:
-        nodes = {n: self.start("--role", "ffn", "--node-rank", str(n)) for n in range(self.nodes)}
-        attention = self.start("--role", "attention", "--port", str(self.port))
+        nodes = {n: self.start_ffn(n) for n in range(self.nodes)}
+
+        def attention(port: int) -> list[str]:
+            return afd_command("launch", "--role", "attention", "--port", str(port), *self.common)
+
         try:
-            wait_healthy(self.port, attention)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}; logs in {self.logdir}") from None
+            self.attention = Server(attention, log_path=self.log("--role", "attention"))
+        except ServerNotReady as exc:
+            raise RuntimeError(f"{exc}\nlogs in {self.logdir}") from None
         return nodes
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):  # the attention role first: the FFN roles are told and end
-            stop_server(proc)
+        if self.attention is not None:  # the attention role first: the FFN roles are told and end
+            self.attention.stop()
+        for proc in reversed(self.ffn):
+            stop_process(proc, group=True)
 
 
 def _flag(argv: list[str], name: str, default):
@@ -134,7 +144,7 @@ async def stream_client(client, prompts, c: int, deadline: float, args, results:
 async def run(args, roles: Roles) -> dict:
     nodes = roles.up()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    base = f"http://127.0.0.1:{roles.port}"
+    base = roles.attention.url
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 400) for _ in range(rng.randrange(4, 24))] for _ in range(args.prompts)]
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300), limits=limits, trust_env=False) as client:
@@ -154,7 +164,7 @@ async def run(args, roles: Roles) -> dict:
             if args.rejoin_after_s < 0:
                 return
             await asyncio.sleep(max(0.0, events["kill"] + args.rejoin_after_s - time.perf_counter()))
-            roles.start("--role", "ffn", "--node-rank", str(args.victim_node))
+            roles.start_ffn(args.victim_node)
             events["replacement"] = time.perf_counter()
             while (await metric(client, "afd_ffn_ranks_alive") or 0) < roles.ranks:
                 await asyncio.sleep(0.1)
@@ -264,7 +274,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logdir = tempfile.mkdtemp(prefix="afd-faults-")
-    roles = Roles(args, free_port("127.0.0.1"), logdir)
+    roles = Roles(args, logdir)
     try:
         r = asyncio.run(run(args, roles))
     finally:
@@ -272,7 +282,7 @@ def main(argv=None) -> int:
     r["logs"] = logdir
     print(format_report(r))
     if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
+        write_json(args.json, r)
     ok = r["requests_failed"] == 0 and r["greedy_outputs_consistent"]
     return 0 if ok and (args.rejoin_after_s < 0 or r["time_to_full_size_s"] is not None) else 1
 

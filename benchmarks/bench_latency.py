@@ -23,23 +23,19 @@ over 2.1-4.1 ms between rounds of 4 requests, and an 8-round and a 12-round run 
 put AFD 1A+1F at 1.51x and 1.72x; rounds of one request keep the servers' turns seconds apart,
 not tens.
 
-    python benchmarks/bench_latency.py [--quick] [--json out.json]
+    python -m benchmarks.bench_latency [--quick] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import random
 import statistics
-import subprocess
 import sys
-from pathlib import Path
 
-from afd_engine.distributed.rendezvous import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_afd_vs_colocated import measure_point, start_server  # noqa: E402
+from benchmarks.bench_afd_vs_colocated import measure_point, start_server
+from benchmarks.lib.results import write_json
 
 SINGLE = ("single 1 thread", "single 2 threads")
 DEPLOYMENTS = {  # name -> afd serve flags (--num-threads 1 is start_server's; the single runs override it)
@@ -63,29 +59,23 @@ QUICK = ("single 1 thread", "single 2 threads", "afd 1A+1F mb3 shm")  # a smoke 
 
 def measure(args: argparse.Namespace) -> dict[str, list]:
     """Every deployment's bench_serving points, one per round; all servers run throughout."""
-    servers: dict[str, tuple[subprocess.Popen, int]] = {}
     point_args = argparse.Namespace(
         min_prompts=args.prompts, prompts_per_slot=1, input_len=args.input_len, output_len=args.output_len, workers=1
     )
     points: dict[str, list] = {name: [] for name in args.deployments}
-    try:
+    with contextlib.ExitStack() as running:
+        servers = {}
         for name in args.deployments:
             print(f"starting {name}", file=sys.stderr, flush=True)
-            port = free_port("127.0.0.1")
-            servers[name] = (start_server(args.model_path, DEPLOYMENTS[name].split(), port), port)
+            servers[name] = running.enter_context(start_server(args.model_path, DEPLOYMENTS[name].split()))
         names = list(args.deployments)
         for i in range(args.repeats):
             for name in names[i % len(names) :] + names[: i % len(names)]:
-                proc, port = servers[name]
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name}: afd serve exited with {proc.returncode}")
+                server = servers[name]
+                if not server.alive():
+                    raise RuntimeError(f"{name}: afd serve exited with {server.proc.returncode}")
                 print(f"round {i + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
-                points[name].append(measure_point(f"http://127.0.0.1:{port}", 1, point_args))
-    finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-        for proc, _ in servers.values():
-            proc.wait(timeout=60)
+                points[name].append(measure_point(server.url, 1, point_args))
     for name, pts in points.items():
         failed = [p for p in pts if p.failed]
         if failed:
@@ -165,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     results, summary = summarize(measure(args))
     print(report(results, summary["baseline"]))
     if args.json:
-        Path(args.json).write_text(json.dumps({**summary, "deployments": results, "args": vars(args)}, indent=2))
+        write_json(args.json, {**summary, "deployments": results, "args": vars(args)})
     return 0
 
 

@@ -20,7 +20,7 @@ Method:
     the --json output.
   * Before timing, each side runs --warmup untimed generate calls with a short output.
 
-Run from the repository root: ``python benchmarks/bench_offline.py [--quick] [--json out.json]``.
+Run from the repository root: ``python -m benchmarks.bench_offline [--quick] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from benchmarks.lib.results import write_json
 
 NUM_SPECIAL_IDS = 5  # ids 0..4 are bos, eos, pad, User, Assistant in the tiny tokenizer
 WARMUP_OUTPUT_LEN = 4
@@ -307,8 +309,7 @@ def main(argv=None) -> int:
     res = run(args)
     print(report(res))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(args.json, res)
     return 0
 
 

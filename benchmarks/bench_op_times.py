@@ -12,7 +12,7 @@ Prints, per deployment and process, the mean time per call of each operation and
 writes them to --json. Profiling adds a timer pair per operation, so compare deployments with each
 other, not with bench_latency's figures.
 
-    python benchmarks/bench_op_times.py [--max-new-tokens 300] [--json out.json]
+    python -m benchmarks.bench_op_times [--max-new-tokens 300] [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.lib.results import write_json
 
 DEPLOYMENTS = {
     "single": "--mode single --num-threads 1",
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {name: run(name, args, Path(tmp)) for name in args.deployments}
     print(report(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_json(args.json, {"deployments": results})
     return 0
 
 

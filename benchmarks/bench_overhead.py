@@ -18,7 +18,7 @@ of it in which no forward runs: the CPU work left on the critical path. Without 
 part adds to it; with overlap build, schedule, finish and encode run while the next forward does,
 and what is left is sampling, the hand-over between threads and contention for the cores.
 
-    python benchmarks/bench_overhead.py [--running 64 256 1024] [--steps 20] [--json out.json]
+    python -m benchmarks.bench_overhead [--running 64 256 1024] [--steps 20] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ import json
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
+
+import msgspec
 
 from afd_engine import Engine, SamplingParams
 from afd_engine.control import messages as msgs
+from benchmarks.lib.results import write_json
 
 
 def busy(intervals: list, fn):
@@ -113,7 +115,9 @@ def measure(model_path: str | None, running: int, steps: int, threads: int, over
         engine.close()
     t0 = time.perf_counter()  # what the JSON encoding the engine loop used before would cost
     for updates in sent:
-        json.dumps({"type": "StepOutput", "body": dataclasses.asdict(msgs.StepOutput(updates))}).encode()
+        stats = msgspec.structs.asdict(msgs.EngineStats())
+        body = {"updates": [dataclasses.asdict(u) for u in updates], "stats": stats, "rank": 0}
+        json.dumps({"type": "StepOutput", "body": body}).encode()
     timers["encode (json)"] = time.perf_counter() - t0
     ms = {k: 1000 * v / steps for k, v in timers.items()}
     # forward time inside the measured window: with overlap, forwards cross the calls' boundaries
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{r[c + '_ms']:>16.2f}" for c in cols)
         print(f"{r['running']:>8} {'on' if r['overlap'] else 'off':>8} {cells} {100 * r['outside_forward']:>7.1f}%")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_json(args.json, {"rows": rows})
     return 0
 
 

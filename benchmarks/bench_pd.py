@@ -28,8 +28,8 @@ Reported per deployment: the short streams' TPOT p50/p99 (the gaps between their
 p50/p99 (short and long requests apart), output tokens/s over the run, and for PD the KV
 transfer's MB/s and time per request (from the decode instance's /metrics and timelines).
 
-    python benchmarks/bench_pd.py --json benchmarks/results/pd_<date>.json
-    python benchmarks/bench_pd.py --model embedded --long-len 440 --local-prefill-max-tokens 0
+    python -m benchmarks.bench_pd --json benchmarks/results/pd_<date>.json
+    python -m benchmarks.bench_pd --model embedded --long-len 440 --local-prefill-max-tokens 0
 """
 
 from __future__ import annotations
@@ -38,58 +38,34 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
-import subprocess
 import sys
 import time
-from datetime import date
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dsv3_checkpoint import BENCH_MODEL_OVERRIDES  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(args: list[str], core: int | None = None) -> subprocess.Popen:
-    """`afd ARGS`; with `core`, the process and its children run on that core only."""
-    pin = ["taskset", "-c", str(core)] if core is not None else []
-    return subprocess.Popen(
-        [*pin, sys.executable, "-m", "afd_engine.cli", *args],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    from afd_engine.server.pd_launch import wait_healthy as healthy
-
-    if not healthy(url, proc, timeout):
-        raise RuntimeError(f"{url} did not become healthy (exit status {proc.poll()})")
+from afd_engine.processes.rendezvous import free_port
+from benchmarks.dsv3_checkpoint import BENCH_MODEL_OVERRIDES
+from benchmarks.lib.results import write_json
+from benchmarks.lib.server import Server, afd_server
 
 
 class Deployment:
     """Two instances (prefill + decode, or two replicas) and a router, as processes."""
 
     def __init__(self, ns, kind: str) -> None:
-        self.procs: list[subprocess.Popen] = []
+        self.servers: list[Server] = []
+        try:
+            self._start(ns, kind)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, ns, kind: str) -> None:
         common = ["--num-threads", str(ns.threads), "--kv-cache-memory-mb", "64", "--served-model-name", "m"]
         common += ["--max-num-batched-tokens", str(ns.chunk)]
         if ns.model_path:
             common += ["--model-path", ns.model_path]
-        ports = [free_port(), free_port()]
-        self.urls = [f"http://127.0.0.1:{p}" for p in ports]
         router_flags = []
         if kind.endswith("-local"):
             kind = kind.removesuffix("-local")
@@ -97,24 +73,25 @@ class Deployment:
             router_flags += ["--tokenizer", ns.model_path]
         if kind == "replicas":
             roles = [[], []]
-            router = [f"--replica={u}" for u in self.urls]
         else:
-            backend = kind.removeprefix("pd-")
-            pd = ["--disaggregation-transfer-backend", backend]
+            pd = ["--disaggregation-transfer-backend", kind.removeprefix("pd-")]
+            bootstrap = str(free_port("127.0.0.1"))
             roles = [
-                ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port()), *pd],
+                ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", bootstrap, *pd],
                 ["--disaggregation-mode", "decode", *pd],
             ]
-            router = [f"--prefill={self.urls[0]}", f"--decode={self.urls[1]}"]
+        # instance i on core i of ours, as on separate machines (its children inherit the mask)
         cores = sorted(os.sched_getaffinity(0))
-        for i, (port, role) in enumerate(zip(ports, roles)):
-            core = cores[i % len(cores)] if ns.pin and len(cores) > 1 else None
-            self.procs.append(start(["serve", "--port", str(port), *common, *role], core))
-        for proc, url in zip(self.procs, self.urls):
-            wait_healthy(url, proc)
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.procs.append(start(["router", "--port", self.url.rsplit(":", 1)[1], *router, *router_flags]))
-        wait_healthy(self.url, self.procs[-1])
+        for i, role in enumerate(roles):
+            pin = [cores[i % len(cores)]] if ns.pin and len(cores) > 1 else None
+            self.servers.append(afd_server("serve", *common, *role, cores=pin))
+        self.urls = [s.url for s in self.servers]
+        if kind == "replicas":
+            router = [f"--replica={u}" for u in self.urls]
+        else:
+            router = [f"--prefill={self.urls[0]}", f"--decode={self.urls[1]}"]
+        self.servers.append(afd_server("router", *router, *router_flags))
+        self.url = self.servers[-1].url
 
     def metric(self, url: str, name: str) -> float:
         for line in httpx.get(url + "/metrics").text.splitlines():
@@ -123,13 +100,8 @@ class Deployment:
         return 0.0
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for server in reversed(self.servers):  # the router first
+            server.stop()
 
 
 async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], out: int) -> dict:
@@ -302,17 +274,13 @@ def main(argv=None) -> int:
             ],
         }
     report = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
         "settings": {k: v for k, v in vars(ns).items() if k != "json"},
         "runs": runs,
         "summary": summary,
     }
     print(json.dumps(summary, indent=1))
     if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(ns.json, report)
     return 0
 
 

@@ -21,7 +21,7 @@ expert spans) and the transport time of one round trip, measured once in the 1-m
 which the measurement counts as busy. Writes a table, JSON, and a timeline PNG (A compute, A waits, F compute, per
 micro-batch) for one decode step.
 
-    python benchmarks/bench_pipeline.py [--quick] [--json out.json] [--png timeline.png]
+    python -m benchmarks.bench_pipeline [--quick] [--json out.json] [--png timeline.png]
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+
+from benchmarks.lib.results import write_json
 
 SCENARIOS = {  # name: (attention ms, ffn ms, link ms) per MoE layer and micro-batch
     "within (F<=A, comm<=A)": (20.0, 8.0, 4.0),
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     draw(pictures, args.png)
     print(f"timeline: {args.png}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
+        write_json(args.json, {"settings": vars(args), "results": results})
     return 0
 
 

@@ -14,25 +14,21 @@ Prints a markdown table; --json writes every figure, with the server's own prefi
 (warm-up request included) beside the client's. Every server is a fresh process, so no run sees
 another's cache.
 
-    python benchmarks/bench_prefix_cache.py [--json prefix_cache.json] [--quick]
+    python -m benchmarks.bench_prefix_cache [--json prefix_cache.json] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-from pathlib import Path
 
 import httpx
 
-from afd_engine.distributed.rendezvous import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_afd_vs_colocated import start_server  # noqa: E402
-from bench_serving import parse_args as serving_args  # noqa: E402
-from bench_serving import run_benchmark  # noqa: E402
+from benchmarks.bench_afd_vs_colocated import start_server
+from benchmarks.bench_serving import parse_args as serving_args
+from benchmarks.bench_serving import run_benchmark
+from benchmarks.lib.results import write_json
 
 SINGLE_ON, SINGLE_OFF = "1 rank, cache on", "1 rank, cache off"
 DP_AWARE, DP_RR = "2 ranks, cache_aware", "2 ranks, round_robin"
@@ -105,15 +101,9 @@ def server_counters(url: str) -> dict[str, float]:
 def measure(name: str, args: argparse.Namespace) -> dict:
     """Serves one deployment, runs the workload against it, and returns its figures."""
     print(f"== {name}", file=sys.stderr, flush=True)
-    port = free_port("127.0.0.1")
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args.model_path, DEPLOYMENTS[name], port)
-    try:
-        metrics = asyncio.run(run_benchmark(serving_args(workload_flags(args, url))))
-        counters = server_counters(url)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    with start_server(args.model_path, DEPLOYMENTS[name]) as server:
+        metrics = asyncio.run(run_benchmark(serving_args(workload_flags(args, server.url))))
+        counters = server_counters(server.url)
     if metrics["cache_hit_rate"] is None:
         raise RuntimeError(f"{name}: no response reported its cached prompt tokens; nothing to compare")
     return {"server_flags": DEPLOYMENTS[name], **{k: metrics[k] for k in FIGURES}, "server": counters}
@@ -192,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     c = comparisons(runs)
     print(markdown(runs, c), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "runs": runs, "comparisons": c}, indent=2))
+        write_json(args.json, {"settings": vars(args), "runs": runs, "comparisons": c})
         print(f"wrote {args.json}")
     return 1 if any(r["failed"] for r in runs.values()) else 0
 

@@ -14,7 +14,7 @@ Triton on a CPU runs under Triton's interpreter, far slower than torch, so the `
 configurations score only --triton-windows windows of --triton-window-len tokens; their reference is
 transformers on those same windows. Nothing here asserts quality: the table reports it.
 
-Run from the repository root: ``python benchmarks/bench_quality.py [--windows N] [--json out.json]``.
+Run from the repository root: ``python -m benchmarks.bench_quality [--windows N] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 if not torch.cuda.is_available():  # must precede the first import of a Triton kernel module
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from afd_engine.default_model import default_model_path  # noqa: E402
+from afd_engine.default_model import default_model_path  # noqa: E402  (after TRITON_INTERPRET is set)
+from benchmarks.lib.results import write_json  # noqa: E402
 
 AFD = dict(mode="afd", dp_size=1, ffn_nodes=2, ffn_ranks_per_node=1)  # 1 attention rank, 2 FFN ranks
 TRITON = dict(mode="single", attention_backend="triton", moe_backend="triton")
@@ -225,7 +225,7 @@ def main(argv=None) -> None:
     res = run(args)
     print_table(res)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(args.json, res)
         log(f"wrote {args.json}")
 
 

@@ -44,7 +44,7 @@ Per-request measurements (client side, ``time.perf_counter``):
     requests that reported it (None when none did).
 
 Run from the repository root against a running ``afd serve``:
-``python benchmarks/bench_serving.py --backend completions --num-prompts 64``.
+``python -m benchmarks.bench_serving --backend completions --num-prompts 64``.
 Other scripts can ``await run_benchmark(args)`` (args: a Namespace from ``parse_args`` or a dict
 of overrides) and get the metrics dict.
 """
@@ -59,14 +59,12 @@ import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_datasets import (  # noqa: E402  (the workloads; re-exported for other scripts)
+from benchmarks.lib.datasets import (  # the workloads; re-exported for other scripts
     NUM_SPECIAL_IDS,
     WORDS,  # noqa: F401
     Conversation,
@@ -78,6 +76,7 @@ from serving_datasets import (  # noqa: E402  (the workloads; re-exported for ot
     next_turn,
     warmup_requests,
 )
+from benchmarks.lib.results import append_jsonl
 
 MAX_ERRORS_SHOWN = 5
 
@@ -574,11 +573,6 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return s
 
 
-def write_record(path: str, record: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 async def run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
     """Runs one benchmark and returns its metrics (plus "settings"); also prints the table and
     appends the record to --output-file when set. Failed requests are counted, not raised."""
@@ -612,7 +606,7 @@ async def run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> dict[st
                 cached_lens=[r.cached_tokens for r in results],
                 all_errors=[r.error for r in results],
             )
-        write_record(args.output_file, record)
+        append_jsonl(args.output_file, record)
     metrics["results"] = [asdict(r) for r in results]  # for callers; not in the JSONL record
     return metrics
 

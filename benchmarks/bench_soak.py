@@ -22,8 +22,8 @@ When the load stops and every client has finished its request, it reports:
 Exit 1 when a page leaked, a process died, any answer was a 5xx or not JSON, a normal request
 failed, a malformed one was accepted, or a process's RSS grew more than ``--max-rss-growth-pct``.
 
-    python benchmarks/bench_soak.py --mode afd --minutes 10 --json soak.json
-    python benchmarks/bench_soak.py --quick            # 12 seconds
+    python -m benchmarks.bench_soak --mode afd --minutes 10 --json soak.json
+    python -m benchmarks.bench_soak --quick            # 12 seconds
 """
 
 from __future__ import annotations
@@ -31,10 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,10 +42,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from afd_engine.distributed.rendezvous import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import WORDS, sse_data  # noqa: E402
+from benchmarks.bench_serving import sse_data
+from benchmarks.lib.datasets import WORDS
+from benchmarks.lib.results import write_json
+from benchmarks.lib.server import Server, afd_server
 
 MODES = {
     "single": ["--mode", "single"],
@@ -269,7 +266,7 @@ def _describe(pid: int, root: int) -> str:
         return "?"
     if "resource_tracker" in cmd:
         return "resource_tracker"
-    return "forkserver" if "forkserver" in cmd else "rank"  # ranks fork from it (distributed/rank_process.py)
+    return "forkserver" if "forkserver" in cmd else "rank"  # ranks fork from it (processes/rank_process.py)
 
 
 def alive(pid: int, start: int) -> bool:
@@ -301,45 +298,11 @@ async def sample_rss(procs: dict[int, dict], t0: float, every_s: float, samples:
 # ---------------------------------------------------------------------------------------------
 
 
-def start_server(args, port: int, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "afd_engine.cli", "serve", "--port", str(port), "--num-threads", "1"]
-    cmd += MODES[args.mode] + (["--model-path", args.model_path] if args.model_path else [])
-    # A session of its own: the whole tree can be signalled as one group, and only ours.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(port, proc)
-    except RuntimeError:
-        stop_server(proc)
-        raise
-    return proc
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    """Until GET /health on `port` answers 200; RuntimeError if `proc` exits first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(proc.args[3:5])} exited with {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server did not become healthy within {timeout:g} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def start_server(args, log_path: Path) -> Server:
+    """`afd serve` in a session of its own (its whole tree is found and signalled as one group, and
+    only ours), output to `log_path`."""
+    flags = ["serve", "--num-threads", "1", *MODES[args.mode]]
+    return afd_server(*flags, *(["--model-path", args.model_path] if args.model_path else []), log_path=log_path)
 
 
 def _held_pages(gauges: dict[str, float]) -> float:
@@ -378,10 +341,9 @@ async def kv_after_drain(client: httpx.AsyncClient, timeout_s: float) -> tuple[d
 # ---------------------------------------------------------------------------------------------
 
 
-async def soak(args, port: int, procs: dict[int, dict]) -> dict:
+async def soak(args, base: str, procs: dict[int, dict]) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.request_timeout)
-    base = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(base_url=base, timeout=timeout, limits=limits, trust_env=False) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         samples: dict[int, list] = {pid: [] for pid in procs}
@@ -558,21 +520,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryFile() as log:
-        port = free_port("127.0.0.1")
-        proc = start_server(args, port, log)
-        try:
-            procs = process_tree(proc.pid)
-            run = asyncio.run(soak(args, port, procs))
+    with tempfile.TemporaryDirectory(prefix="afd-soak-") as tmp:
+        with start_server(args, Path(tmp) / "serve.log") as server:
+            procs = process_tree(server.pid)
+            run = asyncio.run(soak(args, server.url, procs))
             report = build_report(args, procs, run)
-        finally:
-            stop_server(proc)
         if report["crashed_processes"]:
-            log.seek(0)
-            print(log.read().decode(errors="replace")[-4000:], file=sys.stderr)
+            print(server.log_tail(4000), file=sys.stderr)
     print(format_report(report), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)
     return 0 if report["passed"] else 1
 
 

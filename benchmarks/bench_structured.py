@@ -6,7 +6,7 @@ Three parts (--parts, all by default):
 - overhead: decode step time with 32 running requests, all constrained by a JSON schema, against
   the same 32 requests unconstrained, in one process and one run (rounds alternate). A step is
   timed only while all 32 decode (after their prefill, before the first one ends). The schema
-  (structured_schemas.LONG_SCHEMA) keeps every constrained request going for the whole window.
+  (benchmarks.lib.structured_schemas.LONG_SCHEMA) keeps every constrained request going for the whole window.
 - compile: xgrammar's tokenizer preparation once, then each of the 20 schemas and the 5 tools'
   required-call guides compiled cold (a fresh guide) and again (from the engine's cache).
 - validity: through `afd serve` and the official client, in single and AFD modes, 200 requests
@@ -14,38 +14,28 @@ Three parts (--parts, all by default):
   50 with `tool_choice: "required"` over the 5 tools (one call each); every reply is parsed and
   checked against its schema with `jsonschema`.
 
-    python benchmarks/bench_structured.py [--json out.json] [--quick] [--parts overhead compile validity]
+    python -m benchmarks.bench_structured [--json out.json] [--quick] [--parts overhead compile validity]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import platform
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from afd_engine import Engine, SamplingParams  # noqa: E402
-from afd_engine.default_model import resolve_model_path  # noqa: E402
-from afd_engine.runtime.grammar import GrammarCompiler  # noqa: E402
-from afd_engine.server.tool_calls import tool_call_guide  # noqa: E402
-from benchmarks.structured_schemas import (  # noqa: E402
-    LONG_SCHEMA,
-    PROMPTS,
-    SCHEMAS,
-    TOOLS,
-    ask_schema,
-    ask_tool_call,
-)
+from afd_engine import Engine, SamplingParams
+from afd_engine.default_model import resolve_model_path
+from afd_engine.runtime.grammar import GrammarCompiler
+from afd_engine.server.tool_calls import tool_call_guide
+from benchmarks.lib.results import write_json
+from benchmarks.lib.server import afd_server
+from benchmarks.lib.structured_schemas import LONG_SCHEMA, PROMPTS, SCHEMAS, TOOLS, ask_schema, ask_tool_call
 
 RUNNING = 32
 
@@ -164,16 +154,16 @@ def _tool_ok(client, i: int) -> bool:
 def validity(modes: list[str], n_schema: int, n_tools: int) -> dict:
     import openai
 
-    from tests.server.conftest import Server
-
     flags = {
         "single": [],
         "afd": "--mode afd --dp-size 2 --ffn-nodes 1 --ffn-ranks-per-node 2 --micro-batches 2".split(),
     }
+    # the tests' server settings: the model served as "tiny" (the name ask_schema uses), one thread
+    serve = ["serve", "--model-path", str(resolve_model_path(None)), "--served-model-name", "tiny"]
+    serve += ["--num-threads", "1", "--kv-cache-memory-mb", "16"]
     out = {}
     for mode in modes:
-        srv = Server(str(resolve_model_path(None)), *flags[mode])
-        try:
+        with afd_server(*serve, *flags[mode], timeout=120) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
             start = time.perf_counter()
             with ThreadPoolExecutor(16) as pool:
@@ -200,8 +190,6 @@ def validity(modes: list[str], n_schema: int, n_tools: int) -> dict:
                 "tool_calls_valid": sum(tools),
                 "seconds": time.perf_counter() - start,
             }
-        finally:
-            srv.stop()
     return out
 
 
@@ -214,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--modes", nargs="+", default=["single", "afd"], choices=["single", "afd"])
     args = p.parse_args(argv)
-    result: dict = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-        "model": "default (tiny-deepseek-v3-pydoc)",
-    }
+    result: dict = {"python": platform.python_version(), "model": "default (tiny-deepseek-v3-pydoc)"}
     if "overhead" in args.parts:
         result["overhead"] = overhead(rounds=1 if args.quick else 5, steps=8 if args.quick else 40)
         o = result["overhead"]
@@ -241,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"required tool calls {r['tool_calls_valid']}/{r['tool_requests']} valid ({r['seconds']:.1f} s)"
             )
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     return 0
 
 

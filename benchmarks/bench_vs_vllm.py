@@ -27,8 +27,8 @@ TPOT p50 of each. Writes everything to --json. Exit code 0 when both servers sta
 request succeeded, 1 otherwise (the other engine still runs, and the JSON says what failed), 2
 when --vllm-python is missing. Setup of the vLLM virtualenv: benchmarks/README.md.
 
-    python benchmarks/bench_vs_vllm.py [--vllm-python /work/vllm-venv/bin/python] [--cores 0-1]
-    python benchmarks/bench_vs_vllm.py --quick          # concurrency 1 and 4, short requests
+    python -m benchmarks.bench_vs_vllm [--vllm-python ~/vllm-venv/bin/python] [--cores 0-1]
+    python -m benchmarks.bench_vs_vllm --quick          # concurrency 1 and 4, short requests
 """
 
 from __future__ import annotations
@@ -46,26 +46,25 @@ from pathlib import Path
 
 import httpx
 
-from afd_engine.distributed.rendezvous import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dsv3_checkpoint import prepare_model  # noqa: E402
-from greedy_agreement import agreement_prompts, compare_greedy, run_greedy  # noqa: E402
-from load_levels import run_levels  # noqa: E402
-from peer_servers import (  # noqa: E402
+from afd_engine.processes.rendezvous import free_port
+from benchmarks.dsv3_checkpoint import prepare_model
+from benchmarks.lib.greedy_agreement import agreement_prompts, compare_greedy, run_greedy
+from benchmarks.lib.load_levels import run_levels
+from benchmarks.lib.peer_servers import (
+    ServerSpec,
     afd_spec,
     default_cores,
     format_cores,
     idle_check,
     parse_cores,
     resolve_preload,
-    start_server,
-    stop_server,
     vllm_spec,
 )
+from benchmarks.lib.results import write_json
+from benchmarks.lib.server import Server, ServerNotReady
 
 ENGINES = ("afd", "vllm")
-DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+DEFAULT_VLLM_PYTHON = str(Path.home() / "vllm-venv" / "bin" / "python")  # as benchmarks/README.md makes it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,10 +158,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 
 
-def start_engine(
-    engine: str, model: Path, args: argparse.Namespace, log_dir: Path
-) -> tuple[dict, subprocess.Popen | None]:
-    """Start one server and take its greedy outputs: (its record, its process; None if it failed)."""
+def start_server(spec: ServerSpec, port: int, cores: list[int], log_path: Path, timeout: float) -> Server:
+    """The server of `spec` pinned to `cores` (its children inherit the mask), healthy; stopped
+    with SIGTERM to it and, 60 s later, SIGKILL to what is left of its process group."""
+    return Server(
+        spec.cmd, port=port, timeout=timeout, health=spec.health, log_path=log_path, env=spec.env, cores=cores, grace=60
+    )
+
+
+def start_engine(engine: str, model: Path, args: argparse.Namespace, log_dir: Path) -> tuple[dict, Server | None]:
+    """Start one server and take its greedy outputs: (its record, the server; None if it failed)."""
     port = free_port("127.0.0.1")
     if engine == "afd":
         spec = afd_spec(sys.executable, model, port, args.core_list, args.afd_replicas)
@@ -186,31 +191,31 @@ def start_engine(
     print(f"{engine}: starting ({' '.join(spec.cmd)})", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     try:
-        proc = start_server(spec, port, args.core_list, log_path, args.startup_timeout)
-    except RuntimeError as exc:
+        server = start_server(spec, port, args.core_list, log_path, args.startup_timeout)
+    except ServerNotReady as exc:
         return _failed(record, engine, str(exc)), None
     record["startup_s"] = time.monotonic() - t0
-    record["base_url"] = f"http://127.0.0.1:{port}"
+    record["base_url"] = server.url
     try:
         prompts = agreement_prompts(args.agreement_prompts, args.input_len)
         record["greedy"] = run_greedy(engine, record["base_url"], prompts, args.agreement_output_len)
     except (httpx.HTTPError, RuntimeError, KeyError, IndexError) as exc:
-        stop_server(proc)
+        server.stop()
         return _failed(record, engine, f"{type(exc).__name__}: {exc}"), None
-    return record, proc
+    return record, server
 
 
 def run_engines(model: Path, args: argparse.Namespace, log_dir: Path) -> dict[str, dict]:
     """Start every server, run the load on all of them taking turns (load_levels.run_levels), stop
     them; per engine, its record."""
     records: dict[str, dict] = {}
-    procs: dict[str, subprocess.Popen] = {}
+    started: dict[str, Server] = {}
     try:
         for engine in args.engines:
-            records[engine], proc = start_engine(engine, model, args, log_dir)
-            if proc is not None:
-                procs[engine] = proc
-        servers = {engine: (records[engine]["base_url"], proc.pid) for engine, proc in procs.items()}
+            records[engine], server = start_engine(engine, model, args, log_dir)
+            if server is not None:
+                started[engine] = server
+        servers = {engine: (records[engine]["base_url"], server.pid) for engine, server in started.items()}
         try:
             points = run_levels(servers, args) if servers else {}
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError) as exc:
@@ -230,8 +235,8 @@ def run_engines(model: Path, args: argparse.Namespace, log_dir: Path) -> dict[st
             if not record["ok"]:
                 record["error"] = "some requests failed"
     finally:
-        for proc in procs.values():
-            stop_server(proc)
+        for server in started.values():
+            server.stop()
     return records
 
 
@@ -381,7 +386,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{engine}: FAILED: {rec.get('error')}")
     settings = {k: v for k, v in vars(args).items() if k != "core_list"}
     report = {
-        "date": time.strftime("%Y-%m-%d"),
         "settings": settings,
         "model": {"path": str(model), "config": json.loads((model / "config.json").read_text())},
         "versions": versions(args.vllm_python if "vllm" in args.engines else None),
@@ -389,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "engines": records,
     }
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     print(f"wrote {args.json}")
     if not args.model_path:  # made for this run (about 26 MiB); the logs stay
         shutil.rmtree(model, ignore_errors=True)

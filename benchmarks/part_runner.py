@@ -1,6 +1,6 @@
 """Running a check script's parts: each under a time limit, each failure recorded (type, message, the
 end of its traceback and of its cause's) while the next part runs, the report rewritten to disk
-after every part. Used by gpu_check.py; nothing here knows a GPU."""
+after every part. Used by kernels/gpu_check.py and kernels/tune_kernels.py; nothing here knows a GPU."""
 
 from __future__ import annotations
 

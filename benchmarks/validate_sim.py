@@ -9,8 +9,8 @@ behind the router, `afd serve --pd`) it
    fitted per instance, and the KV link of KV_LINK);
 3. compares TTFT p50/p90, TPOT p50/p90 and output tokens/s, engine against simulation.
 
-    python benchmarks/validate_sim.py --json benchmarks/results/sim_validation_cpu_DATE.json
-    python benchmarks/validate_sim.py --quick        # single mode, 20 s slices
+    python -m benchmarks.validate_sim --json benchmarks/results/sim_validation_cpu_DATE.json
+    python -m benchmarks.validate_sim --quick        # single mode, 20 s slices
 
 The model is the tiny checkpoint with a 4096-token context (copied to --workdir); lengths are
 scaled by 1/32 (a 512-token block becomes one 16-token page). Requests whose prompt and output
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import signal
@@ -30,10 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+from benchmarks.lib.results import write_json
+from benchmarks.lib.server import Server, afd_command
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from afd_engine.planner.simulate import SLO, ClusterConfig, InstanceConfig, KVLink, simulate  # noqa: E402
 from afd_engine.planner.step_calibration import (  # noqa: E402
@@ -45,7 +44,7 @@ from afd_engine.planner.step_calibration import (  # noqa: E402
 )
 from afd_engine.planner.traces import Trace, load_mooncake  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_first30min.jsonl"
+TRACE = ROOT / "benchmarks" / "datasets" / "mooncake_conversation_first30min.jsonl"
 ASSET = ROOT / "afd_engine" / "assets" / "tiny-deepseek-v3-pydoc"
 CONTEXT = 4096
 VOCAB = 2048
@@ -91,58 +90,38 @@ def kv_pages(log: str) -> list[int]:
     return [int(x) for x in re.findall(r"rank \d+ ready: .*? (\d+) KV pages", log)]
 
 
-class Server:
-    """One `afd serve` in its own process group, stopped on exit."""
-
-    def __init__(self, model: Path, mode: str, port: int, args: argparse.Namespace, log: Path, record: str | None):
-        cmd = [sys.executable, "-m", "afd_engine.cli", "serve", "--model-path", str(model), "--port", str(port)]
-        cmd += ["--num-threads", "1", "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        cmd += ["--page-size", "16", "--kv-cache-memory-mb", str(args.kv_cache_memory_mb), *MODES[mode][0]]
-        if record and mode == "pd":  # each instance records its own steps
-            cmd += ["--prefill-args", f"--record-steps {record}.p", "--decode-args", f"--record-steps {record}.d"]
-        elif record:
-            cmd += ["--record-steps", record]
-        self.cmd, self.log, self.port = cmd, log, port
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 300.0) -> list[int]:
-        """The KV pages of each attention rank, once the server says it is ready."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log.read_text()
-            if re.search(r"afd\.serve INFO ready", text) and healthy(self.port):
-                return kv_pages(text)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log}")
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready in {timeout:g} s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+def serve(model: Path, mode: str, port: int, args: argparse.Namespace, log: Path, record: str | None) -> Server:
+    """One `afd serve` in its own process group, healthy; SIGINT stops it (SIGKILL 30 s later)."""
+    cmd = afd_command("serve", "--model-path", str(model), "--port", str(port), "--num-threads", "1")
+    cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    cmd += ["--page-size", "16", "--kv-cache-memory-mb", str(args.kv_cache_memory_mb), *MODES[mode][0]]
+    if record and mode == "pd":  # each instance records its own steps
+        cmd += ["--prefill-args", f"--record-steps {record}.p", "--decode-args", f"--record-steps {record}.d"]
+    elif record:
+        cmd += ["--record-steps", record]
+    return Server(cmd, port=port, log_path=log, stop_signal=signal.SIGINT)
 
 
-def healthy(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+def ready_pages(server: Server, timeout: float = 60.0) -> list[int]:
+    """The KV pages of each attention rank, once the healthy server's log says it is ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = server.log_path.read_text()
+        if re.search(r"afd\.serve INFO ready", text):
+            return kv_pages(text)
+        time.sleep(0.5)
+    raise RuntimeError(f"the server's log did not say it was ready within {timeout:g} s; see {server.log_path}")
 
 
 def bench(port: int, start: float, duration: float, args: argparse.Namespace, out: Path) -> dict:
     """Replays [start, start + duration) s of the scaled trace; bench_serving's record."""
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--base-url", f"http://127.0.0.1:{port}"]
+    cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--base-url", f"http://127.0.0.1:{port}"]
     cmd += ["--backend", "native", "--dataset-name", "trace", "--trace", str(args.trace)]
     cmd += ["--trace-rate-scale", str(args.rate_scale), "--trace-length-scale", str(args.length_scale)]
     cmd += ["--trace-start", str(start), "--trace-duration", str(duration), "--random-vocab-size", str(VOCAB)]
     cmd += ["--disable-tqdm", "--output-file", str(out), "--output-details"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     return json.loads(out.read_text().splitlines()[-1])
 
 
@@ -237,12 +216,9 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
     if args.reuse:
         cal_bench = json.loads((work / "cal_bench.jsonl").read_text().splitlines()[-1])
     else:
-        srv = Server(model, mode, port, args, work / "serve_cal.log", rec)
-        try:
-            srv.wait_ready()
+        with serve(model, mode, port, args, work / "serve_cal.log", rec) as srv:
+            ready_pages(srv)
             cal_bench = bench(port, args.cal_start, args.duration, args, work / "cal_bench.jsonl")
-        finally:
-            srv.stop()
     files = step_files(mode, rec, ranks)
     cal_trace, _ = trace_slice(args, args.cal_start, args.duration)
     cal_engine = {k: float(cal_bench[src]) for k, src in METRICS}
@@ -264,12 +240,9 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
         pages = kv_pages((work / "serve_val.log").read_text())
         val_bench = json.loads((work / "val_bench.jsonl").read_text().splitlines()[-1])
     else:
-        srv = Server(model, mode, port, args, work / "serve_val.log", vrec)
-        try:
-            pages = srv.wait_ready()
+        with serve(model, mode, port, args, work / "serve_val.log", vrec) as srv:
+            pages = ready_pages(srv)
             val_bench = bench(port, args.val_start, args.duration, args, work / "val_bench.jsonl")
-        finally:
-            srv.stop()
     vfiles = step_files(mode, vrec, ranks)
     pred, secs = [], []
     for group, one in zip(vfiles, cal):
@@ -295,12 +268,9 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, port: int) -> dic
     # the engine's own spread: the validation slice replayed again on a fresh server
     again = work / "val_bench_repeat.jsonl"
     if args.repeat and not args.reuse:
-        srv = Server(model, mode, port, args, work / "serve_repeat.log", None)
-        try:
-            srv.wait_ready()
+        with serve(model, mode, port, args, work / "serve_repeat.log", None) as srv:
+            ready_pages(srv)
             bench(port, args.val_start, args.duration, args, again)
-        finally:
-            srv.stop()
     repeat = None
     if again.exists() and (args.repeat or args.reuse):
         rb = json.loads(again.read_text().splitlines()[-1])
@@ -371,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(results[-1:])
     out = {
         "what": "afd plan simulate (fitted step time) vs the engine on CPU, same trace slice",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} CPU cores, --num-threads 1",
+        "num_threads": 1,
         "trace": str(args.trace),
         "rate_scale": args.rate_scale,
         "length_scale": args.length_scale,
@@ -385,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out)
     return 0
 
 

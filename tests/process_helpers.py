@@ -1,17 +1,18 @@
-"""Helpers for tests that run the `afd` command and HTTP servers as real subprocesses."""
+"""Helpers for tests that run the `afd` command, HTTP servers and benchmarks as real subprocesses
+(servers through benchmarks.lib.server, which the benchmarks start theirs with)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 
-import httpx
+from afd_engine.processes.rendezvous import free_port as free_port_on
+from benchmarks.lib import server as servers
 
-from afd_engine.distributed.rendezvous import free_port as free_port_on
-
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tests run two workers on two cores; one torch thread per process keeps them from fighting.
 ENV = {**os.environ, "AFD_TEST_THREADS": "1"}
 
@@ -22,32 +23,25 @@ def free_port() -> int:
 
 def afd_run(*args: str, env=None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`afd ARGS` to completion, output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "afd_engine.cli", *args], capture_output=True, text=True, timeout=timeout, env=env or ENV
-    )
+    return subprocess.run(servers.afd_command(*args), capture_output=True, text=True, timeout=timeout, env=env or ENV)
+
+
+def bench_module(script: str) -> str:
+    """The module of benchmarks/SCRIPT ("bench_x.py", or a path under benchmarks/ like "dir/x.py")."""
+    return "benchmarks." + script.removesuffix(".py").replace("/", ".")
 
 
 def load_bench(script: str):
-    """benchmarks/SCRIPT imported as a module of its own name (registered in sys.modules: dataclasses
-    look their module up there), for tests of its pure functions."""
-    import importlib.util
-
-    name = script.removesuffix(".py")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/SCRIPT imported as its module (benchmarks.NAME), for tests of its pure functions."""
+    return importlib.import_module(bench_module(script))
 
 
 def bench_run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`python benchmarks/SCRIPT ARGS` from the repository root to completion; fails the test with
-    the end of its output when it exits non-zero."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """`python -m benchmarks.NAME ARGS` (SCRIPT: benchmarks/NAME.py) from the repository root to
+    completion; fails the test with the end of its output when it exits non-zero."""
     res = subprocess.run(
-        [sys.executable, os.path.join("benchmarks", script), *args],
-        cwd=root,
+        [sys.executable, "-m", bench_module(script), *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -59,13 +53,12 @@ def bench_run(script: str, *args: str, timeout: float = 240) -> subprocess.Compl
 def afd_start(*args: str, new_session: bool = False, env: dict | None = None) -> subprocess.Popen:
     """`afd ARGS` in the background, stdout and stderr merged into one text pipe (`env`: more
     environment variables)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "afd_engine.cli", *args],
+    return servers.spawn(
+        servers.afd_command(*args),
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
         text=True,
         env={**ENV, **(env or {})},
-        start_new_session=new_session,
+        new_session=new_session,
     )
 
 
@@ -89,18 +82,14 @@ def stopped_after(procs: list[subprocess.Popen]):
 
 
 def wait_healthy(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
-    """Until GET url/health answers 200; fails early (with its output) if `proc` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} not healthy within {timeout} s")
+    """Until GET url/health answers 200: RuntimeError (with its output) if `proc` exits first,
+    AssertionError when `timeout` passes."""
+    try:
+        servers.wait_healthy(url, proc, timeout)
+    except servers.ServerNotReady as exc:
+        if exc.returncode is None:
+            raise AssertionError(str(exc)) from None
+        raise
 
 
 def proc_title(pid: int) -> str:

@@ -2,7 +2,7 @@
 the largest difference and transformers' own accuracy: a check that the server's echoed prompt
 logprobs reach lm-eval aligned with its tokens.
 
-    python benchmarks/lm_eval_task/check_samples.py OUTPUT_PATH [--model-path DIR] [--no-bos]
+    python -m benchmarks.lm_eval_task.check_samples OUTPUT_PATH [--model-path DIR] [--no-bos]
 
 OUTPUT_PATH is lm_eval's --output_path; the newest samples_*.jsonl under it is read. Contexts are
 encoded as lm-eval encodes them (the whole string, then the context's tokens split off), with bos
@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from afd_engine.default_model import default_model_path  # noqa: E402
+from afd_engine.default_model import default_model_path
 
 
 @torch.inference_mode()

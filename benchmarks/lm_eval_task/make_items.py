@@ -1,7 +1,7 @@
 """Write next_word.jsonl: 20 sentences of the shipped model's held-out text, each with its last word
 and three distractors (the last words of other items) as a 4-way choice.
 
-Run from the repository root: ``python benchmarks/lm_eval_task/make_items.py``. Deterministic.
+Run from the repository root: ``python -m benchmarks.lm_eval_task.make_items``. Deterministic.
 """
 
 from __future__ import annotations

@@ -5,22 +5,18 @@ quick run of both real deployments, end to end."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.process_helpers import bench_run, load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_afd_vs_colocated.py"
+SCRIPT = "bench_afd_vs_colocated.py"
 COLO, AFD = "colocated dp2", "afd 1A + 1F"
 
 
 @pytest.fixture(scope="module")
 def avc():
-    yield load_bench(SCRIPT.name)
-    sys.modules.pop("bench_afd_vs_colocated", None)
+    return load_bench(SCRIPT)
 
 
 def fake(avc, tpot_ms, failed_from: int | None = None):
@@ -139,7 +135,7 @@ def test_quick_run_of_both_deployments(tmp_path, tiny_v3):
     out, png = tmp_path / "avc.json", tmp_path / "avc.png"
     # an SLO no point can miss: the search runs to the cap, and must say that the SLO did not bind
     flags = ["--quick", "--max-concurrency", "2", "--slo-tpot-ms", "1e6", "--model-path", tiny_v3]
-    res = bench_run(SCRIPT.name, *flags, "--json", str(out), "--png", str(png), timeout=300)
+    res = bench_run(SCRIPT, *flags, "--json", str(out), "--png", str(png), timeout=300)
     data = json.loads(out.read_text())
     assert list(data["deployments"]) == [COLO, AFD]
     best = {}

@@ -1,4 +1,4 @@
-"""bench_comm: measured volumes equal the analytic ones; two-stage saves what the seed reports."""
+"""bench_comm (benchmarks/kernels): measured volumes equal the analytic ones; two-stage saves what the seed reports."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 def run(tmp_path, *args: str) -> list[dict]:
     out = tmp_path / "comm.json"
     res = subprocess.run(
-        [sys.executable, "benchmarks/bench_comm.py", *args, "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.kernels.bench_comm", *args, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,4 +1,4 @@
-"""bench_cpu_attention: the C MLA decode kernel against the torch reference in one process (the
+"""bench_cpu_attention (benchmarks/kernels): the C MLA decode kernel against the torch reference in one process (the
 step times are the benchmark's, not asserted; what it reports about them is)."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from tests.process_helpers import bench_run
 @pytest.mark.timeout(200)
 def test_quick_run_reports_both_backends_per_block_and_their_tokens(tmp_path):
     out = tmp_path / "cpu_attention.json"
-    res = bench_run("bench_cpu_attention.py", "--quick", "--model-path", str(tmp_path / "model"), "--json", str(out))
+    res = bench_run(
+        "kernels/bench_cpu_attention.py", "--quick", "--model-path", str(tmp_path / "model"), "--json", str(out)
+    )
     data = json.loads(out.read_text())
     assert (data["running"], data["input_len"], data["output_len"], data["block"]) == (4, 8, 12, 4)
     # 12 tokens in blocks of 4: three blocks, the first (prefill) left out

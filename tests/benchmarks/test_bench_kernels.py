@@ -1,4 +1,5 @@
-"""bench_kernels: every kernel of every backend runs, is timed, and agrees with the torch reference."""
+"""bench_kernels (benchmarks/kernels): every kernel of every backend runs, is timed, and agrees with
+the torch reference."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 def test_quick_rows_cover_every_kernel_and_backend(tmp_path):
     out = tmp_path / "kernels.json"
     res = subprocess.run(
-        [sys.executable, "benchmarks/bench_kernels.py", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.kernels.bench_kernels", "--quick", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -31,5 +32,6 @@ def test_quick_rows_cover_every_kernel_and_backend(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the full shapes run")
 def test_full_shapes_need_a_gpu():
-    res = subprocess.run([sys.executable, "benchmarks/bench_kernels.py"], capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "benchmarks.kernels.bench_kernels"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "need a GPU" in res.stderr

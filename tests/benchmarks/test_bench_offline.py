@@ -8,16 +8,12 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-from tests.process_helpers import load_bench
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_offline.py"
+from tests.process_helpers import ROOT, load_bench
 
 
 def _bench_module():
-    return load_bench(SCRIPT.name)
+    return load_bench("bench_offline.py")
 
 
 def test_decode_time_pairs_prefill_and_total_of_one_repeat():
@@ -30,8 +26,9 @@ def test_decode_time_pairs_prefill_and_total_of_one_repeat():
 def test_bench_offline_quick(tmp_path):
     out = tmp_path / "x.json"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    flags = ["--quick", "--repeats", "2", "--num-threads", "1", "--json", str(out)]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--repeats", "2", "--num-threads", "1", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.bench_offline", *flags],
         cwd=ROOT,
         env=env,
         capture_output=True,

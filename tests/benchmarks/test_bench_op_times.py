@@ -21,7 +21,7 @@ def test_each_process_of_single_and_afd_reports_all_its_operations(tmp_path, tin
         *("--model-path", tiny_v3, "--deployments", "single", "afd 1A+1F"),
         *("--max-new-tokens", str(TOKENS), "--json", str(out)),
     )
-    data = json.loads(out.read_text())
+    data = json.loads(out.read_text())["deployments"]
     (single,) = data["single"]
     attention, experts = data["afd 1A+1F"]  # the attention rank, then the FFN rank
     for proc in (single, attention):

@@ -14,7 +14,7 @@ def test_small_run_reports_each_part_of_the_step(tmp_path, tiny_v3):
     res = bench_run(
         "bench_overhead.py", "--model-path", tiny_v3, "--running", "8", "24", "--steps", "3", "--json", str(out)
     )
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert [(r["running"], r["overlap"]) for r in rows] == [(8, False), (8, True), (24, False), (24, True)]
     for r in rows:
         assert all(r[p] > 0 for p in PARTS), r

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from tests.process_helpers import bench_run
 
 
 def test_quick_run_records_a_timeline_and_busy_fractions(tmp_path):
     out, png = tmp_path / "pipe.json", tmp_path / "pipe.png"
-    res = subprocess.run(
-        [sys.executable, "benchmarks/bench_pipeline.py", "--quick", "--json", str(out), "--png", str(png)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
+    res = bench_run("bench_pipeline.py", "--quick", "--json", str(out), "--png", str(png), timeout=300)
     results = json.loads(out.read_text())["results"]
     assert [r["micro_batches"] for r in results] == [1, 3]
     assert all(0 < r["a_busy"] <= 1 and r["decode_steps"] >= 1 for r in results)

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.process_helpers import bench_run, load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_prefix_cache.py"
+SCRIPT = "bench_prefix_cache.py"
 RUNS = ["1 rank, cache on", "1 rank, cache off", "2 ranks, cache_aware", "2 ranks, round_robin"]
 
 
 def test_quick_run_writes_every_figure(tmp_path, tiny_v3):
     out = tmp_path / "prefix.json"
-    res = bench_run(SCRIPT.name, "--quick", "--model-path", tiny_v3, "--json", str(out))
+    res = bench_run(SCRIPT, "--quick", "--model-path", tiny_v3, "--json", str(out))
     data = json.loads(out.read_text())
     runs = data["runs"]
     assert list(runs) == RUNS
@@ -43,7 +41,7 @@ def test_quick_run_writes_every_figure(tmp_path, tiny_v3):
 
 
 def _module():
-    return load_bench(SCRIPT.name)
+    return load_bench(SCRIPT)
 
 
 def _run(tok_s: float, ttft_ms: float, hit: float) -> dict:

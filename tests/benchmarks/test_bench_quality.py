@@ -8,10 +8,9 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_quality.py"
+from tests.process_helpers import ROOT
+
 CONFIGS = ("single-fp32", "afd-fp8-bf16")
 ROW_FIELDS = {"reference", "seconds", "windows", "tokens", "nll", "perplexity"}
 ROW_FIELDS |= {"max_abs_logprob_diff", "mean_abs_logprob_diff"}
@@ -19,7 +18,8 @@ ROW_FIELDS |= {"max_abs_logprob_diff", "mean_abs_logprob_diff"}
 
 def test_bench_quality_small(tmp_path):
     out = tmp_path / "q.json"
-    cmd = [sys.executable, str(SCRIPT), "--windows", "2", "--window-len", "48", "--triton-windows", "0"]
+    cmd = [sys.executable, "-m", "benchmarks.bench_quality", "--windows", "2", "--window-len", "48"]
+    cmd += ["--triton-windows", "0"]
     cmd += ["--configs", ",".join(CONFIGS), "--json", str(out)]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150, check=False)

@@ -17,26 +17,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.process_helpers import load_bench
-from tests.server.conftest import Server
+from benchmarks.lib.server import Server, afd_server
+from tests.process_helpers import ENV, ROOT, load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_serving.py"
+SCRIPT = [sys.executable, "-m", "benchmarks.bench_serving"]
 QUICK = ["--num-prompts", "8", "--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm"]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_v3):
-    srv = Server(tiny_v3)
-    yield srv
-    srv.stop()
+    flags = ["--model-path", tiny_v3, "--num-threads", "1", "--kv-cache-memory-mb", "16", "--served-model-name", "tiny"]
+    with afd_server("serve", *flags, timeout=120, env=ENV) as srv:
+        yield srv
 
 
 def run_bench(server: Server, tmp_path: Path, *extra: str) -> dict:
     """Runs the script; returns its (single) JSONL record after checking the exit code and table."""
     out = tmp_path / "tmp.jsonl"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--base-url", server.url, *QUICK, "--output-file", str(out), *extra],
+        [*SCRIPT, "--base-url", server.url, *QUICK, "--output-file", str(out), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -109,7 +108,7 @@ def test_rate_concurrency_goodput(server, tmp_path):
 
 
 def _module():
-    return load_bench(SCRIPT.name)
+    return load_bench("bench_serving.py")
 
 
 def test_lengths_and_arrivals():
@@ -184,7 +183,7 @@ def test_multi_turn_chat_sends_the_conversation(server, tmp_path):
 
 def test_multi_turn_refuses_completions(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dataset-name", "multi-turn", "--backend", "completions"],
+        [*SCRIPT, "--dataset-name", "multi-turn", "--backend", "completions"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.process_helpers import bench_run, load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 # every kind of malformed request the soak must send (stated here, not read from the bench)
 MALFORMED = (
     "invalid_json surrogate_prompt surrogate_stop surrogate_message tools oversized_stop wrong_type unknown_model"

@@ -4,35 +4,29 @@ commands, greedy comparison, the table). Nothing here starts a server or needs v
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from afd_engine.tiny_model import build_tiny_config, tiny_weight_specs
 from afd_engine.tiny_tokenizer import TokenizerInfo
+from benchmarks import bench_serving
+from benchmarks import dsv3_checkpoint as ckpt
+from benchmarks.lib import greedy_agreement as greedy
+from benchmarks.lib import load_levels as levels
+from benchmarks.lib import peer_servers as peers
 from tests.process_helpers import load_bench
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_vs_vllm.py"
-
-sys.path.insert(0, str(SCRIPT.parent))  # the script's modules, imported as the script imports them
-import dsv3_checkpoint as ckpt  # noqa: E402
-import greedy_agreement as greedy  # noqa: E402
-import load_levels as levels  # noqa: E402
-import peer_servers as peers  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def bvv():
-    yield load_bench(SCRIPT.name)
-    sys.modules.pop("bench_vs_vllm", None)
+    return load_bench("bench_vs_vllm.py")
 
 
 def test_defaults_reproduce_the_headline_run(bvv):
     args = bvv.parse_args(["--cores", "0-1"])
     assert args.engines == ["afd", "vllm"] and args.concurrency == [1, 8, 32]
-    assert args.core_list == [0, 1] and args.vllm_python == "/work/vllm-venv/bin/python"
+    assert args.core_list == [0, 1] and args.vllm_python == str(Path.home() / "vllm-venv/bin/python")
     assert [levels.num_prompts(c, args) for c in args.concurrency] == [16, 32, 128]
 
 
@@ -101,8 +95,6 @@ def test_afd_replicas_split_the_cores_threads(bvv):
 
 
 def test_load_is_greedy_fixed_length_and_seeded():
-    import bench_serving  # on sys.path, as for the script
-
     args = bench_serving.parse_args(levels.load_argv("http://h:1", 8, 32, 16, 64, seed=9))
     assert (args.backend, args.dataset_name, args.temperature, args.random_range_ratio) == (
         "completions",
@@ -219,8 +211,6 @@ def test_the_servers_take_turns_on_the_same_requests(bvv, monkeypatch):
     """Every server is measured at every level of every repeat, one after the other on the same
     seeded requests, the first one alternating between repeats; the CPU accounting of each run
     follows the server measured; the best repeat per server and level is reported."""
-    import bench_serving  # on sys.path, as for the script
-
     args = bvv.parse_args(["--concurrency", "1", "4", "--repeats", "3", "--cores", "0"])
     runs, sessions = [], []
     # each server's throughput, run by run: (repeat 0: level 1, level 4), (repeat 1: ...), ...
@@ -268,22 +258,24 @@ def test_both_servers_are_up_for_the_load_and_stopped_after_it(bvv, monkeypatch,
     started server is stopped, also when the load fails."""
     events = []
 
-    class Proc:
+    class FakeServer:
         def __init__(self, pid):
             self.pid = pid
+
+        def stop(self):
+            events.append(("stop", self.pid))
 
     def start(engine, model, args, log_dir):
         events.append(("start", engine))
         if engine == "vllm":
             return {"ok": False, "error": "no"}, None
-        return {"ok": False, "base_url": f"http://{engine}"}, Proc(7)
+        return {"ok": False, "base_url": f"http://{engine}"}, FakeServer(7)
 
     def levels_ok(servers, args):
         events.append(("load", sorted(servers.items())))
         return {name: [{"failed": 0, "other_work_share": 0.0}] for name in servers}
 
     monkeypatch.setattr(bvv, "start_engine", start)
-    monkeypatch.setattr(bvv, "stop_server", lambda proc: events.append(("stop", proc.pid)))
     monkeypatch.setattr(bvv, "run_levels", levels_ok)
     args = bvv.parse_args([])
     records = bvv.run_engines(tmp_path, args, tmp_path)

@@ -1,6 +1,7 @@
-"""gpu_check: the dry run checks every part on the CPU, a failing part is recorded and the rest still
-run (a crashing one too, when parts run in processes of their own), the report is on disk after
-every part, and a part over its time limit is stopped."""
+"""gpu_check (benchmarks/kernels): the dry run checks every part on the CPU (the GPU tests of
+tests/gpu too, at tiny shapes), a failing part is recorded and the rest still run (a crashing one
+too, when parts run in processes of their own), the report is on disk after every part, and a part
+over its time limit is stopped."""
 
 from __future__ import annotations
 
@@ -17,15 +18,15 @@ import torch
 
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import ConfigError
-from tests.process_helpers import load_bench
+from benchmarks.kernels import gpu_check
 
-gpu_check = load_bench("gpu_check.py")
 PARTS = list(gpu_check.PARTS)
+GPU_TESTS = 26  # tests/gpu's tests marked gpu: 15 kernels, 8 single engine, 2 AFD, 1 CUDA graphs
 
 
 def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "benchmarks.kernels.gpu_check", *args], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -39,7 +40,7 @@ def dry_run(tmp_path_factory):
     with open(root / "gpu_check.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not saved.exists():
-            res = run_script("--dry-run", "--json", str(out), "--fail-part", "ceilings", timeout=240)
+            res = run_script("--dry-run", "--json", str(out), "--fail-part", "ceilings", timeout=540)
             saved.write_text(json.dumps({"returncode": res.returncode, "stdout": res.stdout, "stderr": res.stderr}))
     run = json.loads(saved.read_text())
     res = subprocess.CompletedProcess(["gpu_check.py"], run["returncode"], run["stdout"], run["stderr"])
@@ -72,12 +73,23 @@ def test_a_failing_part_is_recorded_and_fails_the_run(dry_run):
     assert f"{'ceilings':<20} FAIL" in res.stdout
 
 
-def test_kernels_agree_with_torch_within_tolerance(dry_run):
-    cases = dry_run[1]["parts"]["kernels_correct"]["cases"]
-    assert {"mla_bf16_page1", "gqa_fp32_page16", "moe_fp8_bf16_activations", "fp8_quantize_bf16"} <= set(cases)
-    for name, case in cases.items():
+def test_the_gpu_tests_run_on_the_cpu_and_pass(dry_run):
+    part = dry_run[1]["parts"]["gpu_tests"]
+    assert part["counts"] == {"passed": GPU_TESTS, "failed": 0, "error": 0, "skipped": 0}, part.get("log_tail")
+    assert part["headline"].startswith(f"{GPU_TESTS} passed; worst kernel ")
+    tests = {name.split("::", 1)[1]: t for name, t in part["tests"].items()}
+    assert all(t["outcome"] == "passed" and t["seconds"] >= 0 for t in tests.values())
+    kernels = {k.split("[")[1].rstrip("]"): t for k, t in tests.items() if k.startswith("test_kernel_agrees")}
+    assert {"mla_bf16_page1", "gqa_fp32_page16", "moe_fp8_bf16_activations", "fp8_quantize_bf16"} <= set(kernels)
+    for name, case in kernels.items():
         assert 0 <= case["rel_err"] <= case["tolerance"], (name, case)
-    assert cases["fp8_quantize_bf16"]["rel_err"] == 0 and cases["mla_fp32_page64"]["rel_err"] < 1e-5
+    assert kernels["fp8_quantize_bf16"]["rel_err"] == 0 and kernels["mla_fp32_page64"]["rel_err"] < 1e-5
+    single = {k: t for k, t in tests.items() if k.startswith("test_fp32_greedy")}
+    assert len(single) == 4 and all(t["matched"] == t["tokens"] == 3 * 3 for t in single.values())
+    assert all(t["max_logprob_diff"] < 1e-4 for t in single.values())
+    afd = [k for k in tests if k.startswith("test_afd_1a1f")]
+    assert len(afd) == 2  # shared memory, and gloo standing in for NCCL
+    assert tests["test_graph_decode_steps_give_the_eager_tokens"]["graph_replays"] > 0
 
 
 def test_kernel_timings_cover_bench_kernels_and_the_sweeps(dry_run):
@@ -86,30 +98,6 @@ def test_kernel_timings_cover_bench_kernels_and_the_sweeps(dry_run):
     rows = [r for s in sections.values() for r in s["rows"]]
     assert len(sections["mla_grid"]["rows"]) == 4 and all(r["us"] > 0 and r["gb_s"] > 0 for r in rows)
     assert all(r["hbm_fraction"] is None for r in rows)  # no catalog peak for a CPU
-
-
-def test_engine_parts_are_token_exact(dry_run):
-    parts = dry_run[1]["parts"]
-    runs = parts["engine_single_fp32"]["runs"]
-    assert set(runs) == {f"{a}/{b}" for a in ("deepseek_v3", "qwen3_moe") for b in ("torch", "triton")}
-    for name, run in runs.items():
-        assert run["exact"] and run["matched"] == run["tokens"] == 3 * 3, (name, run)
-        assert run["max_logprob_diff"] < 1e-4, name
-    for name, run in parts["engine_single_bf16"]["runs"].items():
-        assert run["matched"] <= run["tokens"] == 9 and run["max_logprob_diff"] < 0.5, name
-    afd = parts["engine_afd_1a1f"]
-    for transport in ("auto", "torch"):  # shared memory, and gloo standing in for NCCL
-        run = afd["runs"][transport]
-        assert run["tokens_equal"] == run["tokens"] == 9 and run["afd_tokens"] == afd["single_tokens"]
-
-
-def test_graph_decode_steps_give_the_eager_tokens(dry_run):
-    """On the CPU the static, padded path of the CUDA graph runner (seen red with a position left
-    uncopied into its buffers: 25 of 32 tokens equal)."""
-    part = dry_run[1]["parts"]["engine_graphs"]
-    assert part["ok"] and part["headline"].startswith("graphs vs eager: 32/32 tokens equal")
-    assert part["runs"]["graphs"]["replays"] > 0 and part["runs"]["eager"]["replays"] == 0
-    assert part["runs"]["graphs"]["tokens"] == part["runs"]["eager"]["tokens"]
 
 
 def test_decode_step_times_per_batch(dry_run):
@@ -129,11 +117,11 @@ def test_a_subset_of_parts_that_passes_exits_0(tmp_path):
 
 def test_a_part_whose_process_dies_is_recorded_and_the_next_runs(tmp_path):
     out = tmp_path / "isolated.json"
-    args = ["--parts", "kernels_correct,ceilings", "--fail-part", "kernels_correct:exit"]
+    args = ["--parts", "gpu_tests,ceilings", "--fail-part", "gpu_tests:exit"]
     res = run_script("--dry-run", "--isolate", "on", "--json", str(out), *args, timeout=120)
     parts = json.loads(out.read_text())["parts"]
-    assert res.returncode == 1 and list(parts) == ["kernels_correct", "ceilings"]
-    died = parts["kernels_correct"]
+    assert res.returncode == 1 and list(parts) == ["gpu_tests", "ceilings"]
+    died = parts["gpu_tests"]
     assert died["error"]["type"] == "PartProcessDied" and "exited with status 70" in died["error"]["message"]
     assert died["process"]["returncode"] == 70 and isinstance(died["log_tail"], list)
     assert parts["ceilings"]["ok"] and parts["ceilings"]["process"]["returncode"] == 0
@@ -186,18 +174,8 @@ def test_parts_past_the_deadline_are_not_run(tmp_path):
     assert ran == [] and report["parts"]["a"]["headline"] == "not run: --deadline-s spent"
 
 
-def test_agreement_counts_tokens_up_to_the_first_difference():
-    logp = torch.log_softmax(torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.9], [1.0, 0.0, 5.0]]), -1)
-    engine = [0, 2, 2]  # position 1 is transformers' second choice, 0.1 below its first
-    out = gpu_check.agreement([logp], [engine], [[float(logp[i, t]) + 0.01 for i, t in enumerate(engine)]])
-    assert (out["tokens"], out["matched"], out["argmax_agree"]) == (3, 1, 2)
-    assert out["max_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
-    first = out["prompts"][0]["first_difference"]
-    assert (first["position"], first["engine"], first["transformers"]) == (1, 2, 1)
-    assert first["top2_gap"] == pytest.approx(0.1, abs=1e-5)
-
-
 def test_ranks_share_one_gpu_with_gpu_id_step_0(monkeypatch):
+    """What tests/gpu/test_engine_afd.py relies on to put both ranks on one GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"rank 1 needs GPU 1 \(--base-gpu-id=0 \+ rank x --gpu-id-step=1\)"):

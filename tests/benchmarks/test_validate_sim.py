@@ -21,7 +21,7 @@ def test_kv_pages_from_the_startup_log():
 
 
 def test_the_simulated_slice_is_the_one_bench_serving_sends(tmp_path):
-    from benchmarks.serving_datasets import trace_requests
+    from benchmarks.lib.datasets import trace_requests
 
     path = tmp_path / "t.jsonl"
     recs = [

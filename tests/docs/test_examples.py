@@ -311,18 +311,20 @@ def test_markers_valid():
 
 
 def bench_scripts_without_tests(blocks: list[Block], tests_dir: Path) -> list[str]:
-    """Blocks marked `not run: run by tests/benchmarks`: each `benchmarks/NAME.py` they call must have
-    tests_dir/test_NAME.py naming the script (it runs it); page:line and script of those that do not."""
+    """Blocks marked `not run: run by tests/benchmarks`: each benchmark they run (`python -m
+    benchmarks.[PACKAGE.]NAME`, or `benchmarks/NAME.py`) must have tests_dir/test_NAME.py naming
+    NAME (it runs it); page:line and script of those that do not."""
     missing = []
     for b in blocks:
         if b.marker != f"not run: {RUN_BY_BENCH_TESTS}":
             continue
-        scripts = re.findall(r"benchmarks/(\w+)\.py", b.code)
+        scripts = re.findall(r"-m benchmarks\.(?:\w+\.)*(\w+)|benchmarks/(?:\w+/)*(\w+)\.py", b.code)
+        scripts = [module or path for module, path in scripts]
         if not scripts:
-            missing.append(f"{b.id}: calls no benchmarks/*.py script")
+            missing.append(f"{b.id}: calls no benchmark script")
         for name in scripts:
             test = tests_dir / f"test_{name}.py"
-            if not test.exists() or f"{name}.py" not in test.read_text():
+            if not test.exists() or not re.search(rf"\b{name}\b", test.read_text()):
                 missing.append(f"{b.id}: benchmarks/{name}.py has no test in {test}")
     return missing
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Sweeps the Triton kernels' tiles at DeepSeek-V3 shapes on one CUDA GPU, to choose the tables in
-kernels/triton/mla.py (`split_kv_tiles`, `decode_splits`) and kernels/triton/moe.py (`moe_blocks`).
+"""Sweeps the Triton kernels' tiles at DeepSeek-V3 shapes on one CUDA GPU and writes the fastest as
+config files for this GPU into kernels/triton/configs/ (kernels/triton/tuned.py), which the kernels
+read: MLA decode's split-KV tiles (`mla.split_kv_tiles`) per batch, fused MoE's (`moe.moe_blocks`)
+per rows per expert. The split counts it also sweeps check `split_kv.decode_splits`.
 
 Sections (each under its own time limit; the JSON is rewritten after each):
 
@@ -18,8 +20,12 @@ Bytes and FLOPs are the analytic minimums of bench_kernels (each operand read on
 timings, worker processes (--jobs) compile every configuration into Triton's cache on small inputs
 of the same specialisation, so the sweep itself waits for no compiler.
 
-    python benchmarks/tune_kernels.py --json tune.json                 # on a GPU (~3 min)
-    python benchmarks/tune_kernels.py --json tune.json --dry-run       # CPU interpreter, tiny shapes
+    python -m benchmarks.kernels.tune_kernels --json tune.json              # on a GPU (~3 min)
+    python -m benchmarks.kernels.tune_kernels --json tune.json --dry-run    # CPU interpreter, tiny shapes
+
+On a GPU the files go to kernels/triton/configs/ unless --configs-dir names another folder (or
+"none"); the dry run writes them only where --configs-dir says. A file replaces the one for the
+same kernel, shape and GPU; then `python -m kernels.aot` checks the new tiles' budgets.
 """
 
 from __future__ import annotations
@@ -36,14 +42,15 @@ import torch
 if not torch.cuda.is_available():  # must precede the first import of a Triton kernel module
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import triton  # noqa: E402
-from part_runner import PartTimeout, error_record, time_limit, write_json  # noqa: E402
 
+from benchmarks.kernels import tune_configs  # noqa: E402
+from benchmarks.kernels.bench_kernels import fp8_experts  # noqa: E402
+from benchmarks.part_runner import PartTimeout, error_record, time_limit, write_json  # noqa: E402
 from kernels.mla import PagedKV, mla_decode_core  # noqa: E402
 from kernels.triton import mla as tmla  # noqa: E402
 from kernels.triton import moe as tmoe  # noqa: E402
+from kernels.triton import tuned  # noqa: E402
 from kernels.triton.split_kv import SplitKVTiles  # noqa: E402
 
 # MLA tiles: (heads per program, tokens per step, warps, stages)
@@ -169,8 +176,6 @@ def moe_inputs(tokens_per_expert: int, dims: tuple, dtype, device, fp8: bool):
     ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K]
     x, weights = randn((T, H), dtype, device), torch.rand(T, K, device=device)
     if fp8:
-        from gpu_check import fp8_experts
-
         return x, fp8_experts(E, H, I, device), ids, weights
     return x, (randn((E, 2 * I, H), dtype, device, H**-0.5), randn((E, H, I), dtype, device, I**-0.5)), ids, weights
 
@@ -294,7 +299,8 @@ def sweep_mla(ns, device, report) -> dict:
         for tiles in V2_TILES:
             for splits in splits_list:
                 measure(primary, v2, tiles, splits, inputs, ref if splits == splits_list[0] else None, "v2_lite")
-    return {"rows": rows, "wrong": wrong, "best": best_per_shape(rows, ("model", "batch", "context"))}
+    shapes = {"v3": list(dims)} | ({"v2_lite": list(v2)} if v2 is not None else {})
+    return {"rows": rows, "wrong": wrong, "best": best_per_shape(rows, ("model", "batch", "context")), "shapes": shapes}
 
 
 def sweep_moe(ns, device, report, fp8: bool) -> dict:
@@ -341,7 +347,8 @@ def sweep_moe(ns, device, report, fp8: bool) -> dict:
         del inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"rows": rows, "wrong": wrong, "best": best_per_shape(rows, ("tokens_per_expert",))}
+    best = best_per_shape(rows, ("tokens_per_expert",))
+    return {"rows": rows, "wrong": wrong, "best": best, "shape": dict(zip(("E", "H", "I", "K"), dims))}
 
 
 def best_per_shape(rows: list[dict], keys: tuple) -> list[dict]:
@@ -401,7 +408,7 @@ def precompile(ns) -> dict:
     start = time.perf_counter()
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--compile-shard", f"{i}/{ns.jobs}"],
+            [sys.executable, "-m", "benchmarks.kernels.tune_kernels", "--compile-shard", f"{i}/{ns.jobs}"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -429,6 +436,11 @@ def parse_args(argv):
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--jobs", type=int, default=None, help="compile workers (default: 8 on a GPU, 0 on a CPU)")
     p.add_argument("--compile-timeout-s", type=float, default=90)
+    p.add_argument(
+        "--configs-dir",
+        default=None,
+        help=f"write the chosen tiles as config files here (default on a GPU: {tuned.CONFIG_DIR}; 'none': nowhere)",
+    )
     p.add_argument("--compile-shard", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -486,7 +498,11 @@ def main(argv=None) -> int:
         write_json(path, report)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print("\n".join(summary_lines(report)))
+    folder = ns.configs_dir or (None if ns.dry_run else str(tuned.CONFIG_DIR))
+    if folder and folder != "none":
+        report["config_files"] = [str(p) for p in tune_configs.write_configs(report, folder)]
+        write_json(path, report)
+    print("\n".join(summary_lines(report) + [f"wrote {p}" for p in report.get("config_files", [])]))
     return 0 if ok else 1
 
 

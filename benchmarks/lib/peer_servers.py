@@ -1,17 +1,14 @@
-"""The servers bench_vs_vllm.py compares: the cores they are pinned to (CPU lists as taskset
-writes them), how each is started (`afd serve`; vLLM's OpenAI API server with its CPU settings) and
-stopped, and how much of those cores other processes took meanwhile (from /proc)."""
+"""The servers bench_vs_vllm compares: the cores they are pinned to (CPU lists as taskset writes
+them), the command and environment of each (`afd serve`; vLLM's OpenAI API server with its CPU
+settings; benchmarks.lib.server starts and stops them), and how much of those cores other processes
+took meanwhile (from /proc)."""
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 SERVED_NAME = "bench"
 
@@ -131,51 +128,6 @@ def vllm_spec(
     if preload:
         env["LD_PRELOAD"] = preload
     return ServerSpec("vllm", cmd, env)
-
-
-def start_server(spec: ServerSpec, port: int, cores: list[int], log_path: Path, timeout: float) -> subprocess.Popen:
-    """Start the server in a session of its own, pinned to `cores` (its children inherit the mask),
-    and wait until its health route answers 200. Raises RuntimeError (server stopped) otherwise."""
-    env = {**os.environ, **spec.env}
-    with open(log_path, "wb") as log:  # the server keeps its own copy of the descriptor
-        proc = subprocess.Popen(
-            spec.cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, cores),
-        )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{spec.engine} server exited with {proc.returncode}; log: {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{spec.health}", timeout=2, trust_env=False).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    stop_server(proc)
-    raise RuntimeError(f"{spec.engine} server was not healthy within {timeout:.0f} s; log: {log_path}")
-
-
-def stop_server(proc: subprocess.Popen, grace: float = 60.0) -> None:
-    """SIGTERM to the server's process group (its workers too), SIGKILL after `grace` seconds."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # workers that outlived their parent
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------

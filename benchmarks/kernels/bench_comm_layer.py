@@ -14,7 +14,7 @@ expert compute. The FFN side returns its tokens' activations as the "experts' ou
 combine must give back exactly what was dispatched (checked, fp32 on the wire). Reported per
 transport: the minimum and the median over `--chunks` chunks of `--layers` layers, in us per layer.
 
-    python benchmarks/bench_comm_layer.py [--layout afd|colocated] [--tokens 1] [--hidden 192] [--json out.json]
+    python -m benchmarks.kernels.bench_comm_layer [--layout afd|colocated] [--tokens 1] [--hidden 192] [--json out.json]
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ ratio torch / cpu, and whether both engines generated the same tokens (the kerne
 order than the reference: a near-tie can flip, so this is reported, not assumed).
 
 The default checkpoint has DeepSeek-V3's attention dimensions (latent 512, rope 64; see
-dsv3_checkpoint.py), as bench_vs_vllm.py serves.
+benchmarks/dsv3_checkpoint.py), as bench_vs_vllm.py serves.
 
-    python benchmarks/bench_cpu_attention.py [--running 32] [--output-len 128] [--json out.json]
+    python -m benchmarks.kernels.bench_cpu_attention [--running 32] [--output-len 128] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dsv3_checkpoint import prepare_model  # noqa: E402
-
-from afd_engine import Engine, SamplingParams  # noqa: E402
+from afd_engine import Engine, SamplingParams
+from benchmarks.dsv3_checkpoint import prepare_model
 
 BACKENDS = ("torch", "cpu")
 

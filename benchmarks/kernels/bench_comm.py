@@ -8,8 +8,8 @@ on a small machine. Beside each measured volume: the analytic value for this rou
 and the expectation under uniform routing. Latency is the wall time of one whole exchange on
 this machine (Python threads, no network): a smoke figure, not a network measurement.
 
-    python benchmarks/bench_comm.py                          # the default sweep
-    python benchmarks/bench_comm.py --a-ranks 32 --ffn-nodes 2 --ffn-ranks-per-node 8 --tokens 128 --json out.json
+    python -m benchmarks.kernels.bench_comm         # the default sweep
+    python -m benchmarks.kernels.bench_comm --a-ranks 32 --ffn-nodes 2 --ffn-ranks-per-node 8 --tokens 128 --json o.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The load of bench_vs_vllm.py: bench_serving's load at each concurrency level on each server,
+"""The load of bench_vs_vllm: bench_serving's load at each concurrency level on each server,
 repeated with fresh prompts, the servers taking turns at every level (and the levels interleaved),
 the fastest repeat reported with the share of the cores that other work took during each."""
 
@@ -9,9 +9,9 @@ import asyncio
 import contextlib
 import sys
 
-from bench_serving import parse_args as serving_args
-from bench_serving import run_benchmark
-from peer_servers import SERVED_NAME, cpu_sample, idle_check, other_work_share
+from benchmarks.bench_serving import parse_args as serving_args
+from benchmarks.bench_serving import run_benchmark
+from benchmarks.lib.peer_servers import SERVED_NAME, cpu_sample, idle_check, other_work_share
 
 QUIET_SHARE = 0.02  # a run starts once other work takes less than this share of the cores ...
 QUIET_SAMPLE_S = 0.5  # ... over this long

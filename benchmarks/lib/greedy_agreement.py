@@ -1,4 +1,4 @@
-"""Greedy agreement of bench_vs_vllm.py: the same prompts (token ids) sent greedily to each server,
+"""Greedy agreement of bench_vs_vllm: the same prompts (token ids) sent greedily to each server,
 the generated token ids kept, and where the outputs of the two engines first differ."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 import httpx
-from peer_servers import SERVED_NAME
+
+from benchmarks.lib.peer_servers import SERVED_NAME
 
 # Greedy agreement prompts come from their own seed, so that they are not the load's prompts.
 AGREEMENT_SEED = "greedy agreement"

@@ -11,9 +11,9 @@ a kernel must move, so GB/s / peak says how close it is to the memory roofline. 
 comes from the planner's hardware catalog when the device name matches one of it (H100, H200...).
 Every row also reports the largest relative error against the torch reference on the same inputs.
 
-    python benchmarks/bench_kernels.py                      # DeepSeek-V3 shapes (needs a GPU)
-    python benchmarks/bench_kernels.py --quick --json k.json    # tiny shapes; on a CPU the
-                                                                # triton rows run under the interpreter
+    python -m benchmarks.kernels.bench_kernels                           # DeepSeek-V3 shapes (needs a GPU)
+    python -m benchmarks.kernels.bench_kernels --quick --json k.json     # tiny shapes; on a CPU the
+                                                                         # triton rows run interpreted
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import torch
 if not torch.cuda.is_available():  # must precede the first import of a Triton kernel module
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from afd_engine.planner.hardware import HARDWARE  # noqa: E402
 from kernels.mla import PagedKV  # noqa: E402
 from kernels.registry import attention_backend, moe_backend  # noqa: E402
@@ -91,6 +90,24 @@ def moe_case(shape, dtype, device):
     nbytes = (active * 3 * H * I + 2 * T * H) * dtype.itemsize + T * K * 12
     flops = 2 * T * K * 3 * H * I
     return [x, w13, w2, ids, weights], nbytes, flops
+
+
+def fp8_experts(E: int, H: int, I: int, device) -> tuple[torch.Tensor, ...]:
+    """Random experts as a DeepSeek-V3 checkpoint stores them: (w13 [E, 2I, H], its scales
+    [E, 2I/128, H/128], w2 [E, H, I], its scales), e4m3 values with one fp32 scale per 128x128 block."""
+
+    def blocks(n: int, k: int):
+        q = torch.randn(E, n, k, device=device, dtype=torch.bfloat16).mul_(48).clamp_(-448, 448)
+        scale = torch.rand(E, -(-n // 128), -(-k // 128), device=device).add_(0.5).div_(48 * k**0.5)
+        return q.to(torch.float8_e4m3fn), scale
+
+    return (*blocks(2 * I, H), *blocks(H, I))
+
+
+def routed_tokens(T: int, E: int, H: int, K: int, dtype, device) -> tuple[torch.Tensor, ...]:
+    """x [T, H], topk_ids [T, K] (K distinct experts of E), topk_weights [T, K] fp32."""
+    ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K]
+    return torch.randn(T, H, device=device, dtype=dtype), ids, torch.rand(T, K, device=device)
 
 
 def randn(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
