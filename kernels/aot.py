@@ -6,7 +6,9 @@ machine without one, with the resources each uses and the budgets they must hold
 What is compiled, per model of MODELS (DeepSeek-V3, DeepSeek-V2-Lite, Qwen3-30B-A3B shapes):
 attention decode (MLA or GQA split-KV and the merge of the splits) at page sizes 1/16/64 in fp32 and
 bf16, for every merge tile (1..16 splits); routed experts (gate_up and down) in fp32 and bf16, and
-with fp8 weights after the fp8 quantization of activations (and its inverse, dequantize). The
+with fp8 weights after the fp8 quantization of activations (and its inverse, dequantize). Where a
+wrapper's tiles depend on the GPU (MLA decode, fused MoE: kernels/triton/configs/), every tile it
+may take at the model's shape is compiled, its default and each tuned file's, named by its tile. The
 launches come from the wrappers' own builders (`decode_launches`, `expert_launches`,
 `quantize_launch`) called with meta-device tensors of the model's shapes, and are specialised by
 Triton's own binder, so each compile is the one the wrapper would make on a GPU: the same
@@ -35,6 +37,7 @@ it imports a kernel, so run it as its own process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import importlib
 import json
@@ -65,16 +68,15 @@ from kernels.triton.launch import Launch, is_interpreted  # noqa: E402
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SHARED_LIMIT = {"sm_90": 227 * 1024, "sm_100": 227 * 1024}  # bytes per block (of 228 KB, 1 KB reserved)
 # Launches allowed some local memory, by name pattern (fnmatch) -> bytes per thread (stack, spill
-# stores, spill loads each): only tiles a GPU measured faster than every spill-free one tried.
-# DeepSeek-V3's bf16 MLA decode at 64 heads a program: 2.4x faster on an H200 than the 32-head
-# tile at 64 x 4096 (kernels/triton/mla.py:split_kv_tiles); Triton 3.9 spills 240-270 B a thread at
-# sm_90. V2-Lite's at 128 tokens a step and 4 warps: 13% faster than the same at 8 warps, which does
-# not spill; 64-80 B. The fp8 gate_up kernel at 64 rows (the fastest fp8 tile from 16 rows per
-# expert on, see kernels/triton/moe.py:MOE_TILES): 4 B at sm_100 only, outside its inner loop.
+# stores, spill loads each): only tuned tiles (kernels/triton/configs/) that a GPU measured faster
+# than every spill-free one tried, each named by its tile (the measurements: benchmarks/README.md,
+# "Lab notes"). DeepSeek-V3's bf16 MLA decode at 64 heads a program and V2-Lite's at 128 tokens a
+# step and 4 warps spill a little at sm_90 with Triton 3.9; the fp8 gate_up kernel at 64 rows spills
+# a few bytes at sm_100 only, outside its inner loop. Default tiles never spill.
 SPILL_ALLOWANCE = {
-    "mla_split_kv/deepseek-v3/bf16/*": 320,
-    "mla_split_kv/deepseek-v2-lite/bf16/*": 96,
-    "moe_gate_up/*/fp8/m64": 8,
+    "mla_split_kv/deepseek-v3/bf16/m64n64w8s3/*": 320,
+    "mla_split_kv/deepseek-v2-lite/bf16/m16n128w4s2/*": 96,
+    "moe_gate_up/*/fp8/m64n128k128w8s3": 8,
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PAGE_SIZES = (1, 16, 64)
@@ -111,7 +113,7 @@ MODELS = {
 
 
 class Case(NamedTuple):
-    """One launch the engine makes: `name` is kernel/model/dtype[/page P][/splits S]; `path` is the
+    """One launch the engine makes: `name` is kernel/model/dtype[/tile][/page P][/splits S]; `path` is the
     dtype path it serves (fp32, bf16 or fp8)."""
 
     name: str
@@ -124,34 +126,47 @@ def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
+def tile_tag(tiles) -> str:
+    """A tile configuration (SplitKVTiles or MoEBlocks) as a name part: m64n128k128w8s3 for
+    block_m 64, block_n 128, block_k 128, 8 warps, 3 stages."""
+    fields = tiles._asdict() if hasattr(tiles, "_asdict") else dataclasses.asdict(tiles)
+    return "".join(f"{_TAG[k]}{v}" for k, v in fields.items())
+
+
+_TAG = {"block_m": "m", "block_n": "n", "block_k": "k", "num_warps": "w", "num_stages": "s"}
+
+
 def attention_cases(model: str, shape, dtype: str, page_size: int, splits: int) -> list[Case]:
-    """Split-KV and merge launches of one decode step: DECODE_TOKENS sequences, `splits` splits."""
+    """Split-KV and merge launches of one decode step: DECODE_TOKENS sequences, `splits` splits;
+    for MLA, one split-KV launch per tile it may take (its default and each tuned file's)."""
     B, dt = DECODE_TOKENS, DTYPES[dtype]
     pages = meta(B, triton.cdiv(MAX_CONTEXT, page_size), dtype=torch.int64)  # [B, P]
     kv = PagedKV(None, None, pages, meta(B, dtype=torch.int64), page_size)
     slots = pages.numel() * page_size
+    where = f"{model}/{dtype}"
     if isinstance(shape, MLAShape):
         H, C, R = shape
         q_latent, q_pe, cache = meta(B, H, C, dtype=dt), meta(B, H, R, dtype=dt), meta(slots, C + R, dtype=dt)
-        _, launches = mla.decode_launches(q_latent, q_pe, cache, kv, C**-0.5, splits, interpreted=False)
-        kind = "mla"
-    else:
-        H, KVH, D = shape
-        q, cache = meta(B, H, D, dtype=dt), meta(slots, 2 * KVH * D, dtype=dt)
-        _, launches = gqa.decode_launches(q, cache, kv, KVH, D**-0.5, splits, interpreted=False)
-        kind = "gqa"
-    where = f"{model}/{dtype}"
-    split, merge = launches
+        cases = []
+        for tiles in mla.every_tiles(H, C, R, dt):
+            _, (split, merge) = mla.decode_launches(
+                q_latent, q_pe, cache, kv, C**-0.5, splits, interpreted=False, tiles=tiles
+            )
+            cases.append(Case(f"mla_split_kv/{where}/{tile_tag(tiles)}/page{page_size}/splits{splits}", dtype, split))
+        return [*cases, Case(f"mla_merge/{where}/splits{splits}", dtype, merge)]
+    H, KVH, D = shape
+    q, cache = meta(B, H, D, dtype=dt), meta(slots, 2 * KVH * D, dtype=dt)
+    _, (split, merge) = gqa.decode_launches(q, cache, kv, KVH, D**-0.5, splits, interpreted=False)
     return [
-        Case(f"{kind}_split_kv/{where}/page{page_size}/splits{splits}", dtype, split),
-        Case(f"{kind}_merge/{where}/splits{splits}", dtype, merge),
+        Case(f"gqa_split_kv/{where}/page{page_size}/splits{splits}", dtype, split),
+        Case(f"gqa_merge/{where}/splits{splits}", dtype, merge),
     ]
 
 
 def expert_cases(model: str, shape: MoEShape, dtype: str) -> list[Case]:
-    """gate_up and down launches of one step's routed experts for each tile of moe.MOE_TILES[dtype]
-    (named by its block_m): `dtype` fp32 or bf16 (weights and activations), or fp8 (fp8 weights and
-    quantized activations; the quantization is in fp8_cases)."""
+    """gate_up and down launches of one step's routed experts for each tile `moe.moe_blocks` may
+    give at this shape (named by its tile): `dtype` fp32 or bf16 (weights and activations), or fp8
+    (fp8 weights and quantized activations; the quantization is in fp8_cases)."""
     H, I, E, K = shape
     T, dt = DECODE_TOKENS, DTYPES.get(dtype, torch.bfloat16)
     x = meta(T, H, dtype=dt)
@@ -164,13 +179,13 @@ def expert_cases(model: str, shape: MoEShape, dtype: str) -> list[Case]:
         a, a_scale, w13_scale, w2_scale = x, None, None, None
         w13, w2 = meta(E, 2 * I, H, dtype=dt), meta(E, H, I, dtype=dt)
     cases = []
-    for _, blocks in moe.MOE_TILES[dtype]:
+    for blocks in moe.every_blocks(dtype, H, I):
         rows = triton.cdiv(T * K + E * (blocks.block_m - 1), blocks.block_m) * blocks.block_m  # every expert's padding
         aligned = moe.ExpertBlocks(meta(rows, dtype=torch.int32), meta(rows // blocks.block_m, dtype=torch.int32))
         _, launches = moe.expert_launches(
             a, a_scale, w13, w13_scale, w2, w2_scale, aligned, meta(T, K), blocks, interpreted=False
         )
-        where = f"{model}/{dtype}/m{blocks.block_m}"
+        where = f"{model}/{dtype}/{tile_tag(blocks)}"
         cases += [Case(f"moe_{part}/{where}", dtype, launch) for part, launch in zip(("gate_up", "down"), launches)]
     return cases
 
@@ -257,7 +272,7 @@ def compile_job(job: Job, dump: str | None = None) -> dict:
 
 def resources(cubin: bytes, metadata) -> dict:
     """Registers, stack and spills per thread, shared memory per block, warps and stages. Spills
-    live in the stack frame, so the SASS (0.4 s a kernel to disassemble) is read only when there is one."""
+    live in the stack frame, so the SASS (slow to disassemble) is read only when there is one."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

@@ -5,9 +5,8 @@ The reference pads every expert's tokens into blocks and runs batched matmuls ov
 over the experts a small batch uses): some 15 torch operators and a copy of the tokens into padded
 blocks. The kernel sorts the routes by expert and computes up to four routes of an expert per task
 straight from the stacked weights, then adds each token's routes in ascending expert order (as
-the reference does). On this project's 2-core machine (hidden 256, 16 experts of 64, top-4,
-2 threads) it takes 21-28 us for one token against 215-255 us, and 237-289 us for 32 tokens
-against 400-600 us; at 128 tokens the reference is ahead (839 against 752 us).
+the reference does). It is far ahead of the reference for one token and still ahead at 32; at 128
+tokens the reference's matmuls win (timings: benchmarks/README.md, "Lab notes").
 
 Batches of more than `MAX_ROUTES` routes (prefill) stay with the reference, whose matmuls block
 for the caches; so does anything the kernel does not take (another dtype or device, non-contiguous

@@ -1,8 +1,8 @@
 """RMSNorm on CPUs: a C kernel (kernels/csrc/rms_norm.c) for fp32 CPU tensors.
 
 torch's CPU rms_norm is half a dozen operators (square, mean, add, rsqrt, two products) and,
-with the weight, a seventh: about 15 us for a decode step's [32, 256] on this project's 2-core
-machine, and a DeepSeek layer has four of them. The kernel does a row in one pass over it and
+with the weight, a seventh, each a dispatch and a pass over the rows, and a DeepSeek layer has four
+of them (timings: benchmarks/README.md, "Lab notes"). The kernel does a row in one pass over it and
 one over the output, on one thread (no parallel region for microseconds of work). It sums the
 squares in double; the result differs from torch's by rounding only.
 

@@ -1,8 +1,8 @@
 """Rotary embedding on CPUs: a C kernel (kernels/csrc/rope.c) for fp32 CPU tensors.
 
 torch applies DeepSeek's rope as two strided slices, four products, a difference, a sum and a
-concatenation: nine operators, about 30 us for a decode step's 32 queries of 4 heads on this
-project's 2-core machine, twice per layer (queries and keys). The kernel reads each head once and
+concatenation: nine operators, twice per layer (queries and keys; timings: benchmarks/README.md,
+"Lab notes"). The kernel reads each head once and
 writes its rotated copy, on one thread, with torch's rounding (bit-identical output).
 
 Used by models/rope.py wherever it takes the inputs (fp32 on the CPU, unit stride within a head,

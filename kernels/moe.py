@@ -9,9 +9,9 @@ expert; the same over only the experts a small batch uses, when that is at most 
 one matmul pair per expert, straight on the stacked weights, for a batch that uses at most
 `_LOOP_MAX_EXPERTS` experts (a decode step of one or two sequences: the batched forms first copy
 the experts' weights into blocks) and for routings so skewed that the padded blocks would be
-mostly padding. On this project's 2-core test machine, one token with 2 of 8 experts (hidden 192,
-expert size 128) takes 105 us per layer in the loop against 269 us batched; with 4 tokens and up
-to 8 experts the loop is slower (304 against 257 us).
+mostly padding. The loop wins for one token over a couple of experts and loses once a few tokens
+spread over more of them (the CPU timings that set `_LOOP_MAX_EXPERTS`: benchmarks/README.md, "Lab
+notes").
 """
 
 from __future__ import annotations

@@ -1,13 +1,19 @@
-"""The C kernels of kernels/csrc: compiled on first use with the machine's C compiler, loaded with
-ctypes, cached on disk.
+"""The C kernels of kernels/csrc: built on first use by torch.utils.cpp_extension (ninja and the
+C++ compiler driver it uses, told to compile C), loaded into the process, called through ctypes.
 
-A library is built once per source, compiler and CPU (`-O3 -march=native -fopenmp`) into
-$AFD_KERNEL_CACHE (default ~/.cache/afd-engine/kernels; a directory under the system's temporary
-one where that is not writable) and reused by every later process. It links
-OpenMP's libgomp.so.1: torch has loaded its own copy of that library by then, so the kernels run on
-the same thread pool as torch's operators. Where no compiler is found, the build fails or
-AFD_NATIVE_KERNELS=0 is set, `library` returns None (after one warning, unless switched off) and
-the backends fall back to their torch code.
+Each source is its own library, built with `-O3 -march=native -fopenmp` into a build directory of
+its own under $AFD_KERNEL_CACHE (default ~/.cache/afd-engine/kernels; a directory under the
+system's temporary one where that is not writable), named by a hash of the source, the flags, the
+compiler and the CPU: a later process finds the library there and loads it without importing
+cpp_extension (which imports setuptools, a noticeable part of a process's start), and an edited
+source or another CPU gets a directory, and a build, of its own. Processes building the same
+library at once take turns on cpp_extension's lock file; one left by a killed build is cleared once
+it is older than COMPILE_TIMEOUT_S. The library links OpenMP's libgomp.so.1: torch has loaded its
+own copy of that library by then, so the kernels run on the same thread pool as torch's operators.
+Where no compiler is found ($CXX, else c++: cpp_extension's choice), ninja is not on PATH
+(cpp_extension builds with it; `pip install ninja`), the build fails or AFD_NATIVE_KERNELS=0 is
+set, `library` returns None (after one warning, unless switched off) and the backends fall back to
+their torch code.
 
 Each kernel is also a torch operator, torch.ops.afd.<its symbol without "afd_">, so that tracing,
 torch.compile and graphs see one op where a backend calls it (`cpu_op`). The operators are
@@ -18,7 +24,7 @@ the library is there and the inputs are ones the kernel takes (shapes, dtypes an
 values); everything else runs its torch code, as before the operators existed. The operators are
 functional: each allocates its output (the ctypes calls did so too, per call), so nothing is
 mutated. They are defined with Library.define/impl rather than torch.library.custom_op, whose
-Python autograd layer costs some 5 us more per call outside inference mode. They serve inference:
+Python autograd layer adds microseconds to every call outside inference mode. They serve inference:
 no autograd formula, and autograd falls through them, so their outputs never require grad (as the
 ctypes calls' did).
 """
@@ -32,8 +38,10 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,8 +50,10 @@ import torch  # before any library is loaded, so that torch's libgomp is the one
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-COMPILE_TIMEOUT_S = 120
+# cpp_extension compiles with the C++ driver and C++ flags; "-x c" and the later -std make it C
+FLAGS = ("-x", "c", "-std=gnu11", "-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp", "-lm")
+COMPILE_TIMEOUT_S = 120  # a build's lock file older than this was left by a killed build
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -82,7 +92,7 @@ def function(name: str, symbol: str, pointers: int, sizes: int, doubles: int = 0
 
 def assume_constant_result(fn: Callable) -> Callable:
     """torch.compiler.assume_constant_result without its import of dynamo, which costs every process
-    1.2 s at start (most never compile): its whole effect is this mark, read when dynamo traces
+    over a second at start (most never compile): its whole effect is this mark, read when dynamo traces
     (a test holds it to torch's own)."""
     fn._dynamo_marked_constant = True
     return fn
@@ -100,7 +110,7 @@ def cpu_op(fake: Callable) -> Callable[[Callable], Callable]:
     annotations give the schema), registered as the operator torch.ops.afd.<its name>, with `fake`
     run in its place under tracing (the output's shape, dtype and device from the inputs', nothing
     computed). Returns a callable that is the operator while torch compiles or traces, and the
-    function itself in eager mode: the same kernel, without the dispatcher's 2-3 us a call (norms
+    function itself in eager mode: the same kernel, without the dispatcher's microseconds a call (norms
     and rope run several times per layer and step)."""
 
     def register(impl: Callable) -> Callable:
@@ -120,53 +130,81 @@ def cpu_op(fake: Callable) -> Callable[[Callable], Callable]:
     return register
 
 
+def compiler() -> str | None:
+    """The compiler driver torch.utils.cpp_extension builds with ($CXX, else c++), or None where
+    there is none."""
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
 def _build_and_load(name: str) -> ctypes.CDLL | None:
     if os.environ.get("AFD_NATIVE_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler or not shutil.which(compiler):
-        log.warning("no C compiler (cc, gcc or $CC): the %s kernel runs as torch code instead", name)
+    cxx = compiler()
+    if cxx is None:
+        log.warning("no C compiler (c++ or $CXX): the %s kernel runs as torch code instead", name)
         return None
-    source = SOURCES / f"{name}.c"
     try:
-        path = _built(source, compiler)
-        return ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
+        return ctypes.CDLL(str(_built(SOURCES / f"{name}.c", cxx)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the %s kernel could not be built or loaded (%s): it runs as torch code instead", name, exc)
         return None
 
 
-def _built(source: Path, compiler: str) -> Path:
-    """The library of `source` in the cache directory, compiled there first if it is not yet."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+def _built(source: Path, cxx: str) -> Path:
+    """The library of `source` in its build directory, built there by cpp_extension if it is not yet."""
+    build = _build_dir(source, cxx)
+    library = build / f"afd_{source.stem}.so"
+    if library.exists() and not (build / "lock").exists():  # built, and no build under way
+        return library
+    _clear_stale_lock(build / "lock")
+    from torch.utils import cpp_extension  # imports setuptools: only when a library is to be built
+
+    _put_ninja_on_path()
+    path = cpp_extension.load(
+        name=library.stem,
+        sources=[str(source)],
+        extra_cflags=list(FLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build),
+        is_python_module=False,  # a plain library: loaded into the process, its path returned
+    )
+    log.info("built %s", path)
+    return Path(path) if isinstance(path, str) else library
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the `ninja` package installs it beside this Python,
+    whose folder is not on PATH when the interpreter is called by its full path (as `make` does)."""
+    here = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=here) is not None:
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build_dir(source: Path, cxx: str) -> Path:
+    """The build directory of `source` under the cache directory (or the temporary one), named by
+    what the library depends on; made if missing."""
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), version.encode(), _cpu_id()):
+    for part in (source.read_bytes(), " ".join(FLAGS + LDFLAGS).encode(), os.path.realpath(cxx).encode(), _cpu_id()):
         key.update(part)
-    name = f"{source.stem}-{key.hexdigest()[:16]}.so"
-    for out_dir in (cache_dir(), Path(tempfile.gettempdir()) / f"afd-engine-kernels-{os.getuid()}"):
-        if (out_dir / name).exists():
-            return out_dir / name
+    name = f"{source.stem}-{key.hexdigest()[:16]}"
+    for root in (cache_dir(), Path(tempfile.gettempdir()) / f"afd-engine-kernels-{os.getuid()}"):
         try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            if os.access(out_dir, os.W_OK):
-                break
+            (root / name).mkdir(parents=True, exist_ok=True)
         except OSError:
             continue  # an unwritable cache directory: build in the temporary one
-    path = out_dir / name
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{source.stem}-", suffix=".so")
-    os.close(fd)
+        if os.access(root / name, os.W_OK):
+            return root / name
+    raise OSError(f"no writable build directory for {source.name} (tried {cache_dir()} and the temporary one)")
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Removes cpp_extension's lock file of a build that ended without removing it (a killed
+    process): every later build would wait for it forever."""
     try:
-        res = subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
-        )
-        if res.returncode != 0:
-            raise OSError(f"{compiler} exited with {res.returncode}: {res.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)  # atomic: processes building at once each install a complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built %s", path)
-    return path
+        if time.time() - lock.stat().st_mtime > COMPILE_TIMEOUT_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _cpu_id() -> bytes:

@@ -1,10 +1,10 @@
 """When a thread waiting for a message should look for it (spin) before it sleeps.
 
-A sleeping thread costs a wake-up per message: on a virtual machine whose idle vCPUs halt, about
-50-90 us each way here, and the woken process then runs on cold caches. Looking at the rings
-instead costs the CPU time spent looking, which is worth it only when the wait is short: for a
-rank waiting a few hundred microseconds for its peer's half of a MoE layer, not for an idle server
-or an FFN rank waiting milliseconds for the attention rank's next batch.
+A sleeping thread costs a wake-up per message, which a virtual machine whose idle vCPUs halt makes
+slow, and the woken process then runs on cold caches. Looking at the rings instead costs the CPU
+time spent looking, which is worth it only when the wait is short: for a rank waiting a few
+hundred microseconds for its peer's half of a MoE layer, not for an idle server or an FFN rank
+waiting milliseconds for the attention rank's next batch.
 
 `SpinPolicy` keeps the length of the last `history` waits and spins (for up to `max_s`) only
 while at least a quarter of them ended within `max_s`: a run of long waits (idle, or a peer that
@@ -17,20 +17,18 @@ With `idle`, a thread looks under Linux's SCHED_IDLE policy (`looking()`) and is
 SCHED_OTHER before it reads what it found. A looking rank then gives way at once to any other work
 of the machine, and the kernel counts its core as free when it places a woken thread: the front end
 and the clients that a stream of tokens wakes run beside it instead of preempting a rank that
-computes. On this project's 2-core machine, paired per round in bench_latency at concurrency 1
-(five runs of 24-60 rounds), looking at idle priority took 0.905-1.052x the TPOT of looking at
-normal priority for AFD 1A+1F (faster in 125 of 204 rounds) and 0.942-0.979x for colocated dp2
-(126 of 204): a small gain, of the size of the machine's noise (benchmarks/README.md). Changing
-the policy costs two system calls per look (about 4 us here); where the kernel refuses the way
-back (no CAP_SYS_NICE and an RLIMIT_NICE under 20), threads look at normal priority.
+computes. Measured against looking at normal priority, the gain is small, of the size of the
+machine's noise (benchmarks/README.md, "Lab notes"). Changing the policy costs two system calls
+per look; where the kernel refuses the way back (no CAP_SYS_NICE and an RLIMIT_NICE under 20),
+threads look at normal priority.
 
 The price: a thread under SCHED_IDLE runs only when nothing else wants its core, so beside a
-process that keeps that core busy it sees its message late (here 115-430 ms, against 0.2-4 ms at
-normal priority, with a busy loop pinned to its core), and under bursts of other work (a front end
-taking in 32 requests at once) a look is late by their length. A look that overruns its window by
-STARVED_S was kept off the CPU that way: the next BACKOFF_LOOKS looks run at normal priority, twice
-as many after each further such look (up to MAX_BACKOFF_LOOKS), and back to BACKOFF_LOOKS after
-as many clean looks at idle priority. So a busy neighbour costs a few late looks, spaced further
+process that keeps that core busy it sees its message late (the scheduler leaves it a sliver of
+the core: hundreds of milliseconds where normal priority takes a few), and under bursts of other
+work (a front end taking in 32 requests at once) a look is late by their length. A look that
+overruns its window by STARVED_S was kept off the CPU that way: the next BACKOFF_LOOKS looks run at
+normal priority, twice as many after each further such look (up to MAX_BACKOFF_LOOKS), and back to
+BACKOFF_LOOKS after as many clean looks at idle priority. So a busy neighbour costs a few late looks, spaced further
 and further apart, and a server whose load comes and goes looks at idle priority while it is
 quiet. The first such look is logged as a warning.
 """

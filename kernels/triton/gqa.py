@@ -33,13 +33,13 @@ MIN_BLOCK_G = 16  # query heads per program are padded to this (tl.dot needs M >
 
 def split_kv_tiles(group: int, dtype: torch.dtype) -> SplitKVTiles:
     """Tiles of the split-KV kernel: a roofline estimate, checked by `python -m kernels.aot` (no
-    spill at sm_90/sm_100) and timed once on an H200 (Triton 3.6; B = 64, 4096 tokens, page 16).
+    spill at sm_90/sm_100) and timed once on a GPU (benchmarks/README.md, "Lab notes").
 
     Per cached token a program reads its kv-head's key and value, 2 * D * 2 B = 512 B in bf16
     (Qwen3: D = 128), and does 2 * G * 2D FLOPs: 8 FLOP/B at G = 8, far below any GPU's ridge, so
     the kernel is bound by reading the cache and the tiles need only keep bytes in flight: 64
-    tokens a step, 3 stages (39 KB of shared memory) ran at 3.4 TB/s, against 3.3 at 32 tokens
-    and 3.5 at 128 (two stages, 74 KB). Registers per thread: the query block [BLOCK_G, D] bf16 as
+    tokens a step and 3 stages (39 KB of shared memory) keep enough, where 128 tokens need two
+    stages (74 KB) for little more. Registers per thread: the query block [BLOCK_G, D] bf16 as
     each warp's mma.sync A operand, 16 * 128 * 2 B / 32 lanes = 32, and the fp32 accumulator
     [BLOCK_G, D], 16 * 128 * 4 B / 128 threads = 16: 100 at 4 warps with the tiles in flight.
     fp32 multiplies in "ieee" fp32 on the FMA units, where each thread holds its outputs' operands

@@ -16,6 +16,8 @@ Extend (prefill) stays on the torch reference; see `TritonMLA.extend` for why.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -27,44 +29,79 @@ from kernels.mla import (
     mla_extend_attention,
     unabsorb_output,
 )
-from kernels.triton import split_kv
+from kernels.triton import split_kv, tuned
 from kernels.triton.launch import Launch, is_interpreted
 from kernels.triton.split_kv import MAX_SPLITS, SplitKVTiles, num_splits_for  # noqa: F401 (MAX_SPLITS: this backend's API)
 
+KERNEL = "mla_decode"  # the kernel's name in tuned config files (kernels/triton/tuned.py)
 
-def split_kv_tiles(num_heads: int, dtype: torch.dtype) -> SplitKVTiles:
-    """Tiles of the split-KV kernel, chosen on an NVIDIA H200 (2026-11-26, Triton 3.6, torch
-    2.11+cu130; `benchmarks/tune_kernels.py`, results in benchmarks/results/) from 15 tiles x 5
-    split counts at DeepSeek-V3 shapes (bf16, page 64) and 8 tiles at V2-Lite's.
 
-    Per cached token a head block reads (C + R) * 2 B = 1152 B of bf16 cache (DeepSeek-V3: C = 512,
-    R = 64) and does 2 * heads * (2C + R) FLOPs: at 128 heads 242 FLOP/B, above the H200's ridge
-    (800 TFLOP/s bf16 / 4.2 TB/s measured = 190), so V3's decode is bound by the tensor cores, not
-    by memory; V2-Lite's 16 heads make 30 FLOP/B, bound by memory. The heads / BLOCK_H head blocks
-    of one (sequence, split) read the same tokens; head blocks are the grid's fastest axis, so they
-    run together and re-read from L2.
+def default_tiles(num_heads: int, dtype: torch.dtype) -> SplitKVTiles:
+    """The split-KV kernel's tiles when no tuned file names the GPU and shape: a roofline estimate
+    that holds kernels.aot's budgets (no spill, shared memory) at sm_90 and sm_100.
 
-    V3 (64 heads a program, 64 tokens a step, 8 warps, 3 stages): at 64 x 4096 tokens 322 us, 994
-    GB/s and 227 TFLOP/s (28% of the measured bf16 matmul rate), against 526-781 us for the 32-head
-    tiles used before (which take 1.5-2.4x longer at every batch of 8 and more); 32 tokens a step
-    441 us, 4 warps 704 us, 2 stages 358 us, 128 heads does not fit in shared memory. Registers:
-    the fp32 accumulator [64, 512] alone is 128 per thread at 8 warps, and Triton 3.9 spills 240 B
-    a thread at sm_90 (kernels.aot: allowed for this launch only, by name); 16 warps cap registers
-    at 128 and spill more. V2-Lite (16 heads, 128 tokens a step, 4 warps, 2 stages): 64 x 4096 in
-    108 us = 2.80 TB/s, 66% of the measured copy rate and 58% of the datasheet's 4.8 TB/s, against
-    124 us for the fastest spill-free tile (8 warps) and 137 us for the one used before (16 heads,
-    32 tokens); Triton 3.9 spills 76 B a thread at sm_90 (allowed by name, as above).
-    fp32 (the accuracy path) multiplies in "ieee" fp32 on the FMA units, where each thread holds its
-    outputs' operands along K: 16 tokens a step at 8 warps stays near 100 registers (32 tokens at
-    4 warps spilled 2-25 KB a thread and ran 4.4x slower).
+    Per cached token a head block reads (C + R) * 2 B of bf16 cache and does 2 * heads * (2C + R)
+    FLOPs: at DeepSeek-V3's 128 heads (C = 512, R = 64) 242 FLOP/B, near a Hopper GPU's ridge, so
+    its decode is bound by the tensor cores as much as by memory; V2-Lite's 16 heads make 30 FLOP/B,
+    bound by memory. The heads / BLOCK_H head blocks of one (sequence, split) read the same tokens;
+    head blocks are the grid's fastest axis, so they run together and re-read from L2. Registers:
+    tl.dot with M = BLOCK_H < 64 is mma.sync with the warps side by side along N, each holding the
+    query block [16, C] as its A operand (128 registers in bf16 at C = 512), and the fp32
+    accumulator [BLOCK_H, C] adds BLOCK_H * C * 4 B / (32 * num_warps): 32 heads at 8 warps fit
+    without a spill. fp32 (the accuracy path) multiplies in "ieee" fp32 on the FMA units, where each
+    thread holds its outputs' operands along K: 16 tokens a step at 8 warps keeps the registers low
+    (32 tokens at 4 warps spill).
     """
     if dtype == torch.float32:
         return SplitKVTiles(block_m=16, block_n=16, num_warps=8, num_stages=2)
-    if num_heads >= 64:
-        return SplitKVTiles(block_m=64, block_n=64, num_warps=8, num_stages=3)
     if num_heads >= 32:
         return SplitKVTiles(block_m=32, block_n=64, num_warps=8, num_stages=3)
-    return SplitKVTiles(block_m=16, block_n=128, num_warps=4, num_stages=2)
+    return SplitKVTiles(block_m=16, block_n=32, num_warps=4, num_stages=3)
+
+
+def tuned_shape(num_heads: int, latent: int, rope: int, dtype: torch.dtype) -> dict:
+    """The fields a tuned file of MLA decode is keyed by (besides the device)."""
+    return {"dtype": tuned.dtype_name(dtype), "heads": num_heads, "C": latent, "R": rope}
+
+
+@functools.lru_cache(maxsize=64)
+def _tuned(num_heads: int, latent: int, rope: int, dtype: torch.dtype, device: str, folder) -> tuple | None:
+    """(tuned batch sizes, their tiles) from the file for this device and shape, or None."""
+    shape = tuple(tuned_shape(num_heads, latent, rope, dtype).items())
+    entries = tuned.table(KERNEL, shape, device, folder)
+    if not entries:
+        return None
+    return tuple(size for size, _ in entries), tuple(SplitKVTiles(**config) for _, config in entries)
+
+
+def split_kv_tiles(
+    num_heads: int,
+    dtype: torch.dtype,
+    latent: int = 512,
+    rope: int = 64,
+    batch: int = 1,
+    device: torch.device | str = "cpu",
+    folder=tuned.CONFIG_DIR,
+) -> SplitKVTiles:
+    """Tiles of the split-KV kernel for `num_heads` heads of a `latent` + `rope` cache row in
+    `dtype` at `batch` sequences on `device`: those tuned for the nearest batch in the file for
+    this device and shape in `folder` (`python -m benchmarks.kernels.tune_kernels`), else
+    `default_tiles`."""
+    found = _tuned(num_heads, latent, rope, dtype, tuned.device_name(device), folder)
+    if found is None:
+        return default_tiles(num_heads, dtype)
+    sizes, tiles = found
+    return tiles[tuned.nearest(sizes, batch)]
+
+
+def every_tiles(num_heads: int, latent: int, rope: int, dtype: torch.dtype, folder=tuned.CONFIG_DIR):
+    """Every tile `split_kv_tiles` may give for this shape on any GPU: the default, then each tuned
+    file's (for kernels.aot, which names its target instead of asking a device)."""
+    found = [default_tiles(num_heads, dtype)]
+    for config in tuned.every_config(KERNEL, tuned_shape(num_heads, latent, rope, dtype), folder):
+        if SplitKVTiles(**config) not in found:
+            found.append(SplitKVTiles(**config))
+    return found
 
 
 @triton.jit(do_not_specialize=split_kv.VARYING)
@@ -183,12 +220,12 @@ def decode_launches(
     """The output [B, H, C] (allocated, not yet written) and the two launches that fill it: the
     split-KV kernel and the merge (arguments as in `mla_decode_core_triton`, B >= 1). `interpreted`:
     build them for Triton's interpreter (default: whether this process runs it). `tiles`: the
-    split-KV kernel's tiles (default `split_kv_tiles`; benchmarks/tune_kernels.py sweeps them)."""
+    split-KV kernel's tiles (default `split_kv_tiles`; benchmarks.kernels.tune_kernels sweeps them)."""
     B, H, C = q_latent.shape
     R = q_pe.shape[-1]
     assert cache.shape[-1] == C + R and cache.stride(-1) == 1, "cache rows must be [C + R], contiguous"
     assert q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1, "query head dims must be contiguous"
-    tiles = tiles or split_kv_tiles(H, q_latent.dtype)
+    tiles = tiles or split_kv_tiles(H, q_latent.dtype, C, R, B, q_latent.device)
     head_blocks = triton.cdiv(H, tiles.block_m)
     splits = num_splits or split_kv.decode_splits(B, head_blocks, kv.pages.shape[1] * kv.page_size)
     o_part, lse_part = split_kv.split_buffers(B, H, splits, C, q_latent.device)

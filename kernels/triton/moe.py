@@ -32,7 +32,6 @@ exactly one group (128). Output rows (N) need no alignment: scales are looked up
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -42,66 +41,17 @@ import triton.language as tl
 from comm.wire import FP8_GROUP, FP8_MAX
 from kernels.triton.fp8 import cast_rtne, quantize_fp8, round_to_e4m3
 from kernels.triton.launch import Launch, is_interpreted
+from kernels.triton.moe_tiles import (  # noqa: F401 (DEFAULT_BLOCKS, every_blocks: this backend's API)
+    DEFAULT_BLOCKS,
+    FP8_BLOCKS,
+    KERNEL,
+    MoEBlocks,
+    every_blocks,
+    moe_blocks,
+    tuned_shape,
+)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class MoEBlocks:
-    """Tile sizes of both grouped GEMMs: rows (BLOCK_M, also the per-expert padding), output
-    columns (BLOCK_N) and reduction (BLOCK_K), powers of two >= 16 (tl.dot's minimum); and both
-    launches' warps and pipeline stages. The defaults are the bf16/fp32 tiles, FP8_BLOCKS the fp8
-    ones; see the comment above FP8_BLOCKS for how they were chosen."""
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        for name, v in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"MoEBlocks.{name}={v}: use a power of two >= 16")
-
-    def check_fp8(self) -> None:
-        if FP8_GROUP % self.block_k or self.block_n != FP8_GROUP:
-            raise ValueError(
-                f"fp8 MoE needs block_k dividing {FP8_GROUP} (one scale per K tile) and "
-                f"block_n == {FP8_GROUP} (act quantized per tile); got {self}"
-            )
-
-
-# Tiles per weight dtype and rows per expert (T * K / E: a shape, no host read), chosen on an
-# NVIDIA H200 (2026-11-26, Triton 3.6; benchmarks/tune_kernels.py, results in benchmarks/results/)
-# from 14 bf16 and 12 fp8 tiles at DeepSeek-V3's experts (256 x 7168 x 2048, top-8) at 1, 4, 16,
-# 64, 256 and 512 rows per expert. A decode step routes few rows to each expert (V3 at 64 tokens:
-# 512 pairs over 256 experts, ~2 each), so the kernels read every active expert's weights once and
-# are bound by memory: 16-row blocks, wide weight tiles in flight. There bf16 (16, 128, 128) moved
-# 4.4 TB/s of active experts' weights at 1 row per expert, 92% of the H200's 4.8 TB/s (fp8: 3.2
-# TB/s). From ~16 rows on the weights are re-read per row block and the tensor cores set the pace:
-# bf16 (64, 256, 64, 8 warps) reached 347 TFLOP/s at 256 rows and 378 at 512 (43-48% of the
-# measured 800 TFLOP/s bf16 matmul), against 107-211 for the 16- and 32-row tiles used before; fp8
-# (64, 128, 128, 8 warps) 402 and 426 TFLOP/s (30-32% of the measured 1326 TFLOP/s fp8 matmul:
-# the per-128 block scales make each K tile's product a separate dot, scaled and added in fp32).
-# 128-row tiles ran 2.5x slower in fp8 and no faster in bf16. Every entry holds the AOT budgets (no
-# spill, shared memory under 227 KB at sm_90 and sm_100; kernels.aot). fp32, the accuracy path,
-# keeps its one tile. fp8 needs block_n 128 (its fused act quantization) and block_k dividing 128.
-FP8_BLOCKS = MoEBlocks(block_m=16, block_n=128, block_k=128)
-MOE_TILES = {  # kind -> ((largest rows per expert served, or None for any), tiles), ascending
-    "fp32": ((None, MoEBlocks()),),
-    "bf16": ((8, MoEBlocks(16, 128, 128, 4, 3)), (None, MoEBlocks(64, 256, 64, 8, 3))),
-    "fp8": ((16, FP8_BLOCKS), (None, MoEBlocks(64, 128, 128, 8, 3))),
-}
-
-
-def moe_blocks(kind: str, rows_per_expert: float) -> MoEBlocks:
-    """The tiles of MOE_TILES[kind] ("fp32", "bf16" or "fp8") for `rows_per_expert` rows per local
-    expert (T * K / E: an upper bound on a rank whose slots are partly other ranks' -1)."""
-    for limit, blocks in MOE_TILES[kind]:
-        if limit is None or rows_per_expert <= limit:
-            return blocks
-    raise AssertionError("every MOE_TILES entry ends with a None limit")
 
 
 class ExpertBlocks(NamedTuple):
@@ -463,7 +413,8 @@ class TritonMoE:
     """The `triton` backend of routed-expert compute (CUDA GPU, or Triton's interpreter on a CPU).
 
     Same interface as kernels.moe.TorchMoE, plus `fused_moe_fp8` for block-quantized weights.
-    Tiles come from MOE_TILES by rows per expert unless `blocks` / `fp8_blocks` fix them.
+    Tiles come from `moe_blocks` (tuned per GPU and shape, by rows per expert) unless `blocks` /
+    `fp8_blocks` fix them.
     """
 
     name = "triton"
@@ -474,13 +425,20 @@ class TritonMoE:
         self.blocks = blocks
         self.fp8_blocks = fp8_blocks
 
+    @staticmethod
+    def _blocks(kind: str, x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> MoEBlocks:
+        """`moe_blocks` for this call: rows per expert T * K / E, the experts' H and I, x's device
+        (shapes only: a wrong shape is the kernel's to report)."""
+        E, two_i = w13.shape[:2]
+        return moe_blocks(kind, topk_ids.numel() / max(1, E), x.shape[-1], two_i // 2, x.device)
+
     def fused_moe(
         self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """See the module function `fused_moe`: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K]
         int64 local expert or -1, topk_weights [T, K] fp32 -> [T, H] in x.dtype."""
         kind = "fp32" if x.dtype == torch.float32 else "bf16"
-        blocks = self.blocks or moe_blocks(kind, topk_ids.numel() / max(1, w13.shape[0]))
+        blocks = self.blocks or self._blocks(kind, x, w13, topk_ids)
         return fused_moe(x, w13, w2, topk_ids, topk_weights, blocks)
 
     def fused_moe_fp8(
@@ -495,5 +453,5 @@ class TritonMoE:
     ) -> torch.Tensor:
         """See the module function `fused_moe_fp8`: w13 [E, 2I, H] / w2 [E, H, I] float8_e4m3fn with
         fp32 scales per 128x128 block [E, ceil(2I/128), ceil(H/128)] / [E, ceil(H/128), ceil(I/128)]."""
-        blocks = self.fp8_blocks or moe_blocks("fp8", topk_ids.numel() / max(1, w13.shape[0]))
+        blocks = self.fp8_blocks or self._blocks("fp8", x, w13, topk_ids)
         return fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, blocks)

@@ -64,9 +64,8 @@ TARGET_PROGRAMS = 128
 def decode_splits(batch: int, head_blocks: int, max_kv_len: int) -> int:
     """Splits per sequence of a decode launch of `batch` sequences x `head_blocks` programs each:
     enough for TARGET_PROGRAMS programs, at most `num_splits_for(max_kv_len)`. Shapes only (no
-    host read). On an H200 (benchmarks/tune_kernels.py, 2026-11-26) it is the fastest of 1/2/4/8/16
-    at each of the 9 DeepSeek-V3 batch x context shapes measured (batch 1-256, 1K-32K tokens): 64 x
-    4096 at 1 split took 322 us against 526 us at the 16 that `num_splits_for` alone gives."""
+    host read). Checked on a GPU against every split count at DeepSeek-V3 batch x context shapes
+    (benchmarks.kernels.tune_kernels; the figures: benchmarks/README.md, "Lab notes")."""
     wanted = triton.cdiv(TARGET_PROGRAMS, max(1, batch * head_blocks))
     return max(1, min(num_splits_for(max_kv_len), wanted))
 

@@ -11,7 +11,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def paged_kv(kv_lens: list[int], page_size: int, g: torch.Generator, extra_columns: int = 0) -> tuple[PagedKV, int]:
     """A page table over scrambled pages, padded with poison page ids, and its PagedKV built the
-    way afd_engine/runtime/forward_batch.py builds it. Page 0 is the (finite) padding slot's page;
+    way afd_engine/models/forward_batch.py builds it. Page 0 is the (finite) padding slot's page;
     pages >= 1 + used are poison; `extra_columns` more padding columns of them. Returns (kv, number of pages)."""
     need = [-(-n // page_size) for n in kv_lens]
     used, poison = sum(need), 3

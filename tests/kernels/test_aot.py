@@ -67,19 +67,39 @@ def budget_breaches(entry: dict) -> list[str]:
     return breaches
 
 
+SHAPES = {  # model -> (attention (heads, C, R) of MLA, experts (H, I)): the published configs'
+    "deepseek-v3": ((128, 512, 64), (7168, 2048)),
+    "deepseek-v2-lite": ((16, 512, 64), (2048, 1408)),
+    "qwen3-30b-a3b": (None, (2048, 768)),
+}
+
+
 def expected_uses() -> set[str]:
-    """Every launch name the engine makes at the three models' shapes (see kernels.aot)."""
+    """Every launch name the engine makes at the three models' shapes (see kernels.aot): MLA and
+    MoE once per tile they may take (the default and each tuned file's), named by it."""
     names = set()
     for (model, kind), dtype in product(MODELS.items(), ("fp32", "bf16")):
+        mla_shape = SHAPES[model][0]
+        tags = [aot.tile_tag(t) + "/" for t in mla.every_tiles(*mla_shape, aot.DTYPES[dtype])] if mla_shape else [""]
         for page, splits in product((1, 16, 64), (1, 2, 4, 8, 16)):
-            names |= {
-                f"{kind}_split_kv/{model}/{dtype}/page{page}/splits{splits}",
-                f"{kind}_merge/{model}/{dtype}/splits{splits}",
-            }
+            names |= {f"{kind}_split_kv/{model}/{dtype}/{tag}page{page}/splits{splits}" for tag in tags}
+            names.add(f"{kind}_merge/{model}/{dtype}/splits{splits}")
         names |= {f"fp8_quantize/{model}/{dtype}", f"fp8_dequantize/{model}/{dtype}"}
     for model, dtype, part in product(MODELS, ("fp32", "bf16", "fp8"), ("gate_up", "down")):
-        names |= {f"moe_{part}/{model}/{dtype}/m{blocks.block_m}" for _, blocks in moe.MOE_TILES[dtype]}
+        tiles = moe.every_blocks(dtype, *SHAPES[model][1])
+        names |= {f"moe_{part}/{model}/{dtype}/{aot.tile_tag(blocks)}" for blocks in tiles}
     return names
+
+
+def test_tuned_tiles_are_compiled_beside_the_defaults():
+    """The H200 files add V3's and V2-Lite's tuned MLA tiles and V3's wider MoE tiles; the other
+    shapes compile their defaults alone."""
+    v3 = expected_uses()
+    assert "mla_split_kv/deepseek-v3/bf16/m64n64w8s3/page64/splits1" in v3
+    assert "mla_split_kv/deepseek-v3/bf16/m32n64w8s3/page64/splits1" in v3  # the default
+    assert "mla_split_kv/deepseek-v2-lite/bf16/m16n128w4s2/page1/splits1" in v3
+    assert "moe_gate_up/deepseek-v3/fp8/m64n128k128w8s3" in v3
+    assert not [u for u in v3 if u.startswith("moe_gate_up/qwen3-30b-a3b/bf16/") and "m16n64k64w4s3" not in u]
 
 
 def entry_for(report: dict, target: str, use: str) -> dict:
@@ -103,22 +123,31 @@ def test_report_lists_every_launch_for_both_targets(report):
 
 
 def test_compiled_tiles_are_the_wrappers(report):
-    """The AOT compile used the launch configuration the wrappers choose (no copy of the table)."""
+    """The AOT compile used the launch configuration the wrappers choose (no copy of the table):
+    on the GPU the tuned files name, and on any other."""
+    h200, bf16, fp32 = "NVIDIA H200", torch.bfloat16, torch.float32
     cases = [
-        ("mla_split_kv/deepseek-v3/bf16/page64/splits4", mla.split_kv_tiles(128, torch.bfloat16), "BLOCK_H"),
-        ("mla_split_kv/deepseek-v2-lite/bf16/page1/splits1", mla.split_kv_tiles(16, torch.bfloat16), "BLOCK_H"),
-        ("mla_split_kv/deepseek-v3/fp32/page16/splits2", mla.split_kv_tiles(128, torch.float32), "BLOCK_H"),
-        ("gqa_split_kv/qwen3-30b-a3b/bf16/page16/splits8", gqa.split_kv_tiles(8, torch.bfloat16), "BLOCK_G"),
-        ("gqa_split_kv/qwen3-30b-a3b/fp32/page64/splits16", gqa.split_kv_tiles(8, torch.float32), "BLOCK_G"),
+        ("deepseek-v3/bf16/{}/page64/splits4", mla.split_kv_tiles(128, bf16, 512, 64, 64, "cpu"), "BLOCK_H"),
+        ("deepseek-v3/bf16/{}/page64/splits4", mla.split_kv_tiles(128, bf16, 512, 64, 64, h200), "BLOCK_H"),
+        ("deepseek-v2-lite/bf16/{}/page1/splits1", mla.split_kv_tiles(16, bf16, 512, 64, 8, h200), "BLOCK_H"),
+        ("deepseek-v2-lite/bf16/{}/page1/splits1", mla.split_kv_tiles(16, bf16, 512, 64, 8, "cpu"), "BLOCK_H"),
+        ("deepseek-v3/fp32/{}/page16/splits2", mla.split_kv_tiles(128, fp32, 512, 64, 64, h200), "BLOCK_H"),
     ]
     for use, tiles, block_m in cases:
-        e = entry_for(report, "sm_90", use)
+        e = entry_for(report, "sm_90", "mla_split_kv/" + use.format(aot.tile_tag(tiles)))
         assert (e["num_warps"], e["num_stages"]) == (tiles.num_warps, tiles.num_stages), use
         assert (e["constexprs"][block_m], e["constexprs"]["BLOCK_N"]) == (str(tiles.block_m), str(tiles.block_n))
         assert e["constexprs"]["UPCAST"] == "False"  # the interpreter's fp32 upcast stays off the GPU
-    for dtype, rows in product(("bf16", "fp8"), (1, 512)):  # decode and prefill rows per expert
-        blocks = moe.moe_blocks(dtype, rows)
-        e = entry_for(report, "sm_100", f"moe_gate_up/deepseek-v3/{dtype}/m{blocks.block_m}")
+    for use, tiles in (
+        ("gqa_split_kv/qwen3-30b-a3b/bf16/page16/splits8", gqa.split_kv_tiles(8, bf16)),
+        ("gqa_split_kv/qwen3-30b-a3b/fp32/page64/splits16", gqa.split_kv_tiles(8, fp32)),
+    ):
+        e = entry_for(report, "sm_90", use)
+        assert (e["num_warps"], e["num_stages"]) == (tiles.num_warps, tiles.num_stages), use
+        assert (e["constexprs"]["BLOCK_G"], e["constexprs"]["BLOCK_N"]) == (str(tiles.block_m), str(tiles.block_n))
+    for dtype, rows, device in product(("bf16", "fp8"), (1, 512), (h200, "cpu")):  # decode and prefill rows
+        blocks = moe.moe_blocks(dtype, rows, 7168, 2048, device)
+        e = entry_for(report, "sm_100", f"moe_gate_up/deepseek-v3/{dtype}/{aot.tile_tag(blocks)}")
         tiles = [str(v) for v in (blocks.block_m, blocks.block_n, blocks.block_k)]
         assert [e["constexprs"][k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "FP8")] == [*tiles, str(dtype == "fp8")]
         assert (e["num_warps"], e["num_stages"]) == (blocks.num_warps, blocks.num_stages)
@@ -127,15 +156,16 @@ def test_compiled_tiles_are_the_wrappers(report):
 def test_split_count_and_batch_compile_once(report):
     """The split count and the batch are runtime values: one split-KV kernel per (model, dtype, page)
     serves all of them, and one merge per split tile."""
-    split = entry_for(report, "sm_90", "mla_split_kv/deepseek-v3/bf16/page64/splits1")
-    assert sorted(split["uses"]) == sorted(f"mla_split_kv/deepseek-v3/bf16/page64/splits{s}" for s in (1, 2, 4, 8, 16))
+    name = "mla_split_kv/deepseek-v3/bf16/m64n64w8s3/page64/splits{}"
+    split = entry_for(report, "sm_90", name.format(1))
+    assert sorted(split["uses"]) == sorted(name.format(s) for s in (1, 2, 4, 8, 16))
 
 
 def test_a_spilling_configuration_is_caught(tmp_path):
     """Seen red: V3's bf16 split-KV kernel at 2 warps instead of 8 holds its [32, 512] fp32
     accumulator in 64 threads (256 registers each, before the query): it spills. The tool exits 1
     naming it, the budget check breaks, and the spill bytes it reads from the SASS are ptxas -v's."""
-    use = "mla_split_kv/deepseek-v3/bf16/page64/splits4"
+    use = f"mla_split_kv/deepseek-v3/bf16/{aot.tile_tag(mla.default_tiles(128, torch.bfloat16))}/page64/splits4"
     code, report, err = run_aot(
         tmp_path / "r.json", "--target", "sm_90", "--only", use, "--num-warps", "2", "--dump", str(tmp_path)
     )

@@ -9,7 +9,10 @@ returns NaN or another sequence's tokens. The kernel gets no slot table or bias.
 from __future__ import annotations
 
 import logging
-import shutil
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +43,7 @@ def decode_both(kv_lens, page_size, heads, dims, dtype=torch.float32, seed=0, sl
 
 
 def test_the_kernel_is_built_where_a_c_compiler_is():
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
+    if native.compiler() is None:
         pytest.skip("no C compiler on this machine: CpuMLA runs the torch reference (tested below)")
     assert CpuMLA().native and CpuGQA().native
 
@@ -112,7 +115,7 @@ def fresh_build(monkeypatch, tmp_path):
 
 
 def test_without_a_compiler_decode_runs_the_reference(fresh_build, monkeypatch, caplog):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
     with caplog.at_level(logging.WARNING, logger="kernels.native"):
         cpu = CpuMLA()
     assert not cpu.native
@@ -133,22 +136,31 @@ def test_a_failed_build_runs_the_reference(fresh_build, monkeypatch, tmp_path, c
     monkeypatch.setattr(native, "SOURCES", bad)
     with caplog.at_level(logging.WARNING, logger="kernels.native"):
         assert native.library("paged_decode") is None
-    assert "could not be built" in caplog.text and "exited with" in caplog.text
+    assert "could not be built" in caplog.text and "Error building extension" in caplog.text
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
-def test_the_library_is_built_once_and_reused(fresh_build, monkeypatch):
+NO_COMPILER = native.compiler() is None
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="no C compiler")
+def test_the_library_is_built_once_and_reused(fresh_build):
+    """A new process finds the library in its build directory and loads it as it is, without
+    importing the builder (torch.utils.cpp_extension, which imports setuptools)."""
     assert native.library("paged_decode") is not None
-    (built,) = fresh_build.glob("paged_decode-*.so")
-    assert not list(fresh_build.glob(".paged_decode-*"))  # no temporary file left behind
+    (built,) = fresh_build.glob("paged_decode-*/afd_paged_decode*.so")
     stamp = built.stat().st_mtime_ns
-    monkeypatch.setattr(native, "_loaded", {})  # as a new process would
-    monkeypatch.setattr(native.subprocess, "run", _no_compiler_run(native.subprocess.run))
-    assert native.library("paged_decode") is not None
+    code = (
+        "import sys\nfrom kernels import native\n"
+        "print(native.library('paged_decode') is not None, 'torch.utils.cpp_extension' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    if built.name == "afd_paged_decode.so":  # (a second build in this process is named _v1 by torch)
+        assert res.stdout.split() == ["True", "False"], res.stderr
     assert built.stat().st_mtime_ns == stamp
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.skipif(NO_COMPILER, reason="no C compiler")
 def test_an_unwritable_cache_directory_builds_in_the_temporary_one(fresh_build, monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -156,33 +168,16 @@ def test_an_unwritable_cache_directory_builds_in_the_temporary_one(fresh_build, 
     monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     assert native.library("paged_decode") is not None
-    assert list((tmp_path / "tmp").glob("afd-engine-kernels-*/paged_decode-*.so"))
+    assert list((tmp_path / "tmp").glob("afd-engine-kernels-*/paged_decode-*/afd_paged_decode*.so"))
 
 
-def _no_compiler_run(run):
-    """subprocess.run that allows `cc --version` only: a second compile would fail the test."""
-
-    def guarded(cmd, *args, **kwargs):
-        assert "--version" in cmd, f"compiled again: {cmd}"
-        return run(cmd, *args, **kwargs)
-
-    return guarded
-
-
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
-@pytest.mark.parametrize("broken", ["too long", "page outside", "negative page"])
-def test_inconsistent_tables_raise_instead_of_reading_outside_the_cache(broken):
-    q_nope, q_pe, cache, kv, w_kv_b, scale = (
-        t.cpu() if isinstance(t, torch.Tensor) else t for t in make_mla_case([5, 17], 4, 4, **V3, dtype=torch.float32)
-    )
-    pages, lens = kv.pages.cpu().clone(), kv.kv_lens.cpu().clone()
-    if broken == "too long":
-        lens[1] = pages.shape[1] * 4 + 1
-    else:
-        pages[1, 2] = len(cache) // 4 if broken == "page outside" else -1
-    cpu = CpuMLA()
-    w_uk, w_uv = cpu.absorb(w_kv_b, 4, V3["Dn"], V3["Dv"])
-    with pytest.raises(ValueError, match="exceeds its page table row .* or a page it reads is outside the cache"):
-        cpu.decode(
-            q_nope, q_pe, cache, kv._replace(slots=None, bias=None, pages=pages, kv_lens=lens), w_uk, w_uv, scale
-        )
+@pytest.mark.skipif(NO_COMPILER, reason="no C compiler")
+@pytest.mark.timeout(120)  # without the clearing, the build waits for the lock forever
+def test_a_lock_left_by_a_killed_build_is_cleared(fresh_build, monkeypatch):
+    """cpp_extension's lock file outlives a build killed halfway; past COMPILE_TIMEOUT_S it is removed
+    (a fresh one is a build under way, and is waited for)."""
+    source = native.SOURCES / "rms_norm.c"
+    lock = native._build_dir(source, native.compiler()) / "lock"
+    lock.touch()
+    os.utime(lock, (0, 0))
+    assert native.library("rms_norm") is not None and not lock.exists()

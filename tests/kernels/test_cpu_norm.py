@@ -75,7 +75,7 @@ def test_without_a_compiler_rms_norm_runs_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(cpu_norm, "_fn", None)
     monkeypatch.setenv("AFD_KERNEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
     x, w = torch.randn(4, 16), torch.randn(16)
     with torch.inference_mode():
         assert cpu_norm.rms_norm(x, w, 1e-6) is None

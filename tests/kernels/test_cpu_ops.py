@@ -6,7 +6,6 @@ still exist and the same paths trace to the backends' torch code."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ MLA = {"C": 32, "R": 8, "Dn": 16, "Dv": 12}
 
 @pytest.fixture
 def kernels_built():
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
+    if native.compiler() is None:
         pytest.skip("no C compiler on this machine: the backends run torch (see the last tests)")
 
 

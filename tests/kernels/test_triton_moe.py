@@ -243,15 +243,3 @@ def test_tile_sizes_are_validated():
         MoEBlocks(block_k=48)
     with pytest.raises(ValueError, match="fp8 MoE needs block_k dividing 128"):
         TritonMoE(fp8_blocks=MoEBlocks(block_n=64, block_k=128))
-
-
-def test_tiles_follow_rows_per_expert():
-    """MOE_TILES by rows per local expert (T * K / E, shapes only): 16-row blocks for decode, 64-row
-    blocks once the weights are re-read per block; a fixed `blocks` overrides the table."""
-    from kernels.triton.moe import MOE_TILES, moe_blocks
-
-    assert [moe_blocks("bf16", r).block_m for r in (0.5, 8, 9, 512)] == [16, 16, 64, 64]
-    assert [moe_blocks("fp8", r).block_m for r in (2, 16, 17)] == [16, 16, 64]
-    assert {moe_blocks("fp32", r) for r in (1, 1000)} == {MoEBlocks()}
-    for _, blocks in MOE_TILES["fp8"]:
-        blocks.check_fp8()
