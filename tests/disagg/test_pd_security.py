@@ -140,7 +140,10 @@ def secret_flags(mode: str, host: str, backend: str = "builtin", secret=None, in
 def test_instances_on_different_machines_need_the_secret(monkeypatch):
     from afd_engine.cli import _pd_secret
 
-    monkeypatch.delenv(ENV, raising=False)
+    # set first, so that monkeypatch restores its absence after _pd_secret has set it below (a
+    # secret left in this worker's environment would reach every later test's processes)
+    monkeypatch.setenv(ENV, "unset after the test")
+    monkeypatch.delenv(ENV)
     _pd_secret(*secret_flags("decode", "127.0.0.1"))  # one machine: optional
     _pd_secret(*secret_flags("null", "10.0.0.2"))  # not disaggregated: nothing to guard
     with pytest.raises(ConfigError, match="--disaggregation-host 10.0.0.2 is reached over the network"):
