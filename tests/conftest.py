@@ -11,12 +11,62 @@ import torch
 
 from afd_engine.tiny_model import make_tiny_model
 
+ROOT = Path(__file__).resolve().parents[1]
+
 # Tests run two workers on two cores; one torch thread each keeps them from fighting.
 torch.set_num_threads(int(os.environ.get("AFD_TEST_THREADS", "1")))
 # Without a GPU the Triton kernels run under Triton's interpreter; it must be chosen before the
 # first kernel module is imported, and engine subprocesses inherit it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The slow tier: `make test` runs it, `make test-fast` (-m "not slow") leaves it out. Whole files
+# whose tests start deployments of rank processes or servers, run benchmarks, or run whole engines
+# under the Triton interpreter; a single test of that kind elsewhere carries @pytest.mark.slow.
+# (Patterns are glob patterns relative to the repository root.)
+SLOW_FILES = (
+    "tests/benchmarks/test_bench_*.py",
+    "tests/benchmarks/test_gpu_check.py",
+    "tests/benchmarks/test_lib_server.py",
+    "tests/benchmarks/test_tune_kernels.py",
+    "tests/comm/test_dispatch_processes.py",
+    "tests/comm/test_transports.py",
+    "tests/disagg/test_pd_deployments.py",
+    "tests/disagg/test_pd_serve.py",
+    "tests/distributed/test_cluster_secret.py",
+    "tests/distributed/test_deployments.py",
+    "tests/distributed/test_eplb_deployments.py",
+    "tests/distributed/test_ffn_fault_tolerance.py",
+    "tests/distributed/test_hung_rank.py",
+    "tests/distributed/test_launch_roles.py",
+    "tests/distributed/test_prefix_cache_deployments.py",
+    "tests/distributed/test_serve_deployments.py",
+    "tests/distributed/test_torch_transport.py",
+    "tests/docs/test_examples.py",
+    "tests/kernels/test_triton_engine.py",
+    "tests/server/test_api.py",
+    "tests/server/test_auth.py",
+    "tests/server/test_engine_death.py",
+    "tests/server/test_expert_load_api.py",
+    "tests/server/test_fuzz.py",
+    "tests/server/test_hardening.py",
+    "tests/server/test_prompt_logprobs_api.py",
+    "tests/server/test_qwen3_api.py",
+    "tests/server/test_schema.py",
+    "tests/server/test_structured_api.py",
+    "tests/test_cli.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for pattern in SLOW_FILES:
+        if not list(ROOT.glob(pattern)):
+            raise pytest.UsageError(f"tests/conftest.py SLOW_FILES: {pattern} matches no file")
+    for item in items:
+        rel = Path(item.path).resolve().relative_to(ROOT)
+        if any(rel.match(pattern) for pattern in SLOW_FILES):
+            item.add_marker(pytest.mark.slow)
+
 
 # name -> (arch, overrides): the configurations every parity test runs against.
 TINY_CONFIGS = {

@@ -147,6 +147,7 @@ def run_all(engine, prompts: list[list[int]], monkeypatch) -> tuple[list[int | N
     return routed, [served[rid] for rid in rids], [done[rid] for rid in rids]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method, ranks", [("cache_aware", [0, 0, 1]), ("round_robin", [0, 1, 0])])
 def test_a_deployment_routes_by_its_policy(tiny_v3, method, ranks, monkeypatch):

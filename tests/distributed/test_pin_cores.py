@@ -28,6 +28,7 @@ def test_core_shares_split_the_cores_evenly_in_order():
     assert core_shares([], 1) is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pin", [True, False])
 def test_rank_processes_run_on_their_share_of_the_cores(pin, tiny_v3):

@@ -40,7 +40,10 @@ def test_experts_keep_the_checkpoints_fp8_bytes(fp8_ckpt):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "mode",
-    [dict(mode="single"), dict(mode="afd", dp_size=1, ffn_ranks_per_node=2, micro_batches=2)],
+    [
+        dict(mode="single"),
+        pytest.param(dict(mode="afd", dp_size=1, ffn_ranks_per_node=2, micro_batches=2), marks=pytest.mark.slow),
+    ],
     ids=["single", "afd"],
 )
 def test_fp8_experts_stay_within_fp8_error_of_dequantized_weights(fp8_ckpt, mode):

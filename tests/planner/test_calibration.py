@@ -91,6 +91,7 @@ def test_errors(tmp_path):
         Calibration.load(tmp_path / "bad.json")
 
 
+@pytest.mark.slow
 def test_profiling_run_of_the_engine_calibrates(tmp_path, tiny_v3):
     """A real AFD run with --record-timeline gives token counts on both sides, and a fit."""
     prefix = str(tmp_path / "run")

@@ -77,6 +77,7 @@ def test_zero_new_tokens_needs_prompt_logprobs():
     ],
     ids=["colocated dp2 mb2", "afd 2A 2x1 mb3 chunked"],
 )
+@pytest.mark.slow
 def test_prompt_logprobs_in_deployments(tiny_v3, prompts, flags):
     batch, refs = prompts
     with make_engine(model_path=tiny_v3, comm_timeout=30, dispatch_dtype="fp32", **flags) as engine:
