@@ -15,13 +15,13 @@ this machine (Python threads, no network): a smoke figure, not a network measure
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
 
 import torch
 
+from benchmarks.lib.results import write_json
 from comm import volume
 from comm.attention_side import attention_endpoint
 from comm.endpoint import CommConfig
@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(a, nodes, per_node, args))
     print_table(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "rows": rows}, f, indent=2)
+        write_json(args.json, {"settings": vars(args), "rows": rows})
     return 0
 
 

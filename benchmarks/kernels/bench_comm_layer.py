@@ -20,7 +20,6 @@ transport: the minimum and the median over `--chunks` chunks of `--layers` layer
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ import time
 
 import torch
 
+from benchmarks.lib.results import write_json
 from comm import CommConfig, MsgKey, Topology, WireFormat, attention_endpoint, ffn_endpoint
 from comm.transport.inproc import InProcessFabric
 from comm.transport.shm_transport import ShmTransport, remove_namespace
@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, r in results.items():
         print(f"{kind:<10} {r['min_us']:>12.1f} {r['median_us']:>15.1f}")
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"args": vars(args), "transports": results}, out, indent=2)
+        write_json(args.json, {"args": vars(args), "transports": results})
     return 0
 
 

@@ -18,7 +18,6 @@ benchmarks/dsv3_checkpoint.py), as bench_vs_vllm.py serves.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from afd_engine import Engine, SamplingParams
 from benchmarks.dsv3_checkpoint import prepare_model
+from benchmarks.lib.results import write_json
 
 BACKENDS = ("torch", "cpu")
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mean':>10} {m['torch']:>10.2f} {m['cpu']:>10.2f} {res['torch_over_cpu']:>10.2f}")
     print(f"identical greedy outputs: {res['identical_outputs']} of {res['requests']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
     return 0
 
 

@@ -19,12 +19,10 @@ Every row also reports the largest relative error against the torch reference on
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -32,6 +30,7 @@ if not torch.cuda.is_available():  # must precede the first import of a Triton k
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from afd_engine.planner.hardware import HARDWARE  # noqa: E402
+from benchmarks.lib.results import write_json
 from kernels.mla import PagedKV  # noqa: E402
 from kernels.registry import attention_backend, moe_backend  # noqa: E402
 
@@ -210,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{pct[0]:>8}{pct[1]:>8}{r['max_rel_err_vs_torch']:>10.1e}"
         )
     if ns.json:
-        Path(ns.json).write_text(
-            json.dumps({"device": name, "dtype": str(dtype), "quick": ns.quick, "rows": rows}, indent=1) + "\n"
-        )
+        write_json(ns.json, {"dtype": str(dtype), "quick": ns.quick, "rows": rows})  # the stamp names the device
     return 0
 
 

@@ -22,6 +22,7 @@ def test_quick_rows_cover_every_kernel_and_backend(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "triton rows run under the interpreter" in res.stdout
     report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and {"date", "machine", "commit"} <= set(report)  # stamped
     rows = {(r["kernel"], r["backend"]): r for r in report["rows"]}
     assert set(rows) == {(k, b) for k in ("mla_decode", "fused_moe", "fp8_quantize") for b in ("torch", "triton")}
     for (kernel, backend), r in rows.items():
