@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import threading
 
 from afd_engine.control.client import BlockingClient, ControlClient, EngineUnavailable, RequestFailed, RequestStream
 from afd_engine.control.load_balance import LoadBalancer
@@ -61,6 +62,7 @@ class DistributedEngine(OfflineEngine):
         self._finished: queue.SimpleQueue[RequestOutput | DeploymentDied] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._died: DeploymentDied | None = None
+        self._lock = threading.Lock()  # the loop's thread finishes requests, the caller's aborts them
         self._collectors: dict[str, asyncio.Task] = {}  # rid -> its collector (on the loop's thread)
 
     async def _start_client(self) -> None:
@@ -137,11 +139,14 @@ class DistributedEngine(OfflineEngine):
             self._collectors.pop(stream.rid, None)
 
     def _finish(self, rid: str, out: RequestOutput) -> None:
-        if self._pending.pop(rid, None) is not None:
-            self._finished.put(out)
+        with self._lock:  # `has_unfinished` never sees it neither pending nor queued
+            if self._pending.pop(rid, None) is not None:
+                self._finished.put(out)
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending)
+        """Requests in flight, or finished and not yet returned by `step`."""
+        with self._lock:
+            return bool(self._pending) or not self._finished.empty()
 
     def step(self) -> list[RequestOutput]:
         """Waits up to POLL_S for requests to finish; returns those that did. Raises DeploymentDied
@@ -189,7 +194,9 @@ class DistributedEngine(OfflineEngine):
 
     def abort(self, request_id: str) -> None:
         """Stops the request; its output is dropped."""
-        if self._pending.pop(request_id, None) is not None:
+        with self._lock:
+            aborted = self._pending.pop(request_id, None) is not None
+        if aborted:
             self._loop.call(self._abort(request_id))
 
     async def _abort(self, rid: str) -> None:

@@ -249,9 +249,14 @@ class ControlClient:
         self.sockets.wake_ranks()
 
     def _send_nowait(self, msg) -> None:
-        """Broadcast control messages; never blocks (ranks may be gone)."""
-        with contextlib.suppress(zmq.Again):
-            self.pub.send(msgs.encode(msg), zmq.NOBLOCK)
+        """Broadcast control messages; never blocks (ranks may be gone) and never fails (after
+        shutdown the socket is closed: a stream closed then has nothing left to abort)."""
+        if self.pub.closed:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            sent = self.pub.send(msgs.encode(msg), zmq.NOBLOCK)  # a future on an asyncio socket
+            if isinstance(sent, asyncio.Future):  # its error, if any, is read here: nobody awaits it
+                sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def abort(self, rid: str) -> None:
         self._send_nowait(msgs.AbortRequest(rid))
