@@ -9,6 +9,7 @@ server's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -154,7 +155,7 @@ class DistributedEngine(OfflineEngine):
         if self._died is not None:
             raise self._died
         done: list[RequestOutput] = []
-        try:
+        with contextlib.suppress(queue.Empty):  # empty: none finished (within POLL_S), or no more
             item = self._finished.get(timeout=POLL_S)
             while True:
                 if isinstance(item, DeploymentDied):
@@ -162,8 +163,6 @@ class DistributedEngine(OfflineEngine):
                     raise item
                 done.append(item)
                 item = self._finished.get_nowait()
-        except queue.Empty:
-            pass
         return done
 
     def expert_load(self, timeout: float = 30.0) -> dict:

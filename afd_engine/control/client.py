@@ -1,7 +1,8 @@
 """The front end's side of the control plane: the one client of the attention ranks.
 
 Both front ends drive this class: the HTTP server from its own event loop, and the offline API of
-a multi-rank deployment (`ranks_engine.RanksEngine`) from a private loop through `BlockingClient`.
+a multi-rank deployment (`offline_deployment.DistributedEngine`) from a private loop through
+`BlockingClient`.
 So routing, submission, hang detection and the reasons a rank gave for failing are written once.
 
 A LoadBalancer picks each request's attention rank. One background task reads the ranks' messages and
@@ -197,9 +198,6 @@ class ControlClient:
         queue = self._queues.get(rid)
         if queue is not None:
             queue.put_nowait(item)
-
-    def in_use(self, rid: str) -> bool:
-        return rid in self._queues
 
     async def open(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, disaggregation: dict | None = None
