@@ -120,17 +120,27 @@ class Engine(OfflineEngine):
     def _capture_graphs(self) -> float | None:
         """Single mode on a GPU: captures the decode CUDA graphs (runtime/cuda_graph.py); returns the
         seconds it took, None when decode steps run eagerly (CPU, --disable-cuda-graph, or a MoE
-        backend that reads the host)."""
+        backend that reads the host). With --static-decode and no capture, decode steps run the
+        graphs' padded static path eagerly."""
         args = self.args
-        if self.device.type != "cuda" or args.disable_cuda_graph:
-            return None
-        if not graph_safe_moe(args.moe_backend):
+        capture = self.device.type == "cuda" and not args.disable_cuda_graph
+        if capture and not graph_safe_moe(args.moe_backend):
             log.info("CUDA graphs off: the %s MoE backend reads the host during a step", args.moe_backend)
+            capture = False
+        if not capture and not args.static_decode:
             return None
         graphs = GraphRunner(
-            self.model, self.pool, args.graph_buckets(), needs_slot_tables(args.attention_backend), self.load_recorder
-        )
+            self.model,
+            self.pool,
+            args.graph_buckets(),
+            needs_slot_tables(args.attention_backend),
+            self.load_recorder,
+            capture=capture,
+        )  # without capture (--static-decode): the same padded static path, run eagerly
         seconds = graphs.capture_all()
+        if not capture:
+            self.runner.graphs = graphs
+            return None
         self.runner.graphs = graphs
         log.info("captured CUDA graphs for decode batches %s in %.1f s", graphs.buckets, seconds)
         return seconds
@@ -371,6 +381,13 @@ class Engine(OfflineEngine):
         checkpoint; zeros where the runner has no FFN ranks."""
         r = self.runner
         return getattr(r, "ffn_alive", 0), getattr(r, "recoveries", 0), getattr(r, "experts_read", 0)
+
+    def static_decode_batches(self) -> int:
+        """Decode batches (micro-batches, on an attention rank) run on the persistent buffers CUDA
+        graphs replay: graph replays on a GPU, the static path of --static-decode elsewhere."""
+        r = self.runner
+        graphs, static = getattr(r, "graphs", None), getattr(r, "static", None)
+        return (graphs.replays if graphs is not None else 0) + (static.steps if static is not None else 0)
 
     def expert_rank_load(self) -> tuple[float, ...]:
         """Tokens per expert rank over this rank's window, under the current placement."""

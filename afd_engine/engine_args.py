@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from afd_engine.errors import ConfigError
-from afd_engine.graph_sizes import DEFAULT_MAX_BS, graph_buckets, parse_buckets
+from afd_engine.graph_sizes import DEFAULT_MAX_BS, ffn_graph_buckets, graph_buckets, parse_buckets
 from kernels.registry import ATTENTION_BACKENDS, MOE_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -122,6 +122,23 @@ class EngineArgs:
         None, "cuda: the decode batch sizes captured, comma-separated (default: 1, 2, 4, 8, then every 8 up to the max)"
     )
     disable_cuda_graph: bool = opt(False, "cuda: run every decode step eagerly (no CUDA graphs)")
+    static_decode: bool = opt(
+        False,
+        "run every decode step of every role through the padded, persistent-buffer path CUDA graphs replay, "
+        "without capturing (the CPU stand-in for graphs; on by itself wherever graphs are captured)",
+    )
+    ffn_cuda_graph_bs: str | None = opt(
+        None,
+        "cuda, FFN and colocated ranks: the received-token counts their expert graphs are captured for, "
+        "comma-separated (default: 8, 16, 32, ... up to the largest decode graph's batch x --dp-size: a token "
+        "reaches an FFN rank at most once)",
+    )
+    ffn_weight_dtype: str = opt(
+        "auto",
+        "precision of the routed experts where they are held (FFN ranks in AFD, every rank elsewhere): auto "
+        "(the checkpoint's), bf16, or fp8 (block-quantized, 128x128 blocks) while attention keeps --dtype",
+        choices=("auto", "bf16", "fp8"),
+    )
     schedule_policy: str = opt(
         "lpm",
         "admission order of waiting requests: lpm (longest cached prefix first, oldest first once they have "
@@ -288,6 +305,11 @@ class EngineArgs:
                 parse_buckets(self.cuda_graph_bs)
             except ValueError as exc:
                 raise ConfigError(f"--cuda-graph-bs={self.cuda_graph_bs!r}: {exc}") from None
+        if self.ffn_cuda_graph_bs is not None:
+            try:
+                parse_buckets(self.ffn_cuda_graph_bs)
+            except ValueError as exc:
+                raise ConfigError(f"--ffn-cuda-graph-bs={self.ffn_cuda_graph_bs!r}: {exc}") from None
         need(self.dp_size >= 1, "dp_size", "must be at least 1")
         need(self.ffn_nodes >= 1 and self.ffn_ranks_per_node >= 1, "ffn_nodes", "needs at least one node of one rank")
         need(self.micro_batches is None or 1 <= self.micro_batches <= 8, "micro_batches", "must be in [1, 8]")
@@ -380,6 +402,12 @@ class EngineArgs:
         if self.cuda_graph_bs:
             return parse_buckets(self.cuda_graph_bs)
         return graph_buckets(self.cuda_graph_max_bs or min(self.max_running_requests, DEFAULT_MAX_BS))
+
+    def ffn_graph_buckets(self) -> list[int]:
+        """The received-token counts FFN ranks' expert graphs are captured for (--ffn-cuda-graph-bs)."""
+        if self.ffn_cuda_graph_bs:
+            return parse_buckets(self.ffn_cuda_graph_bs)
+        return ffn_graph_buckets(self.graph_buckets()[-1] * self.dp_size)
 
     def overlap_on(self, device: torch.device) -> bool:
         """Whether steps overlap (--overlap-schedule) for a rank on `device`."""

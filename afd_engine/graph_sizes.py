@@ -16,6 +16,15 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sorted({*sizes, max_bs})
 
 
+def ffn_graph_buckets(max_rows: int) -> list[int]:
+    """The default received-token counts of FFN expert graphs: 8, 16, 32, ... up to the first power
+    of two holding `max_rows`."""
+    sizes = [8]
+    while sizes[-1] < max_rows:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
 def parse_buckets(text: str) -> list[int]:
     """--cuda-graph-bs as ints; ValueError naming what is wrong."""
     try:

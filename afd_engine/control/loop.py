@@ -140,6 +140,7 @@ class EngineLoop:
             pd.transfer_bytes if pd is not None else 0,
             pd.transfer_seconds if pd is not None else 0.0,
             *self.engine.ffn_fault_counters(),
+            self.engine.static_decode_batches(),
         )
 
     def _expert_rank_load(self) -> tuple[float, ...]:

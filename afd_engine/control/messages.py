@@ -72,6 +72,7 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     ffn_ranks_alive: int = 0  # AFD: the FFN ranks serving (fewer after a recovery from a lost one)
     ffn_recoveries: int = 0  # AFD, since start: recoveries from lost FFN ranks
     ffn_experts_read: int = 0  # AFD, since start: experts those recoveries read from the checkpoint
+    static_decode_batches: int = 0  # since start: decode (micro-)batches run on graph buffers (Engine)
 
     @staticmethod
     def total(stats) -> EngineStats:

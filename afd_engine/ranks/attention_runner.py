@@ -41,7 +41,9 @@ from afd_engine.ranks.fault_tolerance import FfnRankLost, RecoveryFailed, round_
 from afd_engine.ranks.fault_tolerance_recovery import RecoveryCoordinator
 from afd_engine.ranks.remote_experts import CommExpertServer, RemoteExpertExecutor
 from afd_engine.ranks.spec import DeploymentSpec
+from afd_engine.ranks.static_decode import AddressGuard, StaticMicroBatches, expert_addresses, static_received
 from afd_engine.ranks.timeline import Timeline
+from afd_engine.runtime.cuda_graph import needs_slot_tables
 from afd_engine.runtime.kv_cache import KVPool
 from afd_engine.runtime.model_runner import PreparedStep, StepInputs, StepRunner, logit_rows
 from afd_engine.runtime.scheduler import StepPlan
@@ -66,9 +68,14 @@ class PipelineRunner(StepRunner):
         self.spec, self.rank, self.transport = spec, rank, transport
         topo, config = spec.topology, spec.comm_config()
         self.sender = attention_endpoint(topo, rank, transport, config)
+        args = spec.args
         self.server = (
             CommExpertServer(
-                ffn_endpoint(topo, rank, transport, config), model.config, pool.device, spec.args.torch_dtype
+                ffn_endpoint(topo, rank, transport, config),
+                model.config,
+                pool.device,
+                args.torch_dtype,
+                static_received(args, model.config, pool.device),
             )
             if topo.colocated
             else None
@@ -86,7 +93,27 @@ class PipelineRunner(StepRunner):
         own = (model.routed_experts(), self.server.endpoint.to_local) if self.server is not None else (None, None)
         self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder, *own)
         self.executor.skip_empty = not topo.colocated  # AFD: the FFN ranks know each micro-batch's count
+        if getattr(transport, "payload_device", None) == pool.device:  # tensors stay on the device (remote_experts.py)
+            self.executor.wire = pool.device
         self.n = spec.args.num_micro_batches
+        # static decode (ranks/static_decode.py): each micro-batch slot's persistent decode batch
+        self.static = (
+            StaticMicroBatches(
+                pool,
+                args.graph_buckets(),
+                needs_slot_tables(args.attention_backend),
+                self.n,
+                model.config.hidden_size,
+                args.torch_dtype,
+            )
+            if args.static_decode
+            else None
+        )
+        self.guard = None
+        if self.static is not None:
+            experts = model.routed_experts()  # colocated: this rank's; AFD: none
+            addresses = lambda: self.static.addresses() + expert_addresses(experts)  # noqa: E731
+            self.guard = AddressGuard(addresses, f"attention rank {rank}")
         self.step_id = self.sync_id = self.keepalive_id = 0
         self.last_ffn_send = float("-inf")  # monotonic time of the last message to the FFN ranks
         self.want_stop = False  # shutdown is agreed in a lockstep round, like a step
@@ -240,7 +267,14 @@ class PipelineRunner(StepRunner):
         self.executor.step = self.step_id
         if self.server is not None:
             self.server.step = self.step_id
+        keep = None
+        if self.static is not None:
+            self.guard.check()
+            micro, self.executor.real_rows, keep = self.static.stage(micro)
+            self.executor.combined = self.static.combined
         outs = run_micro_batches(self.ops, micro, self.strategy.delays(len(micro)))
+        if keep is not None:  # the real rows' logits of the static micro-batches
+            outs = [out if rows is None else out[rows] for out, rows in zip(outs, keep)]
         self.rebalancer.end_step()
         self.timeline.end_step(self.step_id)
         self.step_id += 1

@@ -37,6 +37,7 @@ from afd_engine.ranks.fault_tolerance import (
 from afd_engine.ranks.fault_tolerance_member import RecoveryMember
 from afd_engine.ranks.remote_experts import CommExpertServer
 from afd_engine.ranks.spec import DeploymentSpec
+from afd_engine.ranks.static_decode import AddressGuard, expert_addresses, static_received
 from afd_engine.ranks.timeline import Timeline
 from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
@@ -111,7 +112,11 @@ class FfnWorker:
         self.stager = ExpertStager(load_shard, rank, shard.routed_experts()) if load_shard is not None else None
         self._to_stage: ExpertMap | None = None  # a placement announced in this step's descriptor
         endpoint = ffn_endpoint(topo, rank, transport, spec.comm_config())
-        self.server = CommExpertServer(endpoint, shard.config, device, spec.args.torch_dtype)
+        static = static_received(spec.args, shard.config, torch.device(device))
+        self.server = CommExpertServer(endpoint, shard.config, device, spec.args.torch_dtype, static)
+        experts = shard.routed_experts()
+        addresses = lambda: static.addresses() + expert_addresses(experts)  # noqa: E731
+        self.guard = AddressGuard(addresses, f"FFN rank {rank}") if static is not None else None
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.n = spec.args.num_micro_batches
         self.step_id = 0
@@ -159,6 +164,8 @@ class FfnWorker:
         if count is None:
             return False
         self.server.step = self.step_id
+        if self.guard is not None:  # a switch or recovery of the last step copied, not rebound
+            self.guard.check()
         if count not in self._arranged:
             self._arranged[count] = AFD_FFN.arrange(self.ops, count)
         with torch.inference_mode():

@@ -9,8 +9,17 @@ ranks have tokens too, its copies join theirs, so that each expert runs once per
 `CommExpertServer` is the expert side (FFN ranks; colocated ranks for their peers). Both name
 their messages (step, layer, micro-batch); the runner advances `step` before each step.
 
-The data plane here is host memory (the ZeroMQ transport sends bytes from the CPU): tensors
-cross to the host at dispatch and come back to the rank's `device` at combine and receive.
+Where the data plane lives: with a transport that carries tensors on the rank's device
+(`Transport.payload_device`, the shared-memory transport's device medium), tensors stay on the
+device; otherwise (ZeroMQ, host shared memory) they cross to the host at dispatch and come back
+to the rank's `device` at combine and receive.
+
+Static decode (--static-decode, and wherever CUDA graphs replay; ranks/static_decode.py): a
+micro-batch's compute runs on a bucket of `bs` rows of which the first B are real. The executor
+then routes all `bs` rows (`route`, device compute that a graph holds), sends the first B only,
+and combine puts their results into the micro-batch's persistent [bs, H] buffer (rows past B are
+zero). The expert server pads what it receives into persistent buffers of a received-token
+bucket (padding rows route nowhere) and sends back the real rows' results.
 """
 
 from __future__ import annotations
@@ -24,6 +33,16 @@ from afd_engine.models.experts import ExpertExecutor, Experts, ExpertServer
 from comm import DispatchHandle, ExpertBatch, MsgKey
 from comm.attention_side import AttentionEndpoint
 from comm.ffn_side import FfnEndpoint
+
+
+@dataclass
+class _Padded:
+    """A static micro-batch's dispatch: `inner` for its first `real` rows of `bs`."""
+
+    inner: object
+    micro_batch: int
+    real: int
+    bs: int
 
 
 @dataclass
@@ -59,26 +78,56 @@ class RemoteExpertExecutor(ExpertExecutor):
         self.expected = True  # False: the FFN side knows this rank has no tokens this step (colocated)
         self.skip_empty = False  # True: the FFN side knows every micro-batch's token count (AFD descriptors)
         self.keep_own = False  # True (colocated, per step): compute this rank's own share here (module doc)
+        self.wire = torch.device("cpu")  # where dispatched tensors travel: the host, or the device (module doc)
+        # static decode, per step: each micro-batch's real row count (None: it runs eagerly), and
+        # per micro-batch the persistent [bs, H] buffer its combined rows land in
+        self.real_rows: list[int | None] = []
+        self.combined: list[torch.Tensor] = []
+
+    def route(self, layer_id: int, micro_batch: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The physical slot of each (token, choice) [T, K]: device compute, no host read (a graph
+        piece of static decode holds it)."""
+        salt = self.step + micro_batch + self.endpoint.sender  # which copy takes a batch's odd pairs
+        return self.expert_map.to_physical(layer_id, topk_ids, salt)
 
     def dispatch(
         self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> DispatchHandle | _KeptShare:
-        key = MsgKey(self.step, layer_id, micro_batch)
-        salt = self.step + micro_batch + self.endpoint.sender  # which copy takes a batch's odd pairs
-        slots = self.expert_map.to_physical(layer_id, topk_ids, salt)
-        expected = self.expected and not (self.skip_empty and hidden.shape[0] == 0)
-        handle = self.endpoint.dispatch(hidden.cpu(), slots.cpu(), topk_weights.cpu(), key, expected, self.keep_own)
-        if self.keep_own:
-            local = self.to_local(slots.cpu()).to(hidden.device)
-            handle = _KeptShare(handle, self.own_experts[layer_id], hidden, local, topk_weights)
+    ) -> DispatchHandle | _KeptShare | _Padded:
+        slots = self.route(layer_id, micro_batch, topk_ids)
+        real = self.real_rows[micro_batch] if micro_batch < len(self.real_rows) else None
+        if real is not None:  # a static micro-batch: its first `real` rows are tokens, the rest padding
+            bs = hidden.shape[0]
+            hidden, slots, topk_ids, topk_weights = hidden[:real], slots[:real], topk_ids[:real], topk_weights[:real]
+        handle = self._send(layer_id, micro_batch, hidden, slots, topk_weights)
         if self.recorder is not None:  # once the tokens are on their way: off the FFN side's critical path
             self.recorder.record(layer_id, topk_ids)
+        return handle if real is None else _Padded(handle, micro_batch, real, bs)
+
+    def _send(self, layer_id, micro_batch, hidden, slots, topk_weights) -> DispatchHandle | _KeptShare:
+        key = MsgKey(self.step, layer_id, micro_batch)
+        expected = self.expected and not (self.skip_empty and hidden.shape[0] == 0)
+        wire = self.wire
+        handle = self.endpoint.dispatch(
+            hidden.to(wire), slots.to(wire), topk_weights.to(wire), key, expected, self.keep_own
+        )
+        if self.keep_own:
+            local = self.to_local(slots.to(wire)).to(hidden.device)
+            handle = _KeptShare(handle, self.own_experts[layer_id], hidden, local, topk_weights)
         return handle
 
-    def combine(self, handle: DispatchHandle | _KeptShare) -> torch.Tensor:
+    def combine(self, handle: DispatchHandle | _KeptShare | _Padded) -> torch.Tensor:
+        if isinstance(handle, _Padded):  # into the micro-batch's persistent buffer, padding rows zero
+            out = self.combined[handle.micro_batch]
+            out[: handle.real].copy_(self._receive(handle.inner))
+            out[handle.real : handle.bs].zero_()
+            return out[: handle.bs]
+        return self._receive(handle)
+
+    def _receive(self, handle: DispatchHandle | _KeptShare) -> torch.Tensor:
+        wire = self.wire
         if isinstance(handle, _KeptShare):
             kept, handle = handle, handle.handle
-            partial = kept.experts(kept.hidden, kept.local_ids, kept.weights).cpu() if handle.num_tokens else None
+            partial = kept.experts(kept.hidden, kept.local_ids, kept.weights).to(wire) if handle.num_tokens else None
             return self.endpoint.combine(handle, partial).to(self.device)
         return self.endpoint.combine(handle).to(self.device)
 
@@ -88,12 +137,18 @@ class CommExpertServer(ExpertServer):
     nothing), or None (every sender sends, empty or not). A micro-batch without senders is served
     as an empty batch of `cfg`'s shape, without a message."""
 
-    def __init__(self, endpoint: FfnEndpoint, cfg, device: torch.device | str = "cpu", dtype=torch.float32) -> None:
+    def __init__(
+        self, endpoint: FfnEndpoint, cfg, device: torch.device | str = "cpu", dtype=torch.float32, static=None
+    ) -> None:
+        """`static` (ranks/static_decode.StaticReceived): the persistent buffers received tokens are
+        padded into (static decode); None: the experts compute on what arrived, as it arrived."""
         self.endpoint, self.device = endpoint, torch.device(device)
         empty = ExpertBatch.empty(MsgKey(0, 0, 0), cfg.hidden_size, cfg.num_experts_per_tok, dtype)
         self._empty = (empty.hidden, empty.local_ids, empty.weights)  # no elements: shared by every empty batch
         self.step = 0
         self.senders: list[list[int]] | None = None
+        self.static = static
+        self._arrived: dict[int, ExpertBatch] = {}  # micro-batch -> what arrived, while its padded copy computes
 
     def _senders(self, micro_batch: int) -> list[int] | None:
         return None if self.senders is None else self.senders[micro_batch]
@@ -106,11 +161,17 @@ class CommExpertServer(ExpertServer):
     def receive(self, layer_id: int, micro_batch: int) -> ExpertBatch:
         key, senders = MsgKey(self.step, layer_id, micro_batch), self._senders(micro_batch)
         batch = ExpertBatch(key, *self._empty, []) if senders == [] else self.endpoint.recv_dispatch(key, senders)
-        if self.device.type != "cpu":
+        if batch.hidden.device != self.device:
             batch.hidden, batch.local_ids = batch.hidden.to(self.device), batch.local_ids.to(self.device)
             batch.weights = batch.weights.to(self.device)
-        return batch
+        if self.static is None or not self.static.fits(batch.hidden.shape[0]):
+            return batch
+        self._arrived[micro_batch] = batch
+        return ExpertBatch(key, *self.static.load(batch.hidden, batch.local_ids, batch.weights), [])
 
     def send(self, tokens: ExpertBatch, outputs: torch.Tensor) -> None:
+        arrived = self._arrived.pop(tokens.key.micro_batch, None)
+        if arrived is not None:  # a padded batch: the real rows' results go back
+            tokens, outputs = arrived, outputs[: arrived.hidden.shape[0]]
         if self._senders(tokens.key.micro_batch) != []:  # else nobody sent, and nobody waits for results
             self.endpoint.send_combine(tokens, outputs)

@@ -102,5 +102,11 @@ class _EngineCounters(Collector):
                 "AFD fault tolerance: experts that recoveries read from the checkpoint (none where copies took over)",
                 self.stats.ffn_experts_read,
             ),
+            (
+                "afd_static_decode_batches",
+                "decode batches (micro-batches on attention ranks) run on CUDA graph buffers: replays, or "
+                "the same static path without capture (--static-decode)",
+                self.stats.static_decode_batches,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

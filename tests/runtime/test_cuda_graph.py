@@ -5,23 +5,29 @@
   its buffers never move.
 - The function a CUDA graph captures (the model's decode forward on a bucket's static batch) traces
   under torch._dynamo with fullgraph=True at two buckets, for single mode, an attention rank's
-  compute between its dispatch and combine, and an FFN rank's experts on a padded received batch:
-  no host read, no data-dependent shape. Seen red with a host read put back.
+  static micro-batch (every piece between its messages, its real executor's route of every row and
+  its combine into the persistent buffer, the messages stood in for), and an FFN rank's experts on a
+  received batch padded into its persistent buffers (ranks/static_decode.py): no host read, no
+  data-dependent shape. Seen red with a host read put back in the forward and in the route.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from afd_engine import Engine, SamplingParams
 from afd_engine.engine_args import EngineArgs
+from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
 from afd_engine.errors import ConfigError
 from afd_engine.graph_sizes import graph_buckets, parse_buckets
-from afd_engine.models.experts import ExpertExecutor
 from afd_engine.models.forward_batch import ForwardBatch, SeqChunk
 from afd_engine.operations import run_micro_batches
 from afd_engine.operations.strategy import AFD_ATTENTION
+from afd_engine.ranks.remote_experts import RemoteExpertExecutor
+from afd_engine.ranks.static_decode import StaticReceived
 from afd_engine.runtime.cuda_graph import GraphRunner
 from afd_engine.tiny_model import make_tiny_model
 from tests.engine_helpers import random_prompts
@@ -163,21 +169,33 @@ def test_the_single_mode_decode_forward_traces_as_one_graph(checkpoint, bs):
     assert torch.equal(traced(graphs._static_forward, bs), eager)
 
 
-class PlaceholderExecutor(ExpertExecutor):
-    """An attention rank's dispatch/combine, where its messages would go: the compute around them."""
+class PieceExecutor(RemoteExpertExecutor):
+    """An attention rank's real executor with its messages stood in for by device compute: what the
+    pieces of a static micro-batch run (route all rows, send the real ones, combine into the
+    persistent buffer) with the send and receive, which a graph leaves out, made traceable."""
 
-    def dispatch(self, layer_id, micro_batch, hidden, topk_ids, topk_weights):
-        return hidden * topk_weights.sum(-1, keepdim=True).to(hidden.dtype)
+    def _send(self, layer_id, micro_batch, hidden, slots, topk_weights):
+        return hidden * (topk_weights * (slots >= 0)).sum(-1, keepdim=True).to(hidden.dtype)
 
-    def combine(self, handle):
+    def _receive(self, handle):
         return handle
 
 
+def piece_executor(engine: Engine, bs: int, real: int) -> PieceExecutor:
+    cfg = engine.config
+    layout = ExpertLayout(cfg.n_routed_experts, 4, 1, 2, num_groups=cfg.n_group or 1)  # 4 copies: the sorting path
+    executor = PieceExecutor(SimpleNamespace(sender=1), ExpertMap.initial(layout, cfg.moe_layers))
+    executor.real_rows, executor.combined = [real], [torch.zeros(bs, cfg.hidden_size)]
+    return executor
+
+
 @pytest.mark.parametrize("bs", [2, 4])
-def test_an_attention_ranks_decode_compute_traces_as_one_graph(checkpoint, bs):
+def test_an_attention_ranks_static_micro_batch_traces_as_one_graph(checkpoint, bs):
+    """Its pieces (from one combine to the next dispatch, the route of every row included) hold no
+    host read: traced together, with the messages stood in for, they make one graph."""
     engine = make_engine(checkpoint)
-    graphs = loaded_runner(engine, bs, [2, 4])
-    ops = AFD_ATTENTION.arrange(engine.model.operations(PlaceholderExecutor()))
+    graphs = loaded_runner(engine, bs - 1, [2, 4])  # one padding row
+    ops = AFD_ATTENTION.arrange(engine.model.operations(piece_executor(engine, bs, bs - 1)))
 
     def step(fb, cache, rows):
         return run_micro_batches(ops, [{"fb": fb, "kv_cache": cache, "rows": rows}])[0]
@@ -188,21 +206,47 @@ def test_an_attention_ranks_decode_compute_traces_as_one_graph(checkpoint, bs):
     assert torch.equal(traced(step, *args), eager)
 
 
+def test_a_host_read_in_the_route_breaks_an_attention_ranks_graph(checkpoint, monkeypatch):
+    """Seen red: counting each expert's pairs with bincount (a host read: its output size is the
+    largest id) where the route counts them with index_add."""
+    engine = make_engine(checkpoint)
+    graphs = loaded_runner(engine, 2, [2])
+    ops = AFD_ATTENTION.arrange(engine.model.operations(piece_executor(engine, 2, 2)))
+    real = ExpertMap.to_physical
+
+    def host_read(self, layer, topk_ids, salt=0):
+        torch.bincount(topk_ids.flatten())
+        return real(self, layer, topk_ids, salt)
+
+    monkeypatch.setattr(ExpertMap, "to_physical", host_read)
+
+    def step(fb, cache, rows):
+        return run_micro_batches(ops, [{"fb": fb, "kv_cache": cache, "rows": rows}])[0]
+
+    with pytest.raises(AssertionError, match=r"host reads in the captured step: \['call_function bincount'"):
+        traced(step, graphs.static.batch(2), engine.pool.cache, graphs.static.rows[:2])
+
+
+@pytest.mark.parametrize("width", ["top-k (two-stage)", "one expert a row (direct)"])
 @pytest.mark.parametrize("bs", [8, 16])
-def test_an_ffn_ranks_experts_trace_on_a_padded_received_batch(checkpoint, bs):
+def test_an_ffn_ranks_experts_trace_on_a_padded_received_batch(checkpoint, bs, width):
     engine = make_engine(checkpoint)
     layer, experts = next(iter(engine.model.routed_experts().items()))
     cfg = engine.config
+    k = cfg.num_experts_per_tok if width.startswith("top-k") else 1
     g = torch.Generator().manual_seed(bs)
-    hidden = torch.randn(bs, cfg.hidden_size, generator=g)
-    ids = torch.randint(0, cfg.n_routed_experts, (bs, cfg.num_experts_per_tok), generator=g)
-    ids[bs // 2 :] = -1  # padding rows (and slots of other ranks) route nowhere
-    weights = torch.rand(bs, cfg.num_experts_per_tok, generator=g)
-    local = experts.to_local(ids)
+    m = bs // 2 + 1  # received rows: the rest of the bucket is padding
+    hidden = torch.randn(m, cfg.hidden_size, generator=g)
+    ids = torch.randint(-1, cfg.n_routed_experts, (m, k), generator=g)  # -1: another rank's expert
+    weights = torch.rand(m, k, generator=g)
+    static = StaticReceived([8, 16], cfg.hidden_size, cfg.num_experts_per_tok, torch.float32, torch.device("cpu"))
+    padded = static.load(hidden, experts.to_local(ids), weights)
+    assert padded[0].shape[0] == bs and static.addresses() == static.addresses()
     with torch.inference_mode():
-        eager = experts(hidden, local, weights)
-    assert torch.equal(traced(experts, hidden, local, weights), eager)
-    assert not eager[bs // 2 :].any()  # padding rows get nothing
+        eager = experts(*padded)
+        alone = experts(hidden, experts.to_local(ids), weights)
+    assert torch.equal(traced(experts, *padded), eager)
+    assert torch.allclose(eager[:m], alone, atol=1e-6) and not eager[m:].any()  # padding rows get nothing
 
 
 def test_a_host_read_in_the_decode_forward_breaks_the_graph(checkpoint, monkeypatch):

@@ -1,0 +1,155 @@
+"""Static decode on the ranks of a deployment: what piecewise CUDA graphs replay, runnable anywhere.
+
+A CUDA graph replays fixed shapes at fixed addresses and never waits on the host. An attention
+rank's step is cut by its messages (dispatch, combine), so what a graph can hold is each piece of
+compute between them, per micro-batch and batch bucket; an FFN rank's is the expert compute of a
+received batch. `--static-decode` runs every decode step of every role through exactly the
+padded, persistent-buffer path those pieces replay, without capturing, so that a CPU proves what a
+GPU will replay (tokens, expert loads, addresses):
+
+    attention rank   micro-batch m of B decode sequences -> the smallest bucket bs >= B of
+                     --cuda-graph-bs; its batch tensors are the first bs rows of m's own persistent
+                     buffers (runtime/cuda_graph.StaticDecode; padding rows read and write one
+                     reserved page). Every piece computes bs rows; dispatch sends the first B
+                     (ranks/remote_experts.py) and combine writes their results into m's persistent
+                     [max_bs, H] buffer, padding rows zero; the logits of the real rows are kept.
+    FFN rank         the M token copies received for (layer, micro-batch) -> the smallest bucket
+                     >= M of --ffn-cuda-graph-bs; they are copied into one set of persistent
+                     buffers (padding rows route nowhere: local ids -1, weights 0), the experts
+                     compute the bucket, the first M rows go back. One set serves every layer and
+                     micro-batch: a rank runs its expert computes one at a time, in stream order.
+
+A micro-batch with prefill, an empty one, or one past the largest bucket runs eagerly, as before.
+Expert weights stay where they were loaded: a rebalance's switch and an FFN recovery copy the new
+experts into that storage (models/routed_experts.RoutedExperts.adopt), so the addresses a graph
+holds never move; `addresses()` lists them, for the check that they did not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd_engine.models.forward_batch import ForwardBatch
+from afd_engine.runtime.cuda_graph import StaticDecode
+from afd_engine.runtime.kv_cache import KVPool
+
+
+class StaticMicroBatches:
+    """An attention rank's persistent decode batches, one per micro-batch slot (see module doc)."""
+
+    def __init__(self, pool: KVPool, buckets: list[int], needs_slots: bool, num_micro_batches: int, hidden: int, dtype):
+        self.buckets = sorted(buckets)
+        self.max_bs = self.buckets[-1]
+        pad_page = pool.reserve_page()  # shared: padding rows only ever read their own padding token
+        pages = pool.page_table.shape[1]
+        self.batches = [
+            StaticDecode(pool, self.max_bs, pages, pad_page, needs_slots, pool.device) for _ in range(num_micro_batches)
+        ]
+        self.combined = [torch.zeros(self.max_bs, hidden, dtype=dtype, device=pool.device) for _ in self.batches]
+        self.steps = 0  # micro-batches run statically
+
+    def bucket_for(self, rows: int) -> int | None:
+        return next((bs for bs in self.buckets if bs >= rows), None)
+
+    def stage(self, micro: list[dict]) -> tuple[list[dict], list[int | None], list[torch.Tensor | None]]:
+        """The step's micro-batches, each decode-only one that fits moved onto its persistent batch:
+        (the batches to run, each one's real row count or None where it runs eagerly, each one's
+        logit rows to keep or None)."""
+        staged, real, keep = [], [], []
+        for m, batch in enumerate(micro):
+            fb: ForwardBatch = batch["fb"]
+            static = self.batches[m] if m < len(self.batches) else None
+            if static is None or not static.fits(fb):
+                staged.append(batch)
+                real.append(None)
+                keep.append(None)
+                continue
+            bs = self.bucket_for(fb.num_tokens)
+            static.load(fb, bs)
+            staged.append({**batch, "fb": static.batch(bs), "rows": static.rows[:bs]})
+            real.append(fb.num_tokens)
+            keep.append(batch["rows"])
+            self.steps += 1
+        return staged, real, keep
+
+    def addresses(self) -> list[int]:
+        """Where every persistent tensor lives (graph inputs and the combine buffers)."""
+        tensors = [t for s in self.batches for t in vars(s).values() if isinstance(t, torch.Tensor)]
+        return [t.data_ptr() for t in tensors + self.combined]
+
+
+class StaticReceived:
+    """An FFN rank's persistent expert inputs: received token copies padded to a bucket (module doc)."""
+
+    def __init__(self, buckets: list[int], hidden: int, top_k: int, dtype, device: torch.device) -> None:
+        self.buckets = sorted(buckets)
+        rows = self.buckets[-1]
+        self.hidden = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        # per row width: K choices (two-stage dispatch), or one (direct dispatch sends a row per expert)
+        self.routes = {
+            k: (
+                torch.full((rows, k), -1, dtype=torch.int64, device=device),
+                torch.zeros(rows, k, dtype=torch.float32, device=device),
+            )
+            for k in sorted({1, top_k})
+        }
+        self.batches = 0  # received batches computed statically
+
+    def fits(self, rows: int) -> bool:
+        return 0 < rows <= self.buckets[-1]
+
+    def bucket_for(self, rows: int) -> int:
+        return next(bs for bs in self.buckets if bs >= rows)
+
+    def load(
+        self, hidden: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies M received rows into the buffers, pads to the bucket; the bucket's views."""
+        m = hidden.shape[0]
+        bs = self.bucket_for(m)
+        ids, w = self.routes[local_ids.shape[1]]
+        self.hidden[:m].copy_(hidden, non_blocking=True)
+        ids[:m].copy_(local_ids, non_blocking=True)
+        w[:m].copy_(weights, non_blocking=True)
+        self.hidden[m:bs].zero_()
+        ids[m:bs].fill_(-1)
+        w[m:bs].zero_()
+        self.batches += 1
+        return self.hidden[:bs], ids[:bs], w[:bs]
+
+    def addresses(self) -> list[int]:
+        return [t.data_ptr() for t in (self.hidden, *(t for pair in self.routes.values() for t in pair))]
+
+
+class AddressGuard:
+    """Fails a step whose persistent tensors moved: a replayed graph would read freed memory (an
+    expert switch that rebinds instead of copying, a buffer reallocated). `addresses()` lists them;
+    checked before every static step, which costs a few pointer reads."""
+
+    def __init__(self, addresses, who: str) -> None:
+        self.addresses, self.who = addresses, who
+        self.expected = addresses()
+        self.checks = 0
+
+    def check(self) -> None:
+        now = self.addresses()
+        if now != self.expected:
+            moved = [i for i, (a, b) in enumerate(zip(now, self.expected)) if a != b]
+            raise RuntimeError(
+                f"{self.who}: persistent tensors {moved} of {len(self.expected)} (now {len(now)}) that "
+                "static decode runs on moved (an expert "
+                "switch or recovery must copy into the weights' storage); a graph replay would read stale memory"
+            )
+        self.checks += 1
+
+
+def expert_addresses(experts: dict) -> list[int]:
+    """Where every routed-expert weight tensor held here lives (layer id -> RoutedExperts)."""
+    return [t.data_ptr() for layer in sorted(experts) for t in experts[layer].state_dict().values()]
+
+
+def static_received(args, cfg, device: torch.device) -> StaticReceived | None:
+    """The persistent expert inputs of a rank that serves experts, where it decodes statically."""
+    if not args.static_decode:
+        return None
+    return StaticReceived(args.ffn_graph_buckets(), cfg.hidden_size, cfg.num_experts_per_tok, args.torch_dtype, device)
