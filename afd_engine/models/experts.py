@@ -91,6 +91,10 @@ class ExpertServer(ABC):
     def send(self, tokens: ReceivedTokens, outputs: torch.Tensor) -> None:
         """outputs [M, H]: per received row, the weighted sum over this rank's experts; never blocks."""
 
+    def compute(self, layer_id: int, experts: Experts, tokens: ReceivedTokens) -> torch.Tensor:
+        """Layer `layer_id`'s experts on the received rows (a server may replay a graph of them)."""
+        return experts(tokens.hidden, tokens.local_ids, tokens.weights)
+
 
 def expert_operations(layer_id: int, experts: Experts, server: ExpertServer) -> tuple[Operation, ...]:
     """The expert side of one MoE layer, in order: post_dispatch, receive, experts, send_combine."""
@@ -106,7 +110,7 @@ def expert_operations(layer_id: int, experts: Experts, server: ExpertServer) -> 
         if tokens.hidden.shape[0] == 0:  # nothing to serve (a colocated rank alone with tokens: every step)
             st.set("expert_out", tokens.hidden)
             return
-        st.set("expert_out", experts(tokens.hidden, tokens.local_ids, tokens.weights))
+        st.set("expert_out", server.compute(layer_id, experts, tokens))
 
     def send_combine(st) -> None:
         server.send(st.pop("received"), st.pop("expert_out"))

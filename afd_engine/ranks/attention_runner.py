@@ -41,7 +41,13 @@ from afd_engine.ranks.fault_tolerance import FfnRankLost, RecoveryFailed, round_
 from afd_engine.ranks.fault_tolerance_recovery import RecoveryCoordinator
 from afd_engine.ranks.remote_experts import CommExpertServer, RemoteExpertExecutor
 from afd_engine.ranks.spec import DeploymentSpec
-from afd_engine.ranks.static_decode import AddressGuard, StaticMicroBatches, expert_addresses, static_received
+from afd_engine.ranks.static_decode import (
+    AddressGuard,
+    StaticMicroBatches,
+    expert_addresses,
+    expert_graphs,
+    static_received,
+)
 from afd_engine.ranks.timeline import Timeline
 from afd_engine.runtime.cuda_graph import needs_slot_tables
 from afd_engine.runtime.kv_cache import KVPool
@@ -109,6 +115,11 @@ class PipelineRunner(StepRunner):
             if args.static_decode
             else None
         )
+        if self.server is not None:  # colocated: this rank's experts, from graphs where they replay
+            graphs = expert_graphs(args, model.config, model.routed_experts(), self.server.static, pool.device)
+            self.server.graphs = graphs
+            if graphs is not None and graphs.capture:
+                log.info("attention rank %d: expert graphs captured in %.1f s", rank, graphs.capture_all())
         self.guard = None
         if self.static is not None:
             experts = model.routed_experts()  # colocated: this rank's; AFD: none

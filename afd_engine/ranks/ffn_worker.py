@@ -37,7 +37,7 @@ from afd_engine.ranks.fault_tolerance import (
 from afd_engine.ranks.fault_tolerance_member import RecoveryMember
 from afd_engine.ranks.remote_experts import CommExpertServer
 from afd_engine.ranks.spec import DeploymentSpec
-from afd_engine.ranks.static_decode import AddressGuard, expert_addresses, static_received
+from afd_engine.ranks.static_decode import AddressGuard, expert_addresses, expert_graphs, static_received
 from afd_engine.ranks.timeline import Timeline
 from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
@@ -117,6 +117,10 @@ class FfnWorker:
         experts = shard.routed_experts()
         addresses = lambda: static.addresses() + expert_addresses(experts)  # noqa: E731
         self.guard = AddressGuard(addresses, f"FFN rank {rank}") if static is not None else None
+        self.server.graphs = expert_graphs(spec.args, shard.config, experts, static, torch.device(device))
+        if self.server.graphs is not None and self.server.graphs.capture:
+            seconds = self.server.graphs.capture_all()
+            log.info("FFN rank %d: captured %d expert graphs in %.1f s", rank, len(self.server.graphs.graphs), seconds)
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.n = spec.args.num_micro_batches
         self.step_id = 0

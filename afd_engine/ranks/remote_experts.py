@@ -148,6 +148,7 @@ class CommExpertServer(ExpertServer):
         self.step = 0
         self.senders: list[list[int]] | None = None
         self.static = static
+        self.graphs = None  # ranks/static_decode.ExpertGraphs over `static`, set by the rank
         self._arrived: dict[int, ExpertBatch] = {}  # micro-batch -> what arrived, while its padded copy computes
 
     def _senders(self, micro_batch: int) -> list[int] | None:
@@ -169,9 +170,16 @@ class CommExpertServer(ExpertServer):
         self._arrived[micro_batch] = batch
         return ExpertBatch(key, *self.static.load(batch.hidden, batch.local_ids, batch.weights), [])
 
+    def compute(self, layer_id: int, experts, tokens: ExpertBatch) -> torch.Tensor:
+        if self.graphs is None:
+            return experts(tokens.hidden, tokens.local_ids, tokens.weights)
+        return self.graphs.run(layer_id, tokens.hidden, tokens.local_ids, tokens.weights)
+
     def send(self, tokens: ExpertBatch, outputs: torch.Tensor) -> None:
         arrived = self._arrived.pop(tokens.key.micro_batch, None)
         if arrived is not None:  # a padded batch: the real rows' results go back
             tokens, outputs = arrived, outputs[: arrived.hidden.shape[0]]
+            if self.graphs is not None and self.graphs.owned:  # a graph's output: reused by its next replay
+                outputs = outputs.clone()
         if self._senders(tokens.key.micro_batch) != []:  # else nobody sent, and nobody waits for results
             self.endpoint.send_combine(tokens, outputs)

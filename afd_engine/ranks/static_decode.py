@@ -27,10 +27,12 @@ holds never move; `addresses()` lists them, for the check that they did not.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from afd_engine.models.forward_batch import ForwardBatch
-from afd_engine.runtime.cuda_graph import StaticDecode
+from afd_engine.runtime.cuda_graph import StaticDecode, graph_safe_moe
 from afd_engine.runtime.kv_cache import KVPool
 
 
@@ -148,8 +150,78 @@ def expert_addresses(experts: dict) -> list[int]:
     return [t.data_ptr() for layer in sorted(experts) for t in experts[layer].state_dict().values()]
 
 
+class ExpertGraphs:
+    """The expert compute of a rank that serves experts, replayed from CUDA graphs: one per (MoE
+    layer, received-token bucket) at the row width its dispatch mode sends, all reading the same
+    persistent inputs (StaticReceived). The expert server computes through `run`: a batch in the
+    persistent inputs replays its graph, anything else computes eagerly. A
+    graph's output is overwritten by the next replay of the same (layer, bucket), a step later, so
+    what is sent from it is copied first (`owned`)."""
+
+    def __init__(self, experts: dict, static: StaticReceived, width: int, capture: bool) -> None:
+        self.experts, self.static, self.width, self.capture = experts, static, width, capture
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def capture_all(self) -> float:
+        """Captures every (layer, bucket), largest bucket first, into one memory pool; the seconds
+        it took (0 without capture). Each runs twice eagerly first (Triton compiles) on a side stream."""
+        if not self.capture:
+            return 0.0
+        start = time.perf_counter()
+        device = self.static.hidden.device
+        ids, weights = self.static.routes[self.width]
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        for bs in reversed(self.static.buckets):
+            args = (self.static.hidden[:bs], ids[:bs], weights[:bs])
+            for layer, experts in self.experts.items():
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        experts(*args)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[layer, bs] = experts(*args)
+                self.graphs[layer, bs] = graph
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    def run(self, layer: int, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s experts on a received batch: its graph's replay where the batch is a
+        bucket of the persistent inputs at the captured width, else the eager compute."""
+        key = (layer, x.shape[0])
+        graph = self.graphs.get(key) if x.data_ptr() == self.static.hidden.data_ptr() else None
+        if graph is None or local_ids.shape[1] != self.width:
+            return self.experts[layer](x, local_ids, weights)
+        graph.replay()
+        return self.outputs[key]
+
+    @property
+    def owned(self) -> bool:
+        """Whether results must be copied before they are sent (graph outputs are reused)."""
+        return bool(self.graphs)
+
+
+def graphs_on(args, device: torch.device) -> bool:
+    """Whether a rank captures CUDA graphs: on a GPU unless --disable-cuda-graph, with a MoE backend
+    that decodes without host reads."""
+    return device.type == "cuda" and not args.disable_cuda_graph and graph_safe_moe(args.moe_backend)
+
+
 def static_received(args, cfg, device: torch.device) -> StaticReceived | None:
-    """The persistent expert inputs of a rank that serves experts, where it decodes statically."""
-    if not args.static_decode:
+    """The persistent expert inputs of a rank that serves experts, where it decodes statically
+    (--static-decode, or where its expert graphs replay)."""
+    if not (args.static_decode or graphs_on(args, device)):
         return None
     return StaticReceived(args.ffn_graph_buckets(), cfg.hidden_size, cfg.num_experts_per_tok, args.torch_dtype, device)
+
+
+def expert_graphs(args, cfg, experts: dict, static: StaticReceived | None, device: torch.device) -> ExpertGraphs | None:
+    """The expert graphs of a rank serving `experts` on `static` inputs: rows of one expert each in
+    direct dispatch, of the top-k choices in two-stage."""
+    if static is None:
+        return None
+    width = 1 if args.dispatch_mode == "direct" else cfg.num_experts_per_tok
+    return ExpertGraphs(experts, static, width, graphs_on(args, device))
