@@ -122,6 +122,11 @@ class EngineArgs:
         None, "cuda: the decode batch sizes captured, comma-separated (default: 1, 2, 4, 8, then every 8 up to the max)"
     )
     disable_cuda_graph: bool = opt(False, "cuda: run every decode step eagerly (no CUDA graphs)")
+    host_payloads: bool = opt(
+        False,
+        "cuda: tensors between the ranks of one machine cross through host shared memory (a copy to the host "
+        "and back per message) instead of GPU memory shared between the rank processes",
+    )
     static_decode: bool = opt(
         False,
         "run every decode step of every role through the padded, persistent-buffer path CUDA graphs replay, "

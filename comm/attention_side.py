@@ -9,6 +9,13 @@ direct: one copy per (token, selected expert) to the FFN rank holding it; that r
 expert's raw output per copy and the sender applies the top-k weights. A colocated sender may keep
 its own rank's copies (`keep_own`): it then computes that share itself, without a message to itself,
 and hands it to `combine` as `partial`.
+
+Devices: the tensors given to `dispatch` may live on a GPU, as where the transport carries them
+there (`Transport.payload_device`); `combine` returns on the device of the dispatched `hidden`
+(moving results there where the transport delivers them elsewhere). Routing stays on the device,
+but for these host reads (outside any graph; each waits for the device): two-stage with several
+nodes, the number of rows per node (`masked_rows`' nonzero); direct, the routing tables
+(`topk_ids` and `topk_weights` copied to the host once per dispatch, where numpy routes them).
 """
 
 from __future__ import annotations
@@ -36,9 +43,10 @@ class DispatchHandle:
     num_tokens: int
     hidden_size: int
     dtype: torch.dtype
-    # (peer, rows, weights) per peer; rows None: the only route, with every token in order
+    # (peer, rows, weights) per peer, on `device`; rows None: the only route, every token in order
     routes: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     dispatch_stats: CommStats = field(default_factory=CommStats)  # what this call sent
+    device: torch.device = torch.device("cpu")  # the dispatched hidden's: combine returns there
 
 
 class AttentionEndpoint(Endpoint, ABC):
@@ -49,7 +57,7 @@ class AttentionEndpoint(Endpoint, ABC):
     def __init__(self, topo: Topology, sender: int, transport: Transport, config: CommConfig = CommConfig()) -> None:
         super().__init__(topo, topo.sender_endpoint(sender), transport, config)
         self.sender = sender
-        self._ranges: dict[int, torch.Tensor] = {}  # see _rows
+        self._ranges: dict[tuple[int, torch.device], torch.Tensor] = {}  # see _rows
         # the FFN rank sharing this endpoint (colocated), or None
         self.own_rank = next((r for r in range(topo.num_ffn_ranks) if topo.ffn_endpoint(r) == self.endpoint), None)
 
@@ -74,7 +82,7 @@ class AttentionEndpoint(Endpoint, ABC):
         """
         if keep_own and self.own_rank is None:
             raise CommError(f"sender {self.sender} holds no experts: it has no share to keep")
-        handle = DispatchHandle(key, hidden.shape[0], hidden.shape[1], hidden.dtype)
+        handle = DispatchHandle(key, hidden.shape[0], hidden.shape[1], hidden.dtype, device=hidden.device)
         if not expected:
             if hidden.shape[0]:
                 raise CommError(f"sender {self.sender}: {hidden.shape[0]} tokens for {key}, which no FFN rank expects")
@@ -96,21 +104,27 @@ class AttentionEndpoint(Endpoint, ABC):
         routes = handle.routes
         if partial is None and len(routes) == 1 and routes[0][1] is None:  # every token in order: no scatter
             return self._results(handle, routes[0][0], routes[0][2]).to(handle.dtype)
-        out = torch.zeros(handle.num_tokens, handle.hidden_size) if partial is None else partial.float()
+        if partial is None:
+            out = torch.zeros(handle.num_tokens, handle.hidden_size, device=handle.device)
+        else:
+            out = partial.float()
         for peer, rows, weights in routes:
-            out.index_add_(0, rows, self._results(handle, peer, weights))
+            out.index_add_(0, rows.to(out.device), self._results(handle, peer, weights).to(out.device))
         return out.to(handle.dtype)
 
     def _results(self, handle: DispatchHandle, peer: int, weights: torch.Tensor | None) -> torch.Tensor:
-        """peer's combine message for handle, fp32 [n, H], weighted per row where `weights` [n] is given."""
-        y = self.combine_layout.unpack(self.recv(peer, self.combine_layout.kind, handle.key))["out"].float()
+        """peer's combine message for handle, fp32 [n, H] on the handle's device, weighted per row
+        where `weights` [n] is given."""
+        y = self.combine_layout.unpack(self.recv(peer, self.combine_layout.kind, handle.key))["out"]
+        y = y.to(handle.device, torch.float32)
         return y if weights is None else y * weights[:, None]
 
-    def _rows(self, n: int) -> torch.Tensor:
-        """[n] int32 0..n-1, one tensor per n, made once (a range is read, never written)."""
-        rows = self._ranges.get(n)
+    def _rows(self, n: int, device: torch.device) -> torch.Tensor:
+        """[n] int32 0..n-1 on device, one tensor per (n, device), made once (a range is read, never
+        written)."""
+        rows = self._ranges.get((n, device))
         if rows is None:
-            rows = self._ranges[n] = torch.arange(n, dtype=torch.int32)
+            rows = self._ranges[(n, device)] = torch.arange(n, dtype=torch.int32, device=device)
         return rows
 
     def _meta(self, hidden: torch.Tensor) -> dict:
@@ -124,10 +138,10 @@ class TwoStageAttentionEndpoint(AttentionEndpoint):
         if keep_own:
             raise CommError("two-stage dispatch sends every token to its node's relay: it keeps no share")
         if self.topo.num_nodes == 1:  # the one node takes every token whole: nothing to select
-            rows = self._rows(hidden.shape[0])
+            rows = self._rows(hidden.shape[0], hidden.device)
             self._send_node(0, hidden, rows, topk_ids.to(torch.int32), topk_weights.float(), handle, whole=True)
             return
-        node_of = self.topo.node_of_expert[topk_ids]  # [T, K]
+        node_of = self.on_device("node_of_expert", self.topo.node_of_expert, topk_ids.device)[topk_ids]  # [T, K]
         for node in range(self.topo.num_nodes):
             if not self.topo.live_ranks(node):  # every rank of it lost: it holds no slot in use
                 continue
@@ -168,13 +182,14 @@ class DirectAttentionEndpoint(AttentionEndpoint):
         return self.topo.ffn_rank_of.numpy()
 
     def _send_tokens(self, hidden, topk_ids, topk_weights, handle: DispatchHandle, keep_own: bool) -> None:
-        # The routing tables in numpy: its indexing of a few small arrays costs a third of torch's.
-        ids, weights = topk_ids.numpy(), topk_weights.float().numpy()
+        # The routing tables in numpy: its indexing of a few small arrays costs a third of torch's
+        # (on a GPU, their copy to the host is this dispatch's one wait for the device).
+        ids, weights = topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy()
         ffn_rank = self._rank_of[ids]  # [T, K]
         routes = {}
         for rank in self._send_order[:-1] if keep_own else self._send_order:  # the own rank is last
             rows, slot = np.nonzero(ffn_rank == rank)  # one copy per (token, expert), in token order
-            token_rows = torch.from_numpy(rows)
+            token_rows = torch.from_numpy(rows).to(hidden.device)
             values, scales = self.config.wire.encode(hidden.index_select(0, token_rows))
             peer = self.topo.ffn_endpoint(rank)
             msg = DISPATCH_DIRECT.pack(
@@ -187,7 +202,7 @@ class DirectAttentionEndpoint(AttentionEndpoint):
                 rows=torch.from_numpy(rows.astype(np.int32)),
             )
             self.send(peer, "dispatch", msg, len(rows))
-            routes[rank] = (peer, token_rows, torch.from_numpy(weights[rows, slot]))
+            routes[rank] = (peer, token_rows, torch.from_numpy(weights[rows, slot]).to(hidden.device))
         handle.routes.extend(routes[rank] for rank in sorted(routes))
 
 

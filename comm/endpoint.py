@@ -48,6 +48,15 @@ class Endpoint:
         # the wait up (a peer was lost, or the step is abandoned). A wait with it lasts up to twice
         # the timeout, so that a lost peer is told from a slow one before the wait fails.
         self.interrupt: Callable[[], None] | None = None
+        self._tables: dict[tuple[str, torch.device], torch.Tensor] = {}  # see on_device
+
+    def on_device(self, name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`table` (a routing table this endpoint only reads, known by `name`) on `device`, copied
+        there once: routing then indexes it where the ids are, without a round trip to the host."""
+        copy = self._tables.get((name, device))
+        if copy is None:
+            copy = self._tables[(name, device)] = table.to(device)
+        return copy
 
     def send(self, dst: int, phase: str, msg: Message, copies: int) -> None:
         self.transport.send(dst, msg)

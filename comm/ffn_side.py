@@ -16,6 +16,11 @@ messages and answers with combine messages itself: the same bytes on every link,
 relay threads' hand-overs.
 
 direct: every sender sends its copies straight here; results go straight back, unweighted.
+
+Devices: received tensors are where the transport delivers them (`Transport.payload_device`, a
+GPU with the device medium), and the batch, the relay's forwarding and the results stay there.
+Host reads (outside any graph; each waits for the device): the relay's rows per FFN rank of its
+node (`masked_rows`' nonzero in `_forward`) and `ExpertBatch.expert_rows` (a nonzero per expert).
 """
 
 from __future__ import annotations
@@ -50,10 +55,11 @@ class ExpertBatch:
     _returns: list[tuple[int, int, int]]  # (peer endpoint, sender, rows) per received message, in order
 
     @classmethod
-    def empty(cls, key: MsgKey, hidden_size: int, top_k: int, dtype: torch.dtype) -> ExpertBatch:
+    def empty(cls, key: MsgKey, hidden_size: int, top_k: int, dtype: torch.dtype, device=None) -> ExpertBatch:
         """No tokens, and nothing to send back: a key for which no sender sends."""
-        hidden = torch.empty(0, hidden_size, dtype=dtype)
-        return cls(key, hidden, torch.empty(0, top_k, dtype=torch.int64), torch.empty(0, top_k), [])
+        hidden = torch.empty(0, hidden_size, dtype=dtype, device=device)
+        ids = torch.empty(0, top_k, dtype=torch.int64, device=device)
+        return cls(key, hidden, ids, torch.empty(0, top_k, device=device), [])
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +81,8 @@ class FfnEndpoint(Endpoint, ABC):
         super().__init__(topo, topo.ffn_endpoint(rank), transport, config)
         self.rank, self.node = rank, topo.node_of_rank(rank)
         self.local_index = topo.local_index(rank)  # [E]
-        self._local_np = torch.cat([self.local_index, torch.tensor([-1])]).numpy()  # [E + 1]: id -1 -> -1
+        self._local_table = torch.cat([self.local_index, torch.tensor([-1])])  # [E + 1]: id -1 -> -1
+        self._local_np = self._local_table.numpy()
         # every expert here, in order (one FFN rank): a local index is the id itself, -1 included
         self._ids_are_local = bool(torch.equal(self.local_index, torch.arange(len(self.local_index))))
 
@@ -106,18 +113,21 @@ class FfnEndpoint(Endpoint, ABC):
             hidden.append(self.config.wire.decode(f["hidden"], f["scales"], DTYPES[m.meta["dtype"]]))
             m_ids = f["ids"]  # int32; to_local makes the local ids int64
             ids.append(m_ids[:, None] if m_ids.dim() == 1 else m_ids)  # direct: one expert per row
-            weights.append(f["weights"] if "weights" in f else torch.ones(ids[-1].shape))
+            weights.append(f["weights"] if "weights" in f else torch.ones(ids[-1].shape, device=m_ids.device))
             returns.append((m.src, m.meta["sender"], len(f["rows"])))
         cat = torch.cat if len(msgs) > 1 else lambda ts: ts[0]
         return ExpertBatch(key, cat(hidden), self.to_local(cat(ids)), cat(weights).float(), returns)
 
     def to_local(self, ids: torch.Tensor) -> torch.Tensor:
         """Physical expert slots [..] (int32/int64, -1 allowed) -> int64 local slot indices of this
-        rank, -1 where the slot is another rank's. The lookup runs in numpy (a host copy where the
-        ids are on a device): its indexing of a small array costs a third of torch's."""
+        rank, -1 where the slot is another rank's. On the CPU the lookup runs in numpy (its indexing
+        of a small array costs a third of torch's); on a device, in torch there."""
         if self._ids_are_local:
             return ids.long()
-        return torch.from_numpy(self._local_np[ids.cpu().numpy()]).to(ids.device)  # id -1 reads the last entry, -1
+        if ids.is_cpu:
+            return torch.from_numpy(self._local_np[ids.numpy()])  # id -1 reads the last entry, -1
+        table = self.on_device("local_table", self._local_table, ids.device)
+        return table[ids.long() % len(table)]  # id -1 -> the last entry, -1
 
     def send_combine(self, batch: ExpertBatch, outputs: torch.Tensor) -> None:
         """outputs [M, H]: per received row, the weighted sum over this rank's experts
@@ -202,7 +212,8 @@ class TwoStageFfnEndpoint(FfnEndpoint):
     def _forward(self, msg: Message) -> dict[int, torch.Tensor]:
         f = DISPATCH.unpack(msg)
         ids = f["ids"]
-        ffn_rank = torch.where(ids >= 0, self.topo.ffn_rank_of[ids.long().clamp(min=0)], -1)  # [n, K]
+        rank_of = self.on_device("ffn_rank_of", self.topo.ffn_rank_of, ids.device)
+        ffn_rank = torch.where(ids >= 0, rank_of[ids.long().clamp(min=0)], -1)  # [n, K]
         sent = {}
         for rank in self.topo.live_ranks(self.node):
             rows, r_ids, r_weights = masked_rows(ffn_rank == rank, ids, f["weights"])
@@ -227,7 +238,7 @@ class TwoStageFfnEndpoint(FfnEndpoint):
             acc = None
             for rank, rows in sent.items():
                 y = EXPERT_OUT.unpack(self.recv(self.topo.ffn_endpoint(rank), EXPERT_OUT.kind, key))["out"]
-                acc = torch.zeros(n, y.shape[1]) if acc is None else acc
+                acc = torch.zeros(n, y.shape[1], device=y.device) if acc is None else acc
                 acc.index_add_(0, rows.long(), y.float())
             msg = COMBINE.pack(key, self.endpoint, {"sender": sender}, out=acc.to(dtype))
             self.send(self.topo.sender_endpoint(sender), "combine", msg, n)

@@ -58,7 +58,7 @@ class WireFormat:
         if self.dispatch == "fp8":
             return quantize_fp8(x)
         values = x.contiguous() if self.dispatch == "auto" else x.to(DTYPES[self.dispatch]).contiguous()
-        return values, torch.empty(x.shape[0], 0)
+        return values, torch.empty(x.shape[0], 0, device=x.device)
 
     def decode(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The inverse of `encode`, back in the senders' activation dtype."""

@@ -117,14 +117,12 @@ class ExpertMap:
             self._tables[layer] = (table, copies)
         if table.shape[1] == 1:  # no expert of this layer has a second copy
             return table[topk_ids, 0]
-        flat = topk_ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        ones = torch.ones_like(flat)  # index_add, not bincount: no device sync on a GPU
-        counts = torch.zeros(table.shape[0], dtype=flat.dtype, device=flat.device).index_add_(0, flat, ones)
-        first = torch.cumsum(counts, 0) - counts  # where each expert's pairs start in sorted order
-        occurrence = torch.empty_like(flat)
-        occurrence[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
-        return table[flat, (occurrence + salt) % copies[flat]].view_as(topk_ids)
+        return spread_over_copies(topk_ids, table, copies, salt)
+
+    def tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s routing tables: [E, width] the slots of each expert's copies (the first
+        repeated past its count), [E] each expert's count of copies."""
+        return self._tables[layer]
 
     def rank_loads(self, load: torch.Tensor) -> torch.Tensor:
         """load [layers, E] (MoE layers in order) -> [ranks]: tokens per expert rank, summed over
@@ -148,3 +146,18 @@ class ExpertMap:
             "slot_expert": {str(layer): list(p.slot_expert) for layer, p in self.placements.items()},
             "dead": sorted(self.dead),
         }
+
+
+def spread_over_copies(
+    topk_ids: torch.Tensor, table: torch.Tensor, copies: torch.Tensor, salt: int | torch.Tensor
+) -> torch.Tensor:
+    """ExpertMap.to_physical's rule over explicit tables (persistent ones, in a CUDA graph): the
+    i-th pair routed to an expert goes to its copy (i + salt) mod count; device compute only."""
+    flat = topk_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    ones = torch.ones_like(flat)  # index_add, not bincount: no device sync on a GPU
+    counts = torch.zeros(table.shape[0], dtype=flat.dtype, device=flat.device).index_add_(0, flat, ones)
+    first = torch.cumsum(counts, 0) - counts  # where each expert's pairs start in sorted order
+    occurrence = torch.empty_like(flat)
+    occurrence[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
+    return table[flat, (occurrence + salt) % copies[flat]].view_as(topk_ids)

@@ -28,7 +28,8 @@ An equal delay on every row only shifts the columns and cannot give this order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from afd_engine.operations.stages import Stage, as_operation, split_stages
@@ -67,6 +68,7 @@ def run_micro_batches(
     inputs: Sequence[Mapping[str, Any]],
     delays: Sequence[int] | None = None,
     trace: list | None = None,
+    run_stage: Callable[[int, MicroBatchState, Callable[[], None]], None] | None = None,
 ) -> list[Any]:
     """Run every micro-batch through `ops`; return each one's output (None where it set none).
 
@@ -74,6 +76,9 @@ def run_micro_batches(
     inputs: one mapping per micro-batch (N = len(inputs) >= 1); it becomes the initial state.
     delays: empty stages in front of each micro-batch's row (default: none).
     trace: when given, a `TraceEvent(micro_batch, column, op_name)` is appended per operation run.
+    run_stage: when given, runs each stage instead: `run_stage(stage_index, state, run_ops)`, where
+      `run_ops()` runs the stage's operations on the state (a runner may replay them from a graph
+      instead, and restore the state they would leave: ranks/static_decode.py).
 
     After the run, every value other than the output must have been popped by the operations,
     otherwise `LeftoverStateError` names the keys and micro-batches.
@@ -82,7 +87,11 @@ def run_micro_batches(
     stages = _as_stages(ops)
     states = [MicroBatchState(m, values) for m, values in enumerate(inputs)]
     for slot in schedule(len(stages), delays):
-        _run_stage(stages[slot.stage], states[slot.micro_batch], slot.column, trace)
+        stage, state = stages[slot.stage], states[slot.micro_batch]
+        if run_stage is None:
+            _run_stage(stage, state, slot.column, trace)
+        else:
+            run_stage(slot.stage, state, functools.partial(_run_stage, stage, state, slot.column, trace))
     outputs = [state.take_output() for state in states]
     leftovers = {state.micro_batch: state.keys() for state in states if len(state)}
     if leftovers:

@@ -79,6 +79,14 @@ class MicroBatchState:
         """Pop the result, or None when the operations produced none (e.g. the FFN side)."""
         return self._values.pop(OUTPUT_KEY, None)
 
+    def snapshot(self) -> dict[str, Any]:
+        """Every value held, by name (a copy of the mapping, not of the values)."""
+        return dict(self._values)
+
+    def restore(self, values: Mapping[str, Any]) -> None:
+        """Holds exactly `values` from now on: what a stage replayed from a graph leaves behind."""
+        self._values = dict(values)
+
     def __contains__(self, name: object) -> bool:
         return name in self._values
 

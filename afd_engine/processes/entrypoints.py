@@ -30,7 +30,8 @@ def _transport(
     """The data-plane transport: peers given (every rank on this machine) or found at the
     rendezvous; shared memory to the ranks on this host, ZeroMQ/TCP to the others. A rank offers
     shared memory only where /dev/shm has room for its rings (one each way per possible peer).
-    With --transport torch: torch.distributed between every pair, payloads on `device`.
+    With --transport torch: torch.distributed between every pair, payloads on `device`. On a GPU the
+    shared-memory transport keeps payloads in GPU memory (CUDA IPC) unless --host-payloads.
     `incarnation` > 0: this process replaces a lost one (its rings get names of their own)."""
     args = spec.args
     if isinstance(comm, RendezvousSpec):
@@ -38,8 +39,14 @@ def _transport(
         comm = register(comm, endpoint, n, shm_host(args.transport, 2 * n), torch_group=args.transport == "torch")
         if incarnation:
             comm = dataclasses.replace(comm, incarnations={**comm.incarnations, endpoint: incarnation})
+    on_device = torch.device(device).type == "cuda" and not args.host_payloads
     return comm.transport(
-        endpoint, device, args.inject_link_delay_ms / 1000, args.comm_spin_us / 1e6, args.comm_spin_priority == "idle"
+        endpoint,
+        device,
+        args.inject_link_delay_ms / 1000,
+        args.comm_spin_us / 1e6,
+        args.comm_spin_priority == "idle",
+        payload_device=device if on_device else None,
     )
 
 

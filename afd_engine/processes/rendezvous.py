@@ -91,7 +91,17 @@ class PeerTable:
     keys: ClusterKeys | None = None  # the ZeroMQ links between machines speak CURVE with these
     incarnations: dict[int, int] = field(default_factory=dict)  # endpoint -> replacements so far (0: none)
 
-    def transport(self, endpoint: int, device, link_delay_s: float = 0.0, spin_s: float = 0.0, spin_idle: bool = False):
+    def transport(
+        self,
+        endpoint: int,
+        device,
+        link_delay_s: float = 0.0,
+        spin_s: float = 0.0,
+        spin_idle: bool = False,
+        payload_device=None,
+    ):
+        """`payload_device`: where tensors cross between the ranks of this host (the shared-memory
+        transport's medium: a GPU's memory, shared by CUDA IPC); None: host memory."""
         if self.torch is not None:
             return self.torch.transport(endpoint, device)
         from comm.transport.factory import peer_transport
@@ -106,6 +116,7 @@ class PeerTable:
             spin_idle,
             self.keys,
             self.incarnations,
+            payload_device=payload_device,
         )
 
 

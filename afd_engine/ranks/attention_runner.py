@@ -41,15 +41,9 @@ from afd_engine.ranks.fault_tolerance import FfnRankLost, RecoveryFailed, round_
 from afd_engine.ranks.fault_tolerance_recovery import RecoveryCoordinator
 from afd_engine.ranks.remote_experts import CommExpertServer, RemoteExpertExecutor
 from afd_engine.ranks.spec import DeploymentSpec
-from afd_engine.ranks.static_decode import (
-    AddressGuard,
-    StaticMicroBatches,
-    expert_addresses,
-    expert_graphs,
-    static_received,
-)
+from afd_engine.ranks.static_decode import expert_graphs, graphs_on, static_received
+from afd_engine.ranks.static_stages import StaticAttention
 from afd_engine.ranks.timeline import Timeline
-from afd_engine.runtime.cuda_graph import needs_slot_tables
 from afd_engine.runtime.kv_cache import KVPool
 from afd_engine.runtime.model_runner import PreparedStep, StepInputs, StepRunner, logit_rows
 from afd_engine.runtime.scheduler import StepPlan
@@ -99,20 +93,14 @@ class PipelineRunner(StepRunner):
         own = (model.routed_experts(), self.server.endpoint.to_local) if self.server is not None else (None, None)
         self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder, *own)
         self.executor.skip_empty = not topo.colocated  # AFD: the FFN ranks know each micro-batch's count
-        if getattr(transport, "payload_device", None) == pool.device:  # tensors stay on the device (remote_experts.py)
+        if transport.payload_device == pool.device:  # tensors stay on the device (remote_experts.py)
             self.executor.wire = pool.device
         self.n = spec.args.num_micro_batches
-        # static decode (ranks/static_decode.py): each micro-batch slot's persistent decode batch
+        # static decode (ranks/static_stages.py): persistent batches, captured stages on a GPU
+        capture = graphs_on(args, pool.device) and not topo.colocated
         self.static = (
-            StaticMicroBatches(
-                pool,
-                args.graph_buckets(),
-                needs_slot_tables(args.attention_backend),
-                self.n,
-                model.config.hidden_size,
-                args.torch_dtype,
-            )
-            if args.static_decode
+            StaticAttention(args, model, pool, self.executor, spec.layout, self.n, topo.colocated)
+            if args.static_decode or capture
             else None
         )
         if self.server is not None:  # colocated: this rank's experts, from graphs where they replay
@@ -120,11 +108,6 @@ class PipelineRunner(StepRunner):
             self.server.graphs = graphs
             if graphs is not None and graphs.capture:
                 log.info("attention rank %d: expert graphs captured in %.1f s", rank, graphs.capture_all())
-        self.guard = None
-        if self.static is not None:
-            experts = model.routed_experts()  # colocated: this rank's; AFD: none
-            addresses = lambda: self.static.addresses() + expert_addresses(experts)  # noqa: E731
-            self.guard = AddressGuard(addresses, f"attention rank {rank}")
         self.step_id = self.sync_id = self.keepalive_id = 0
         self.last_ffn_send = float("-inf")  # monotonic time of the last message to the FFN ranks
         self.want_stop = False  # shutdown is agreed in a lockstep round, like a step
@@ -136,6 +119,12 @@ class PipelineRunner(StepRunner):
             self.timeline.timed("attention", lambda st: st.get("x").shape[0], spec.args.inject_attention_delay_ms),
         )
         self.ops = strategy.arrange(ops.wrap("combine", self.timeline.timed("wait")))
+        if capture:
+            log.info(
+                "attention rank %d: stage graphs captured in %.1f s",
+                rank,
+                self.static.capture(self.ops, self.rebalancer.map),
+            )
         self.strategy = strategy
         self.ft = self.recovery.enabled
         self._last: list[dict] | None = None  # the last step's micro-batches, as they were before it ran
@@ -278,14 +267,14 @@ class PipelineRunner(StepRunner):
         self.executor.step = self.step_id
         if self.server is not None:
             self.server.step = self.step_id
-        keep = None
-        if self.static is not None:
-            self.guard.check()
-            micro, self.executor.real_rows, keep = self.static.stage(micro)
-            self.executor.combined = self.static.combined
-        outs = run_micro_batches(self.ops, micro, self.strategy.delays(len(micro)))
-        if keep is not None:  # the real rows' logits of the static micro-batches
-            outs = [out if rows is None else out[rows] for out, rows in zip(outs, keep)]
+        if self.static is None:
+            outs = run_micro_batches(self.ops, micro, self.strategy.delays(len(micro)))
+        else:
+            micro, keep = self.static.begin_step(micro, self.step_id, self.executor.expert_map)
+            outs = run_micro_batches(
+                self.ops, micro, self.strategy.delays(len(micro)), run_stage=self.static.stages.run
+            )
+            outs = self.static.finish(outs, keep)
         self.rebalancer.end_step()
         self.timeline.end_step(self.step_id)
         self.step_id += 1

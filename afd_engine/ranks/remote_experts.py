@@ -15,11 +15,12 @@ device; otherwise (ZeroMQ, host shared memory) they cross to the host at dispatc
 to the rank's `device` at combine and receive.
 
 Static decode (--static-decode, and wherever CUDA graphs replay; ranks/static_decode.py): a
-micro-batch's compute runs on a bucket of `bs` rows of which the first B are real. The executor
-then routes all `bs` rows (`route`, device compute that a graph holds), sends the first B only,
-and combine puts their results into the micro-batch's persistent [bs, H] buffer (rows past B are
-zero). The expert server pads what it receives into persistent buffers of a received-token
-bucket (padding rows route nowhere) and sends back the real rows' results.
+micro-batch's compute runs on a bucket of `bs` rows of which the first B are real. Its dispatch
+routes all `bs` rows through persistent tables (device compute that a graph holds) and returns a
+`Deferred`; the stage runner sends the first B rows once the stage has run, and receives their
+results into the micro-batch's persistent [bs, H] buffer (rows past B zero) that combine returns.
+The expert server pads what it receives into persistent buffers of a received-token bucket
+(padding rows route nowhere) and sends back the real rows' results.
 """
 
 from __future__ import annotations
@@ -35,14 +36,21 @@ from comm.attention_side import AttentionEndpoint
 from comm.ffn_side import FfnEndpoint
 
 
-@dataclass
-class _Padded:
-    """A static micro-batch's dispatch: `inner` for its first `real` rows of `bs`."""
+@dataclass(eq=False)
+class Deferred:
+    """A static micro-batch's dispatch: routed on the device, its message not yet sent. The stage
+    runner sends the first `real` rows after the stage (`send_deferred`) and receives the results
+    into the micro-batch's persistent buffer (`receive_into`), before the stage that combines them
+    or inside its combine."""
 
-    inner: object
+    layer_id: int
     micro_batch: int
-    real: int
-    bs: int
+    hidden: torch.Tensor  # [bs, H]
+    slots: torch.Tensor  # [bs, K] physical slots (route)
+    topk_ids: torch.Tensor  # [bs, K] logical experts (the load recorder counts them)
+    weights: torch.Tensor  # [bs, K]
+    comm: object = None  # the dispatch handle once sent
+    received: bool = False
 
 
 @dataclass
@@ -79,29 +87,54 @@ class RemoteExpertExecutor(ExpertExecutor):
         self.skip_empty = False  # True: the FFN side knows every micro-batch's token count (AFD descriptors)
         self.keep_own = False  # True (colocated, per step): compute this rank's own share here (module doc)
         self.wire = torch.device("cpu")  # where dispatched tensors travel: the host, or the device (module doc)
-        # static decode, per step: each micro-batch's real row count (None: it runs eagerly), and
-        # per micro-batch the persistent [bs, H] buffer its combined rows land in
+        # static decode (ranks/static_decode.py), set per step: each micro-batch's real row count
+        # (None: it runs eagerly); per micro-batch slot its persistent [max_bs, H] combine buffer
+        # and its route salt (a device scalar: a graph reads it); the persistent routing tables; the
+        # dispatches routed while a stage ran, for the stage runner to send
         self.real_rows: list[int | None] = []
         self.combined: list[torch.Tensor] = []
+        self.salts: list[torch.Tensor] = []
+        self.route_tables = None
+        self.produced: list[Deferred] = []
 
     def route(self, layer_id: int, micro_batch: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The physical slot of each (token, choice) [T, K]: device compute, no host read (a graph
-        piece of static decode holds it)."""
+        """The physical slot of each (token, choice) [T, K]: device compute, no host read."""
         salt = self.step + micro_batch + self.endpoint.sender  # which copy takes a batch's odd pairs
         return self.expert_map.to_physical(layer_id, topk_ids, salt)
 
+    def _static(self, micro_batch: int) -> bool:
+        return micro_batch < len(self.real_rows) and self.real_rows[micro_batch] is not None
+
     def dispatch(
         self, layer_id: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> DispatchHandle | _KeptShare | _Padded:
+    ) -> DispatchHandle | _KeptShare | Deferred:
+        if self._static(micro_batch):  # every row routed through the persistent tables; sent later
+            slots = self.route_tables.route(layer_id, topk_ids, self.salts[micro_batch])
+            deferred = Deferred(layer_id, micro_batch, hidden, slots, topk_ids, topk_weights)
+            self.produced.append(deferred)
+            return deferred
         slots = self.route(layer_id, micro_batch, topk_ids)
-        real = self.real_rows[micro_batch] if micro_batch < len(self.real_rows) else None
-        if real is not None:  # a static micro-batch: its first `real` rows are tokens, the rest padding
-            bs = hidden.shape[0]
-            hidden, slots, topk_ids, topk_weights = hidden[:real], slots[:real], topk_ids[:real], topk_weights[:real]
         handle = self._send(layer_id, micro_batch, hidden, slots, topk_weights)
         if self.recorder is not None:  # once the tokens are on their way: off the FFN side's critical path
             self.recorder.record(layer_id, topk_ids)
-        return handle if real is None else _Padded(handle, micro_batch, real, bs)
+        return handle
+
+    def send_deferred(self, d: Deferred) -> None:
+        """Sends a static dispatch's real rows (after the stage that routed it)."""
+        real = self.real_rows[d.micro_batch]
+        d.comm = self._send(d.layer_id, d.micro_batch, d.hidden[:real], d.slots[:real], d.weights[:real])
+        d.received = False
+        if self.recorder is not None:
+            self.recorder.record(d.layer_id, d.topk_ids[:real])
+
+    def receive_into(self, d: Deferred) -> None:
+        """Waits for a static dispatch's results; puts them in its micro-batch's persistent buffer,
+        the padding rows zero."""
+        real, bs = self.real_rows[d.micro_batch], d.hidden.shape[0]
+        out = self.combined[d.micro_batch]
+        out[:real].copy_(self._receive(d.comm))
+        out[real:bs].zero_()
+        d.received = True
 
     def _send(self, layer_id, micro_batch, hidden, slots, topk_weights) -> DispatchHandle | _KeptShare:
         key = MsgKey(self.step, layer_id, micro_batch)
@@ -115,12 +148,11 @@ class RemoteExpertExecutor(ExpertExecutor):
             handle = _KeptShare(handle, self.own_experts[layer_id], hidden, local, topk_weights)
         return handle
 
-    def combine(self, handle: DispatchHandle | _KeptShare | _Padded) -> torch.Tensor:
-        if isinstance(handle, _Padded):  # into the micro-batch's persistent buffer, padding rows zero
-            out = self.combined[handle.micro_batch]
-            out[: handle.real].copy_(self._receive(handle.inner))
-            out[handle.real : handle.bs].zero_()
-            return out[: handle.bs]
+    def combine(self, handle: DispatchHandle | _KeptShare | Deferred) -> torch.Tensor:
+        if isinstance(handle, Deferred):  # received before the stage (AFD), or here (colocated)
+            if not handle.received:
+                self.receive_into(handle)
+            return self.combined[handle.micro_batch][: handle.hidden.shape[0]]
         return self._receive(handle)
 
     def _receive(self, handle: DispatchHandle | _KeptShare) -> torch.Tensor:

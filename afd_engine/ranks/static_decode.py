@@ -31,53 +31,7 @@ import time
 
 import torch
 
-from afd_engine.models.forward_batch import ForwardBatch
-from afd_engine.runtime.cuda_graph import StaticDecode, graph_safe_moe
-from afd_engine.runtime.kv_cache import KVPool
-
-
-class StaticMicroBatches:
-    """An attention rank's persistent decode batches, one per micro-batch slot (see module doc)."""
-
-    def __init__(self, pool: KVPool, buckets: list[int], needs_slots: bool, num_micro_batches: int, hidden: int, dtype):
-        self.buckets = sorted(buckets)
-        self.max_bs = self.buckets[-1]
-        pad_page = pool.reserve_page()  # shared: padding rows only ever read their own padding token
-        pages = pool.page_table.shape[1]
-        self.batches = [
-            StaticDecode(pool, self.max_bs, pages, pad_page, needs_slots, pool.device) for _ in range(num_micro_batches)
-        ]
-        self.combined = [torch.zeros(self.max_bs, hidden, dtype=dtype, device=pool.device) for _ in self.batches]
-        self.steps = 0  # micro-batches run statically
-
-    def bucket_for(self, rows: int) -> int | None:
-        return next((bs for bs in self.buckets if bs >= rows), None)
-
-    def stage(self, micro: list[dict]) -> tuple[list[dict], list[int | None], list[torch.Tensor | None]]:
-        """The step's micro-batches, each decode-only one that fits moved onto its persistent batch:
-        (the batches to run, each one's real row count or None where it runs eagerly, each one's
-        logit rows to keep or None)."""
-        staged, real, keep = [], [], []
-        for m, batch in enumerate(micro):
-            fb: ForwardBatch = batch["fb"]
-            static = self.batches[m] if m < len(self.batches) else None
-            if static is None or not static.fits(fb):
-                staged.append(batch)
-                real.append(None)
-                keep.append(None)
-                continue
-            bs = self.bucket_for(fb.num_tokens)
-            static.load(fb, bs)
-            staged.append({**batch, "fb": static.batch(bs), "rows": static.rows[:bs]})
-            real.append(fb.num_tokens)
-            keep.append(batch["rows"])
-            self.steps += 1
-        return staged, real, keep
-
-    def addresses(self) -> list[int]:
-        """Where every persistent tensor lives (graph inputs and the combine buffers)."""
-        tensors = [t for s in self.batches for t in vars(s).values() if isinstance(t, torch.Tensor)]
-        return [t.data_ptr() for t in tensors + self.combined]
+from afd_engine.runtime.cuda_graph import graph_safe_moe
 
 
 class StaticReceived:

@@ -107,7 +107,12 @@ class StaticDecode:
             self.slots[:B, :L].copy_(fb.dec_slots, non_blocking=True)
             self.bias[:B, :, :L].copy_(fb.dec_bias, non_blocking=True)
             self.bias[:B, :, L:].fill_(float("-inf"))
-        if bs > B:  # padding rows: token 0 at position 0, one token of the padding page
+        self.pad(B, bs)
+
+    def pad(self, start: int, bs: int) -> None:
+        """Rows [start, bs) become padding rows: token 0 at position 0, one token of the padding page."""
+        B = start
+        if bs > B:
             self.input_ids[B:bs].zero_()
             self.positions[B:bs].zero_()
             self.out_slots[B:bs].fill_(self.pad_slot)

@@ -18,11 +18,18 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
+
 from comm.messages import CommError, CommTimeout, Message, MsgKey, check_key
 
 
 class Transport(ABC):
     endpoint: int
+    # Where received tensors live. None: on the CPU (but a message to itself keeps its tensors'
+    # devices). A device: every received tensor is on it, messages to itself included. Either
+    # way `send` takes tensors on any device. Set by a transport that receives onto a device:
+    # shared memory with a payload medium (ShmTransport(payload_device=...)), torch.distributed.
+    payload_device: torch.device | None = None
 
     @abstractmethod
     def send(self, dst: int, msg: Message) -> None:
@@ -236,3 +243,56 @@ class DelayedInbox(Inbox):
 
 def make_inbox(endpoint: int, delay_s: float = 0.0) -> Inbox:
     return DelayedInbox(endpoint, delay_s) if delay_s > 0 else Inbox(endpoint)
+
+
+def to_payload_device(msg: Message, device: torch.device | None, stream=None) -> Message:
+    """Moves the tensors of a message received as host bytes to `device` (in place; None: leaves
+    them). On a GPU the copies run on `stream` (the receiving thread's own, so that they do not
+    queue behind compute) and are complete on return; `claim` then hands them to the consumer."""
+    if device is None or device.type == "cpu":
+        return msg
+    with torch.cuda.stream(stream):  # None: the current stream
+        msg.tensors = [t.to(device) for t in msg.tensors]
+    (stream or torch.cuda.current_stream(device)).synchronize()
+    return msg
+
+
+def own_copy(msg: Message, device: torch.device | None) -> Message:
+    """The message a transport puts in its own inbox for msg sent to itself: tensors cloned (onto
+    `device` where given). On a GPU the clones are queued on the sender's current stream, and an
+    event after them goes with the message: `claim` makes the consumer's stream wait for it."""
+    if device is None:
+        return Message(msg.kind, msg.key, msg.src, [t.clone() for t in msg.tensors], dict(msg.meta))
+    tensors = [t.to(device, copy=True) for t in msg.tensors]
+    own = Message(msg.kind, msg.key, msg.src, tensors, dict(msg.meta))
+    if device.type == "cuda":  # the copies end on device's current stream (a copy between GPUs waits for both)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        own.ready = [(device, event)]  # not a field of Message: the receiving side's business only
+    return own
+
+
+def claim(msg: Message) -> Message:
+    """Hands a received message's CUDA tensors to the calling thread: its current stream waits for
+    a message to itself (`own_copy`), and each tensor is marked used on that stream, so that the
+    allocator does not give its memory to the stream that made it (a transport's own) before the
+    consumer's work is done."""
+    for dev, event in getattr(msg, "ready", ()):
+        torch.cuda.current_stream(dev).wait_event(event)
+    for t in msg.tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+    return msg
+
+
+def payload_device_of(device: str | torch.device | None) -> torch.device | None:
+    """device as the transport stores it: None, cpu, or cuda with its index (the current device's
+    where none is given)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise CommError(f"payload_device {device}: use None, cpu or a CUDA device")
+    return device

@@ -6,6 +6,7 @@ need) pyzmq, and nothing here may import GPU-only code.
     make_transport("inproc", 0, fabric=fabric)
     make_transport("zmq", 0, addresses={0: "tcp://10.0.0.1:5555", 1: "tcp://10.0.0.2:5555"})
     make_transport("shm", 0, peers=[0, 1], namespace="run42")
+    make_transport("shm", 0, peers=[0, 1], namespace="run42", payload_device=torch.device("cuda", 0))
     make_transport("hybrid", 0, addresses=..., local=[1], namespace="run42")
     make_transport("torch_dist", dist.get_rank(), device="cuda:0")
 
@@ -75,18 +76,32 @@ def peer_transport(
     spin_idle: bool = False,
     keys=None,
     incarnations: dict[int, int] | None = None,
+    payload_device=None,
+    payload_capacity: int | None = None,
 ) -> Transport:
     """The transport of `endpoint` among peers: shared memory to those with its host id
     (`shm_transport.host_id()`; "" for none), ZeroMQ at `addresses` to the others. Every endpoint
     decides from the same tables, so both ends of each pair agree on the path. `spin_s` and
     `spin_idle`: see ShmTransport (the shared-memory path only). `keys` (comm.auth.ClusterKeys):
-    the ZeroMQ links speak CURVE with them."""
+    the ZeroMQ links speak CURVE with them. `payload_device` (None, "cpu" or a CUDA device; every
+    endpoint of a host must give the same kind): received tensors are on it; the shared-memory path
+    carries them there (in a payload area of `payload_capacity` bytes per ring, ShmTransport's
+    default where None), the ZeroMQ path as host bytes moved there on receipt."""
     mine = hosts.get(endpoint, "")
     if not mine:
-        return make_transport("zmq", endpoint, addresses=addresses, link_delay_s=link_delay_s, keys=keys)
+        return make_transport(
+            "zmq", endpoint, addresses=addresses, link_delay_s=link_delay_s, keys=keys, payload_device=payload_device
+        )
     shm = dict(
-        namespace=namespace, link_delay_s=link_delay_s, spin_s=spin_s, spin_idle=spin_idle, incarnations=incarnations
+        namespace=namespace,
+        link_delay_s=link_delay_s,
+        spin_s=spin_s,
+        spin_idle=spin_idle,
+        incarnations=incarnations,
+        payload_device=payload_device,
     )
+    if payload_capacity is not None:
+        shm["payload_capacity"] = payload_capacity
     local = {e for e, h in hosts.items() if h == mine}
     if not (set(addresses) | set(hosts)) - local:
         return make_transport("shm", endpoint, peers=local, **shm)

@@ -5,14 +5,20 @@ machines).
 Both halves deliver into one inbox, so a receive (or a `recv_any` over peers of both kinds) waits in
 one place; the shared-memory half then runs its receiver thread (shm_transport.py). Messages to this
 endpoint itself take the shared-memory path, which puts them straight into the inbox.
+
+`payload_device`: the shared-memory half carries tensors on it (ring_medium.py); the ZeroMQ half
+carries host bytes (device tensors are copied to the host at send) and moves what it receives to
+it, so that every received tensor is on it whichever half brought it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from comm.messages import Message, MsgKey
-from comm.transport.base import Transport, make_inbox
+from comm.transport.base import Transport, claim, make_inbox
 from comm.transport.shm_transport import ShmTransport
 from comm.transport.zmq_transport import ZmqTransport
 
@@ -32,14 +38,21 @@ class HybridTransport(Transport):
         link_delay_s: float = 0.0,
         keys=None,
         host: str = "",
+        payload_device: str | torch.device | None = None,
         **shm_kwargs,
     ) -> None:
         self.endpoint, self.host = endpoint, host
         self.local = set(local) | {endpoint}
         self._inbox = make_inbox(endpoint, link_delay_s)
-        self._shm = ShmTransport(endpoint, self.local, namespace=namespace, inbox=self._inbox, **shm_kwargs)
+        self._shm = ShmTransport(
+            endpoint, self.local, namespace=namespace, inbox=self._inbox, payload_device=payload_device, **shm_kwargs
+        )
+        self.payload_device = self._shm.payload_device
+        self._claims = self.payload_device is not None and self.payload_device.type == "cuda"
         try:
-            self._zmq = ZmqTransport(endpoint, addresses, inbox=self._inbox, keys=keys)
+            self._zmq = ZmqTransport(
+                endpoint, addresses, inbox=self._inbox, keys=keys, payload_device=self.payload_device
+            )
         except BaseException:
             self._shm.close()
             raise
@@ -60,10 +73,11 @@ class HybridTransport(Transport):
             self._zmq.readmit(peer, address, host, incarnation)
 
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
-        return self._inbox.take([src], kind, key, timeout)
+        return self.recv_any([src], kind, key, timeout)
 
     def recv_any(self, srcs: Iterable[int], kind: str, key: MsgKey, timeout: float) -> Message:
-        return self._inbox.take(srcs, kind, key, timeout)
+        msg = self._inbox.take(srcs, kind, key, timeout)
+        return claim(msg) if self._claims else msg
 
     def close(self) -> None:
         self._shm.close()

@@ -1,17 +1,28 @@
-"""What the shared-memory transport is made of: a ring (a byte stream in a file under /dev/shm), the
-framing of a `Message` as bytes in it, and the FIFO that wakes its reader.
+"""What the shared-memory transport is made of: a ring (a byte stream in a file under /dev/shm) and the
+framing of a `Message` as bytes in it (the FIFO that wakes its reader: shm_wake.py).
 
 One ring carries one direction between two endpoints: one writer process, one reader process.
 Each ring has its own wake-up FIFO (its path plus ".wake"), shared by the same two processes and
 no other, so that the files of a pair can be removed by either of its ends without touching what
 other endpoints use.
 
-    file:  [ header: 256 B                                  ][ data: capacity bytes, used cyclically ]
-            slot 0 head    bytes ever written (writer)
-            slot 8 tail    bytes ever read (reader)         (own 64-byte line: no false sharing)
+    file:  [ header: 256 B ][ medium region ][ data: capacity bytes, used cyclically ]
+    header (uint64 slots):
+            slot 0 head    bytes ever written (writer)      slot 1 payload head (writer)
+            slot 8 tail    bytes ever read (reader)         slot 9 payload tail (reader)
+                           (own 64-byte line: no false sharing)
             slot 16 attached   the reader has opened the ring
             slot 17 closed     the reader has closed: writes are dropped
+            slot 18 medium     where the payloads live (ring_medium.py; 0: in the frames)
+            slot 19 region     bytes of the medium region (0 without a medium)
+            slot 20 published  bytes of the medium's descriptor in its region, once published
             slot 24 asleep     the reader may be blocked in poll(): a write must wake it
+
+The header and the host ring are the same whatever the medium; the medium (ring_medium.py)
+decides where a frame's tensors go: inside the frame (the default: the bytes this module frames),
+or in a payload area of its own (host shared memory in the medium region, or device memory), the
+frame then saying where. The medium and region slots are written before the file gets its name,
+and an end that opens the ring checks that it expects the same medium.
 
 head and tail only grow (uint64), so `head - tail` is what is waiting and `capacity - that` is free.
 The writer copies bytes in and then publishes head; the reader copies bytes out and then publishes
@@ -19,11 +30,7 @@ tail. Each slot is one aligned 8-byte store, and x86-64 keeps stores in order an
 (TSO), so a reader that sees a head also sees the bytes before it, and a writer that sees a tail
 never overwrites bytes still being read; `platform_supported` says where that holds.
 
-The wake-up byte costs a system call (and, on a virtual machine, often an interrupt to another
-vCPU), so a writer writes it only when the reader may be asleep. That is a store on each side
-followed by a load of the other's store (reader: asleep = 1, then head; writer: head, then
-asleep), which x86-64 may reorder: both sides put a full barrier between the two (`full_fence`),
-so at least one of them sees the other's store and no wake-up is lost.
+The wake-up FIFO and its protocol are in shm_wake.py.
 
 A frame is u64 body length, then the body: u32 header length, the msgpack header of
 `Message.header()`, and each tensor's raw bytes, each starting 64-byte aligned within the body
@@ -39,11 +46,10 @@ import ctypes
 import mmap
 import os
 import platform
-import select
 import struct
-import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -52,6 +58,7 @@ from comm.messages import CommError, Message
 
 HEADER_BYTES = 256
 HEAD, TAIL, ATTACHED, CLOSED, ASLEEP = 0, 8, 16, 17, 24  # uint64 slots of the header
+PHEAD, PTAIL, MEDIUM, REGION, PUBLISHED = 1, 9, 18, 19, 20  # the medium's slots (ring_medium.py)
 ALIGN = 64
 _PREFIX = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -70,17 +77,6 @@ _NUMPY_OF = {  # torch dtype -> numpy dtype, where numpy has it (bf16 and fp8 go
 }
 
 
-_FENCE = threading.Lock()
-
-
-def full_fence() -> None:
-    """A full memory barrier: no load after it is done before a store ahead of it is seen by the
-    other cores. CPython's lock takes and gives back with atomic read-modify-write instructions
-    (LOCK-prefixed on x86-64), which are full barriers there."""
-    _FENCE.acquire()
-    _FENCE.release()
-
-
 def platform_supported() -> bool:
     """Whether plain stores are seen in program order by other cores (the ring's assumption)."""
     return platform.machine().lower() in ("x86_64", "amd64")
@@ -91,26 +87,52 @@ class Ring:
 
     Creation is atomic: the file is sized under a temporary name and then hard-linked into place,
     so the other side never sees a half-made ring. The size comes from the file, so both sides
-    agree on it even if only one was given `capacity`. The side that opens the ring second removes
-    its name at once: both have it mapped, and a process killed later leaves nothing behind."""
+    agree on it even if only one was given `capacity` (the medium region's size too: the header
+    says it). The side that opens the ring second removes its name at once: both have it mapped,
+    and a process killed later leaves nothing behind. `medium`: the code of the payload medium
+    (ring_medium.py) both ends must agree on; `region_bytes`: the bytes it needs after the header
+    (taken from the file by the second end)."""
 
-    def __init__(self, path: str, capacity: int) -> None:
+    def __init__(self, path: str, capacity: int, medium: int = 0, region_bytes: int = 0) -> None:
         self.path = path
-        fd, created = _open_or_create(path, HEADER_BYTES + capacity)
+        init = _medium_init(medium, region_bytes) if medium else None
+        fd, self.created = _open_or_create(path, HEADER_BYTES + region_bytes + capacity, init)
         try:
             size = os.fstat(fd).st_size
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        if not created:
-            _unlink(path)
-        self.capacity = size - HEADER_BYTES
         self._ctrl = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
-        self._data = memoryview(self._mm)[HEADER_BYTES:]
+        if self._ctrl[MEDIUM] != medium:  # the name stays: the peer that made the ring is not at fault
+            found = self._ctrl[MEDIUM]
+            self._ctrl.release()
+            self._mm.close()
+            raise CommError(
+                f"ring {path} carries payloads in medium {found}, this endpoint expects medium {medium}: "
+                "give every endpoint of a host the same payload_device kind (None, cpu or cuda)"
+            )
+        if not self.created:
+            _unlink(path)
+        self.region_bytes = self._ctrl[REGION]
+        start = HEADER_BYTES + self.region_bytes
+        self.capacity = size - start
+        self._data = memoryview(self._mm)[start:]
         self._whole = np.frombuffer(self._mm, dtype=np.uint8)  # for the data's address (write_frame)
-        self._data_addr = self._whole.ctypes.data + HEADER_BYTES
+        self._data_addr = self._whole.ctypes.data + start
         self._head = self._ctrl[HEAD]  # the writer's own copy: it alone moves head
         self._tail = self._ctrl[TAIL]  # the reader's own copy
+
+    # -- header slots and the medium region ------------------------------------------------
+
+    def load(self, slot: int) -> int:
+        return self._ctrl[slot]
+
+    def store(self, slot: int, value: int) -> None:
+        self._ctrl[slot] = value
+
+    def region(self) -> np.ndarray:
+        """The medium region, as a uint8 array over the mapping (release it before `close`)."""
+        return self._whole[HEADER_BYTES : HEADER_BYTES + self.region_bytes]
 
     # -- flags -----------------------------------------------------------------------------
 
@@ -165,6 +187,18 @@ class Ring:
         self._ctrl[HEAD] = self._head  # after the bytes: the reader never sees a head ahead of them
         return True
 
+    def free(self) -> int:
+        """Bytes the writer may write now."""
+        return self.capacity - (self._head - self._ctrl[TAIL])
+
+    def write_whole(self, data: bytes) -> bool:
+        """Writes and publishes data if all of it fits now; else writes nothing and returns False."""
+        if len(data) > self.free():
+            return False
+        self._copy_in(memoryview(data))
+        self._ctrl[HEAD] = self._head  # after the bytes: the reader never sees a head ahead of them
+        return True
+
     def _copy_from(self, at: int, addr: int, size: int) -> None:
         """Copies size bytes at address addr to stream position at (not yet published)."""
         pos = at % self.capacity
@@ -201,7 +235,10 @@ class Ring:
         self._ctrl.release()
         self._data.release()
         del self._whole  # its export of the mapping, before the mapping closes
-        self._mm.close()
+        try:
+            self._mm.close()
+        except BufferError:  # a view of the medium region still lives: unmapped when it goes
+            pass
 
     def unlink(self) -> None:
         _unlink(self.path)
@@ -210,8 +247,10 @@ class Ring:
 class FrameReader:
     """Reassembles the frames of one ring into messages, across as many reads as they take."""
 
-    def __init__(self, ring: Ring) -> None:
+    def __init__(self, ring: Ring, medium=None) -> None:
         self.ring = ring
+        self.medium = medium  # ring_medium.py's, which opened the ring; None: the frames hold the bytes
+        self._decode = decode_body if medium is None else medium.decode
         self._prefix = bytearray(_PREFIX.size)
         self._view: memoryview | None = None  # the body of the frame being read
         self._filled = 0
@@ -233,112 +272,16 @@ class FrameReader:
                 self._filled += n
             if self._filled < len(self._view):
                 return done
-            done.append(decode_body(self._view))
+            done.append(self._decode(self._view))
             self._view = None
+
+    def close(self) -> None:
+        """Unmaps the ring (through its medium, which lets go of its payload area first)."""
+        (self.ring if self.medium is None else self.medium).close()
 
     def _start(self, length: int) -> None:
         self._view = memoryview(np.empty(length, dtype=np.uint8))  # 16-byte aligned: enough for any dtype
         self._filled = 0
-
-
-class WakeFifo:
-    """The wake-up FIFO of one ring: its writer writes a byte per message, its reader waits (in
-    `Doorbells`) for any byte. Opened read-write by both ends: opening never waits for the other
-    end, and the reader never sees end-of-file while no writer is connected. Made atomically and
-    named only until both ends have opened it, as the ring (whichever end comes second removes
-    the name)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd, created = _open_or_create_fifo(path)
-        if not created:
-            _unlink(path)
-
-    def signal(self) -> None:
-        _ring_bell(self.fd)
-
-    def signal_if_asleep(self, ring: Ring) -> None:
-        """After bytes were published to `ring`: wakes its reader if it may be blocked in poll()."""
-        full_fence()
-        if ring.flag(ASLEEP):
-            _ring_bell(self.fd)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def unlink(self) -> None:
-        """Removes the name if it is still there (the other end never opened the FIFO)."""
-        _unlink(self.path)
-
-
-class Doorbells:
-    """What a reader waits on: the wake-up FIFOs of its incoming rings and a pipe of its own
-    (`ring`: a message it sent itself, or close). `wait` returns once any of them has a byte (or
-    after `seconds`) and clears the ones that had."""
-
-    def __init__(self) -> None:
-        self._poll = select.poll()
-        self._own_r, self._own_w = os.pipe()
-        for fd in (self._own_r, self._own_w):
-            os.set_blocking(fd, False)
-        self._poll.register(self._own_r, select.POLLIN)
-
-    def add(self, fifo: WakeFifo) -> None:
-        self._poll.register(fifo.fd, select.POLLIN)
-
-    def remove(self, fifo: WakeFifo) -> None:
-        self._poll.unregister(fifo.fd)
-
-    def ring(self) -> None:
-        _ring_bell(self._own_w)
-
-    def wait(self, seconds: float) -> None:
-        for fd, _ in self._poll.poll(seconds * 1000):
-            try:
-                while len(os.read(fd, 65536)) == 65536:  # every byte waiting, however many
-                    pass
-            except BlockingIOError:  # none left: cleared
-                pass
-
-    def close(self) -> None:
-        for fd in (self._own_r, self._own_w):
-            if fd >= 0:
-                os.close(fd)
-        self._own_r = self._own_w = -1
-
-
-def _ring_bell(fd: int) -> None:
-    if fd < 0:  # closed: nobody waits any more
-        return
-    try:
-        os.write(fd, b"\0")
-    except BlockingIOError:  # 64 KiB of unread wake-ups: the reader is woken already
-        pass
-
-
-def _open_or_create_fifo(path: str) -> tuple[int, bool]:
-    """A read-write, non-blocking descriptor of the FIFO at path, made if missing (under a temporary
-    name, then linked into place: the other end never opens a name that is about to vanish); and
-    whether this call made it."""
-    flags = os.O_RDWR | os.O_NONBLOCK
-    try:
-        return os.open(path, flags), False
-    except FileNotFoundError:
-        pass
-    tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}"
-    os.mkfifo(tmp, 0o600)
-    try:
-        fd = os.open(tmp, flags)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:  # the other end made it first: use theirs
-            os.close(fd)
-            return os.open(path, flags), False
-    finally:
-        _unlink(tmp)
-    return fd, True
 
 
 def encode_frame(msg: Message) -> deque[memoryview]:
@@ -398,9 +341,18 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _open_or_create(path: str, size: int) -> tuple[int, bool]:
-    """A read-write descriptor of the ring file at path, made with `size` bytes if missing; and
-    whether this call made it."""
+def _medium_init(medium: int, region_bytes: int) -> Callable[[int], None]:
+    """Writes a new ring's medium slots (before the file gets its name)."""
+
+    def init(fd: int) -> None:
+        os.pwrite(fd, struct.pack("<QQ", medium, region_bytes), 8 * MEDIUM)
+
+    return init
+
+
+def _open_or_create(path: str, size: int, init: Callable[[int], None] | None = None) -> tuple[int, bool]:
+    """A read-write descriptor of the ring file at path, made with `size` bytes if missing (and
+    `init(fd)` run on it before it is named); and whether this call made it."""
     try:
         return os.open(path, os.O_RDWR), False
     except FileNotFoundError:
@@ -409,6 +361,8 @@ def _open_or_create(path: str, size: int) -> tuple[int, bool]:
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)  # reserves the memory now: a full /dev/shm fails here, not as SIGBUS later
+        if init is not None:
+            init(fd)
         os.link(tmp, path)
     except FileExistsError:  # the peer made it first: use theirs
         os.close(fd)

@@ -4,7 +4,19 @@
     send(d, msg) --frame, 1 copy--> ring afd-<ns>-<s>to<d> --1 copy--> tensors --> recv(s, ...)
                  --one byte-------> FIFO afd-<ns>-<s>to<d>.wake --wakes the thread waiting in recv
 
-One ring per ordered pair of endpoints (shm_ring.py), each with its own wake-up FIFO. A send
+Where the tensors go (`payload_device`, ring_medium.py): by default inside the frames, through
+the host (a GPU rank copies them to the host before it sends and back after it receives). With a
+payload device the frames in the ring carry only headers and offsets, and the tensors go through a
+payload area of each ring: in host shared memory ("cpu", the CPU twin of the device path, which
+the CPU tests run), or in GPU memory shared by CUDA IPC (a CUDA device: the tensors never cross the
+host; the writer waits for its copies into the area and the reader for its clones out of it, one
+host wait each per message, ipc_medium.py). Headers, counters, flags and wake-ups stay in host
+shared memory either way, and the rest of this module does not depend on the medium.
+
+    payload_device=cuda:i   send: tensor --copy_ on the GPU--> payload area (GPU, CUDA IPC)
+                                  header + offsets --> ring (host) --> recv: clone on the GPU
+
+One ring per ordered pair of endpoints (shm_ring.py), each with its own wake-up FIFO (shm_wake.py). A send
 copies the frame into the ring and writes a byte to the ring's FIFO; the receiver waits on the
 FIFOs of all its rings at once (poll()). The thread waiting in `recv` reads the rings itself (the
 pump of `Inbox.take`): woken from poll(), it moves completed messages into the inbox, its own and
@@ -47,7 +59,8 @@ Same semantics as the other transports (base.py):
   * peers start in any order: whichever side comes first creates the ring and the FIFO, and a
     message sent before its receiver exists is read when it starts;
   * FIFO per (source, kind), key checks, recv_any, timeouts: the shared `Inbox`;
-  * a message to this endpoint itself goes straight into its inbox (tensors cloned);
+  * a message to this endpoint itself goes straight into its inbox (tensors cloned, onto the
+    payload device where there is one);
   * close() fails pending receives, lingers up to `linger_s` to flush, removes the rings it reads
     and its FIFO (and the rings it wrote that no reader ever opened); messages to an endpoint that
     has closed are dropped, as a closed ZeroMQ peer's would be.
@@ -60,29 +73,21 @@ import re
 import shutil
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 
+import torch
+
 from comm.messages import CommError, Message, MsgKey
-from comm.transport.base import Inbox, Transport, make_inbox
-from comm.transport.shm_ring import (
-    ASLEEP,
-    ATTACHED,
-    CLOSED,
-    HEADER_BYTES,
-    Doorbells,
-    FrameReader,
-    Ring,
-    WakeFifo,
-    encode_frame,
-    full_fence,
-    platform_supported,
-)
+from comm.transport.base import Inbox, Transport, claim, make_inbox, own_copy, payload_device_of
+from comm.transport.ipc_medium import CudaIpcMedium
+from comm.transport.ring_medium import DEFAULT_PAYLOAD_CAPACITY, HostMedium, HostTensorMedium
+from comm.transport.shm_outbox import Outbox
+from comm.transport.shm_ring import ASLEEP, ATTACHED, CLOSED, HEADER_BYTES, FrameReader, platform_supported
+from comm.transport.shm_wake import Doorbells, WakeFifo, full_fence
 from comm.transport.spin import SpinPolicy
 
 SHM_DIR = "/dev/shm"
 DEFAULT_CAPACITY = 4 << 20  # bytes per ring: decode messages are far smaller; prefill ones stream through
-_FLUSH_PAUSE = (20e-6, 1e-3)  # a flusher waiting for room polls, backing off from the first to the second
 
 
 def ring_path(directory: str, namespace: str, src: int, dst: int, incarnations: dict[int, int] | None = None) -> str:
@@ -97,13 +102,27 @@ def wake_path(ring: str) -> str:
     return f"{ring}.wake"
 
 
+def make_medium(device: torch.device | None, capacity: int = DEFAULT_PAYLOAD_CAPACITY) -> HostMedium:
+    """A new medium for one end of one ring (ring_medium.py): None -> bytes in the frames, cpu -> the
+    host twin, cuda -> CUDA IPC."""
+    if device is None:
+        return HostMedium()
+    if device.type == "cpu":
+        return HostTensorMedium(capacity)
+    return CudaIpcMedium(device, capacity)
+
+
 class ShmTransport(Transport):
     """endpoint: this endpoint's id; peers: the endpoints on this host it talks to; namespace: a
     name shared by the endpoints of one deployment and no other (its files' prefix);
     pump_in_waiter: the waiting thread reads the rings (default), else a receiver thread does (see
     the module docstring); spin_s: before it blocks in poll(), the reading thread looks at the rings
     for up to this long, yielding the core between looks (see "Spinning" above); spin_idle: it
-    looks at idle priority where the OS allows (spin.py)."""
+    looks at idle priority where the OS allows (spin.py); payload_device: where the tensors of a
+    frame travel and arrive (ring_medium.py): None (default) as bytes inside the frames, "cpu" in a
+    payload area of `payload_capacity` bytes per ring in host shared memory (the CPU twin of the
+    device path), a CUDA device in a payload area of that size in GPU memory shared by CUDA IPC;
+    with a device, every received tensor is on it (`Transport.payload_device`)."""
 
     def __init__(
         self,
@@ -121,6 +140,8 @@ class ShmTransport(Transport):
         spin_s: float = 0.0,
         spin_idle: bool = False,
         incarnations: dict[int, int] | None = None,
+        payload_device: str | torch.device | None = None,
+        payload_capacity: int = DEFAULT_PAYLOAD_CAPACITY,
     ) -> None:
         if not platform_supported():
             raise CommError("the shared-memory transport needs x86-64 (ordered stores); use the zmq transport")
@@ -129,6 +150,9 @@ class ShmTransport(Transport):
         if spin_s < 0:
             raise CommError(f"spin_s must be >= 0, got {spin_s}")
         self._spin = SpinPolicy(spin_s, idle=spin_idle)
+        self.payload_device = payload_device_of(payload_device)
+        self._payload_capacity = payload_capacity
+        self._claims = self.payload_device is not None and self.payload_device.type == "cuda"
         self.endpoint, self.peers = endpoint, sorted(set(peers) - {endpoint})
         self._linger_s = linger_s
         self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)
@@ -139,7 +163,7 @@ class ShmTransport(Transport):
         self._bells = Doorbells()
         self._readers: list[tuple[FrameReader, WakeFifo]] = []
         self._reader_of: dict[int, tuple[FrameReader, WakeFifo]] = {}
-        self._outboxes: dict[int, _Outbox] = {}
+        self._outboxes: dict[int, Outbox] = {}
         self._rings = (directory, namespace, capacity, max_pending_bytes)
         self.incarnations = dict(incarnations or {})
         try:  # every ring and FIFO now, so that nothing is created on the hot path
@@ -158,7 +182,9 @@ class ShmTransport(Transport):
     def _open_reader(self, src: int) -> None:
         directory, namespace, capacity, _ = self._rings
         path = ring_path(directory, namespace, src, self.endpoint, self.incarnations)
-        reader, wake = FrameReader(Ring(path, capacity)), WakeFifo(wake_path(path))
+        medium = make_medium(self.payload_device, self._payload_capacity)
+        reader = FrameReader(medium.open(path, capacity), medium)
+        wake = WakeFifo(wake_path(path))
         self._readers.append((reader, wake))
         self._reader_of[src] = (reader, wake)
         self._bells.add(wake)
@@ -167,7 +193,9 @@ class ShmTransport(Transport):
     def _open_outbox(self, dst: int) -> None:
         directory, namespace, capacity, max_pending = self._rings
         path = ring_path(directory, namespace, self.endpoint, dst, self.incarnations)
-        self._outboxes[dst] = _Outbox(Ring(path, capacity), WakeFifo(wake_path(path)), dst, max_pending)
+        medium = make_medium(self.payload_device, self._payload_capacity)
+        medium.open(path, capacity)
+        self._outboxes[dst] = Outbox(medium, WakeFifo(wake_path(path)), dst, max_pending)
 
     def readmit(self, peer: int, address: str, host: str, incarnation: int) -> None:
         """Fresh rings to and from a replacement of `peer` (its host must be this one's). Nothing
@@ -195,7 +223,7 @@ class ShmTransport(Transport):
             self._readers.remove(old)
             self._bells.remove(wake)
             reader.ring.set_flag(CLOSED)  # a lost writer that comes back drops what it would send
-            reader.ring.close()
+            reader.close()
             reader.ring.unlink()
             wake.close()
             wake.unlink()
@@ -211,7 +239,7 @@ class ShmTransport(Transport):
         if self._closed:
             raise CommError(f"endpoint {self.endpoint}: send to {dst} after close()")
         if dst == self.endpoint:
-            own = Message(msg.kind, msg.key, msg.src, [t.clone() for t in msg.tensors], dict(msg.meta))
+            own = own_copy(msg, self.payload_device)
             if self._inbox.put(own):  # the thread waiting for it pumps, maybe blocked in poll()
                 self._bells.ring()
             return
@@ -228,7 +256,8 @@ class ShmTransport(Transport):
         # A thread waiting only for messages this endpoint sends itself never pumps: the put wakes it
         # directly, and the pumping is left to a thread waiting for a peer (one wake-up, not two).
         remote = self._pumped and any(src != self.endpoint for src in srcs)
-        return self._inbox.take(srcs, kind, key, timeout, self._pump if remote else None)
+        msg = self._inbox.take(srcs, kind, key, timeout, self._pump if remote else None)
+        return claim(msg) if self._claims else msg
 
     def close(self) -> None:
         """Fails pending receives, flushes what waits to be sent (at most `linger_s`), removes this
@@ -250,7 +279,7 @@ class ShmTransport(Transport):
     def _release(self) -> None:
         for reader, wake in self._readers:
             reader.ring.set_flag(CLOSED)  # senders drop what they would still send
-            reader.ring.close()
+            reader.close()
             reader.ring.unlink()
             wake.close()
             wake.unlink()
@@ -325,85 +354,6 @@ class ShmTransport(Transport):
             pass
 
 
-class _Outbox:
-    """What one endpoint sends to one peer: the ring, its FIFO, and what waits for room."""
-
-    def __init__(self, ring: Ring, wake: WakeFifo, dst: int, max_pending_bytes: int) -> None:
-        self.ring, self.wake, self.dst, self.max_pending_bytes = ring, wake, dst, max_pending_bytes
-        self.lock = threading.Lock()  # one writer at a time; FIFO order of whole messages
-        self.pending: deque[memoryview] = deque()
-        self.pending_bytes = 0
-        self.flusher: threading.Thread | None = None
-        self.stopped = False
-
-    def send(self, msg: Message) -> None:
-        with self.lock:
-            if self.stopped:
-                raise CommError(f"send to endpoint {self.dst} after close()")
-            if self.ring.flag(CLOSED):  # the peer has closed: dropped, as a closed socket's would be
-                return
-            # Straight into the ring when it has room and nothing waits before it (the common case);
-            # else as parts, written as far as they fit now and the rest queued.
-            if self.pending or not self.ring.write_frame(msg):
-                parts = encode_frame(msg)
-                if not self.pending:
-                    self.ring.write(parts)
-                if parts:
-                    self._queue(parts)
-        self.wake.signal_if_asleep(self.ring)
-
-    def _queue(self, parts: deque[memoryview]) -> None:
-        size = sum(len(p) for p in parts)
-        if self.pending_bytes + size > self.max_pending_bytes:
-            raise CommError(
-                f"{self.pending_bytes} bytes already wait for endpoint {self.dst} ({self.ring.path}): "
-                "the peer is down or not keeping up"
-            )
-        self.pending.extend(parts)
-        self.pending_bytes += size
-        if self.flusher is None:
-            self.flusher = threading.Thread(target=self._flush, name=f"shm-flush-{self.dst}", daemon=True)
-            self.flusher.start()
-
-    def _flush(self) -> None:
-        """Feeds the waiting bytes into the ring as the reader frees room (polling, backing off)."""
-        pause = _FLUSH_PAUSE[0]
-        while True:
-            with self.lock:
-                if self.stopped or not self.pending or self.ring.flag(CLOSED):
-                    self.pending.clear()
-                    self.pending_bytes, self.flusher = 0, None
-                    return
-                written = self.ring.write(self.pending)
-                self.pending_bytes -= written
-            if written:
-                self.wake.signal_if_asleep(self.ring)
-                pause = _FLUSH_PAUSE[0]
-            else:
-                time.sleep(pause)
-                pause = min(2 * pause, _FLUSH_PAUSE[1])
-
-    def close(self, linger_s: float) -> None:
-        """Waits up to linger_s for the waiting bytes to go, then drops the rest and unmaps; removes
-        the names of the ring and its FIFO if its reader never opened them (they are this pair's
-        alone). Idempotent."""
-        flusher = self.flusher
-        if flusher is not None:
-            flusher.join(linger_s)
-        with self.lock:
-            if self.stopped:
-                return
-            self.stopped = True
-        if flusher is not None:
-            flusher.join()
-        never_read = not self.ring.flag(ATTACHED)
-        self.ring.close()
-        self.wake.close()
-        if never_read:  # the peer never started: the pair's files are this endpoint's to remove
-            self.ring.unlink()
-            self.wake.unlink()
-
-
 def host_id(directory: str = SHM_DIR) -> str:
     """Equal for two processes exactly when they can share memory under `directory`: the same
     running kernel (boot id) and the same mount there. "" where this transport cannot run."""
@@ -417,7 +367,8 @@ def host_id(directory: str = SHM_DIR) -> str:
 
 
 def fits(num_rings: int, capacity: int = DEFAULT_CAPACITY, directory: str = SHM_DIR) -> bool:
-    """Whether `directory` has room for num_rings rings, with half of it left for others."""
+    """Whether `directory` has room for num_rings rings, with half of it left for others (with the
+    host twin's payload areas, count them in `capacity`)."""
     try:
         free = shutil.disk_usage(directory).free
     except OSError:

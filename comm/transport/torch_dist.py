@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from comm.messages import CommError, Message, MsgKey
-from comm.transport.base import Inbox, Transport
+from comm.transport.base import Inbox, Transport, payload_device_of
 
 HEADER_BYTES = 4096
 _CLOSE = "__close__"  # control message kind: the sender is closing, stop receiving from it
@@ -117,6 +117,8 @@ class TorchDistTransport(Transport):
         if not dist.is_initialized():
             raise CommError("TorchDistTransport needs dist.init_process_group (see init_torch_dist) first")
         self.endpoint, self.device = dist.get_rank(), torch.device(device)
+        if self.device.type in ("cpu", "cuda"):  # payloads arrive there, messages to itself too
+            self.payload_device = payload_device_of(self.device)
         world = dist.get_world_size()
         self.peers = sorted(set(range(world) if peers is None else peers) - {self.endpoint})
         self._close_timeout_s = close_timeout_s

@@ -29,6 +29,9 @@ Socket options, and why:
     larger frame is disconnected by ZeroMQ before the frame is held in memory (a DeepSeek-V3
     dispatch of 4,096 tokens is 59 MB in bf16).
 
+Device tensors: `send` copies them to the host (frames are host bytes). With `payload_device`, the
+receiver thread moves every received tensor there, on a CUDA stream of its own, before filing it.
+
 Bytes that are not a message (a stray or hostile connection, a truncated frame: `MalformedMessage`)
 are dropped and logged, and the receiver goes on; only its own failure wakes the waiters with an
 error. With `keys` (the deployment's cluster secret, comm/auth.py) every socket speaks CURVE: a peer
@@ -45,11 +48,12 @@ import socket
 import threading
 from collections.abc import Iterable
 
+import torch
 import zmq
 
 from comm.auth import ClusterKeys, secure_socket, start_authenticator
 from comm.messages import CommError, MalformedMessage, Message, MsgKey
-from comm.transport.base import Inbox, Transport, make_inbox
+from comm.transport.base import Inbox, Transport, claim, make_inbox, payload_device_of, to_payload_device
 
 _POLL_MS = 50  # how often the receiver thread checks whether it should stop
 # what the PULL socket's monitor reports: a peer that failed the CURVE handshake
@@ -80,6 +84,7 @@ class ZmqTransport(Transport):
         inbox: Inbox | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         keys: ClusterKeys | None = None,
+        payload_device: str | torch.device | None = None,
     ) -> None:
         if endpoint not in addresses and bind_address is None:
             raise CommError(f"endpoint {endpoint} has no address in {addresses}")
@@ -88,6 +93,9 @@ class ZmqTransport(Transport):
         self.dropped = 0  # messages dropped as malformed
         self.refused = 0  # connections refused at the CURVE handshake (with keys)
         self._keys = keys
+        self.payload_device = payload_device_of(payload_device)
+        self._claims = self.payload_device is not None and self.payload_device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.payload_device) if self._claims else None  # the receiver's copies
         self._ctx = zmq.Context()
         self._auth = start_authenticator(self._ctx, keys) if keys is not None else None
         self._inbox = inbox if inbox is not None else make_inbox(endpoint, link_delay_s)  # delay: experiments
@@ -168,10 +176,11 @@ class ZmqTransport(Transport):
         self._inbox.forget(peer)
 
     def recv(self, src: int, kind: str, key: MsgKey, timeout: float) -> Message:
-        return self._inbox.take([src], kind, key, timeout)
+        return self.recv_any([src], kind, key, timeout)
 
     def recv_any(self, srcs: Iterable[int], kind: str, key: MsgKey, timeout: float) -> Message:
-        return self._inbox.take(srcs, kind, key, timeout)
+        msg = self._inbox.take(srcs, kind, key, timeout)
+        return claim(msg) if self._claims else msg
 
     def close(self) -> None:
         """Fails pending receives, stops the receiver, closes the sockets (each lingers at most
@@ -218,7 +227,7 @@ class ZmqTransport(Transport):
             if self.dropped == 1 or self.dropped % 1000 == 0:  # a flood must not flood the log too
                 log.warning("endpoint %d dropped %d malformed message(s); last: %s", self.endpoint, self.dropped, exc)
             return
-        self._inbox.put(msg)
+        self._inbox.put(to_payload_device(msg, self.payload_device, self._stream))
 
     def _refusal(self) -> None:
         from zmq.utils.monitor import recv_monitor_message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -12,6 +13,7 @@ from comm.ffn_side import FfnEndpoint, ffn_endpoint
 from comm.messages import MsgKey
 from comm.reference import run_experts
 from comm.topology import Topology
+from comm.transport.base import Transport
 from comm.transport.inproc import InProcessFabric
 
 KEY = MsgKey(0, 0, 0)
@@ -70,13 +72,22 @@ def ffn_work(ep: FfnEndpoint, keys=(KEY,), expert_fn=exact_expert, senders=None)
 
 
 def run_inproc(
-    topo: Topology, config: CommConfig, xs, ids, ws, keys=(KEY,), expert_fn=exact_expert, skip_empty: bool = False
+    topo: Topology,
+    config: CommConfig,
+    xs,
+    ids,
+    ws,
+    keys=(KEY,),
+    expert_fn=exact_expert,
+    skip_empty: bool = False,
+    transport: Callable[[int], Transport] | None = None,
 ):
     """Returns (per sender: list of combine outputs per key, the endpoints, the fabric).
     `skip_empty`: senders without tokens send nothing, and the FFN ranks are told which senders
-    send. The topology's dead FFN ranks take no part (routing must leave their experts out)."""
+    send. The topology's dead FFN ranks take no part (routing must leave their experts out).
+    `transport(endpoint)`: the endpoints' transports in place of the fabric's (closed at the end)."""
     fabric = InProcessFabric()
-    eps = {i: fabric.endpoint(i) for i in range(topo.num_endpoints)}
+    eps = {i: (transport or fabric.endpoint)(i) for i in range(topo.num_endpoints)}
     senders = [attention_endpoint(topo, i, eps[topo.sender_endpoint(i)], config) for i in range(topo.num_senders)]
     live = [r for r in range(topo.num_ffn_ranks) if r not in topo.dead]
     ffn_ranks = [ffn_endpoint(topo, r, eps[topo.ffn_endpoint(r)], config) for r in live]
@@ -102,6 +113,9 @@ def run_inproc(
         t.join(timeout=config.timeout * 3)
     for o in ffn_ranks:
         o.close()
+    if transport is not None:
+        for t in eps.values():
+            t.close()
     if errors:
         raise errors[0]
     return [results[i] for i in range(topo.num_senders)], senders + ffn_ranks, fabric

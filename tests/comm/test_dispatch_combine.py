@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
+import uuid
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from comm.reference import reference_combine, run_experts
 from comm.stats import CommStats
 from comm.topology import INTER_NODE, Topology, TopologyError
 from comm.transport.inproc import InProcessFabric
+from comm.transport.shm_transport import ShmTransport
 from comm.wire import WireFormat
 from tests.comm.harness import KEY, exact_expert, routing, run_inproc
 
@@ -33,14 +36,24 @@ TOPOLOGIES = {
 }
 
 
-@pytest.mark.parametrize("mode", ["two-stage", "direct"])
-@pytest.mark.parametrize("name", list(TOPOLOGIES))
-@pytest.mark.parametrize("case", ["random", "one-node", "spread"])
-def test_combine_equals_reference_exactly(mode, name, case):
+# every routing case in process; over the shared-memory transport's host twin of the device path
+# (ring_medium.py, threads of this process) the random one
+MODES = ("two-stage", "direct")
+CASES = [(m, n, c, "inproc") for m in MODES for n in TOPOLOGIES for c in ("random", "one-node", "spread")]
+CASES += [(m, n, "random", "shm-twin") for m in MODES for n in TOPOLOGIES]
+
+
+@pytest.mark.parametrize("mode, name, case, transport", CASES)
+def test_combine_equals_reference_exactly(mode, name, case, transport, tmp_path):
     topo, tokens, k = TOPOLOGIES[name]
     k = min(k, topo.num_nodes) if case == "spread" else min(k, topo.num_experts // topo.num_nodes)
     xs, ids, ws = routing(topo, tokens, k, seed=len(name), case=case)
-    outs, _, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws)
+    make = None
+    if transport == "shm-twin":
+        ns, peers = uuid.uuid4().hex[:12], range(topo.num_endpoints)
+        kw = {"directory": str(tmp_path), "capacity": 4096, "payload_device": "cpu", "payload_capacity": 1 << 16}
+        make = functools.partial(ShmTransport, peers=peers, namespace=ns, **kw)
+    outs, _, _ = run_inproc(topo, CommConfig(mode, FP32, timeout=10), xs, ids, ws, transport=make)
     for sender, (out, ref) in enumerate(zip(outs, reference_combine(xs, ids, ws, exact_expert))):
         assert torch.equal(out[0], ref), f"sender {sender}"
 

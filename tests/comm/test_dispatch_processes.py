@@ -1,5 +1,6 @@
 """Dispatch/combine between real OS processes over the ZeroMQ transport (TCP on loopback) and the
-shared-memory transport."""
+shared-memory transport, with the tensors in the frames or in the host twin's payload areas
+("shm-twin", ring_medium.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def run_processes(topo: Topology, config: CommConfig, inputs, kind: str = "zmq",
     if kind == "zmq":
         transport = (kind, {"addresses": dict(enumerate(free_tcp_addresses(topo.num_endpoints)))})
     else:
-        transport = (kind, {"peers": range(topo.num_endpoints), "namespace": uuid.uuid4().hex[:12]})
+        transport = ("shm", {"peers": range(topo.num_endpoints), "namespace": uuid.uuid4().hex[:12]})
+        if kind == "shm-twin":
+            transport[1].update(payload_device="cpu", payload_capacity=1 << 20)
     results = _SPAWN.Queue()
     procs = [
         _SPAWN.Process(target=run_endpoint, args=(topo, config, ep, transport, inputs, keys, results))
@@ -55,14 +58,14 @@ def run_processes(topo: Topology, config: CommConfig, inputs, kind: str = "zmq",
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-        left = remove_namespace(transport[1]["namespace"]) if kind == "shm" else []
+        left = remove_namespace(transport[1]["namespace"]) if kind != "zmq" else []
     assert not failures, "\n".join(failures)
     assert left == [], f"files left behind: {left}"
     return reports
 
 
 @pytest.mark.timeout(4 * COMM_TIMEOUT_S)
-@pytest.mark.parametrize("kind", ["zmq", "shm"])
+@pytest.mark.parametrize("kind", ["zmq", "shm", "shm-twin"])
 @pytest.mark.parametrize(
     "mode, topo",
     [

@@ -40,19 +40,26 @@ def _files(directory, namespace: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.startswith(f"afd-{namespace}-"))
 
 
-@pytest.fixture(params=[True, False], ids=["waiter-reads", "receiver-thread"])
+# the host twin of the device path (ring_medium.py): tensors in a 1 MiB payload area per ring
+TWIN = {"payload_device": "cpu", "payload_capacity": 1 << 20}
+
+
+@pytest.fixture(params=[(True, {}), (False, {}), (True, TWIN)], ids=["waiter-reads", "receiver-thread", "payload-twin"])
 def pair(tmp_path, request):
     """Endpoints 0 and 1 (rings of 64 KiB) in this process, with the waiting thread reading the
-    rings (the default) or a receiver thread; fails if closing leaves files."""
+    rings (the default) or a receiver thread, and the tensors in the frames (the default) or in the
+    host twin's payload areas; fails if closing leaves files."""
     ns = uuid.uuid4().hex[:12]
     made = []
+    pump, medium = request.param
 
     def make(endpoint: int, **kwargs) -> ShmTransport:
         kwargs = {
             "namespace": ns,
             "directory": str(tmp_path),
             "capacity": 64 << 10,
-            "pump_in_waiter": request.param,
+            "pump_in_waiter": pump,
+            **medium,
             **kwargs,
         }
         made.append(ShmTransport(endpoint, [0, 1], **kwargs))
@@ -314,14 +321,17 @@ def test_remove_namespace_and_fits(tmp_path):
 # -- between processes ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def shm_run() -> dict:
+@pytest.fixture(scope="module", params=[{}, TWIN], ids=["frames", "payload-twin"])
+def shm_run(request) -> dict:
     """transport_worker's scenario over shared memory, with 256 KiB rings (the large messages
-    take several turns); the files must all be gone once every process has closed."""
+    take several turns); the files must all be gone once every process has closed. With the host
+    twin, the 80 KB tensor of the data message goes through a payload area, and the 3 MiB ones are
+    larger than the area: they go as bytes, in turns."""
     ns = uuid.uuid4().hex[:12]
     try:
-        out = run_scenario("shm", {"peers": range(3), "namespace": ns, "capacity": 256 << 10})
+        out = run_scenario("shm", {"peers": range(3), "namespace": ns, "capacity": 256 << 10, **request.param})
         out["files_left"] = _files(SHM_DIR, ns)
+        out["twin"] = bool(request.param)
         return out
     finally:
         remove_namespace(ns)
@@ -334,6 +344,8 @@ def test_processes_exact_round_trip_to_a_receiver_started_later(shm_run):
 
 def test_processes_messages_larger_than_the_ring_both_ways(shm_run):
     assert shm_run["big"] == w.digest(w.big_tensor(1)) and shm_run["ep1"]["big_back"] == w.digest(w.big_tensor(2))
+    # through the payload area but for the large one, which is larger than the area
+    assert shm_run["ep1"]["inline"] == (1 if shm_run["twin"] else None)
 
 
 def test_processes_key_mismatch_timeout_and_recv_any(shm_run):

@@ -21,6 +21,7 @@ import pytest
 
 from afd_engine import SamplingParams, make_engine
 from tests.distributed.test_ffn_fault_tolerance import FT, ffn_pid, run_with_kill, settled_stats
+from tests.distributed.test_ffn_fault_tolerance import GREEDY as FT_GREEDY
 from tests.engine_helpers import run_staggered, staggered_reference
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -68,9 +69,9 @@ def test_static_decode_gives_the_single_engines_tokens(name, tiny_v3, reference)
 
 
 @pytest.mark.timeout(300)
-def test_static_decode_survives_a_killed_ffn_rank_with_its_addresses(tiny_v3, reference, tmp_path):
+def test_static_decode_survives_a_killed_ffn_rank_with_its_addresses(tiny_v3):
     """The recovery hands the lost rank's experts to the survivors' slots by copying into them."""
-    prompts, expected = reference
+    prompts, expected = staggered_reference(tiny_v3, LENGTHS, FT_GREEDY, seed=3)  # the kill helper's tokens
     flags = dict(dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, ep_num_redundant_experts=8, micro_batches=2)
     with make_engine(model_path=tiny_v3, static_decode=True, **{**FT, **flags}) as engine:
         outs = run_with_kill(engine, prompts, ffn_pid(1, 2), after_tokens=40, sig=signal.SIGKILL)
@@ -78,7 +79,7 @@ def test_static_decode_survives_a_killed_ffn_rank_with_its_addresses(tiny_v3, re
         stats = settled_stats(engine)
         assert (stats.ffn_recoveries, stats.ffn_ranks_alive) == (1, 3)
         before = stats.static_decode_batches
-        again = engine.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        again = engine.generate(prompt_token_ids=prompts, sampling_params=FT_GREEDY)
         assert [o.token_ids for o in again] == expected
         assert settled_stats(engine).static_decode_batches > before > 0
 

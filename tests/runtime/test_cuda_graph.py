@@ -28,6 +28,7 @@ from afd_engine.operations import run_micro_batches
 from afd_engine.operations.strategy import AFD_ATTENTION
 from afd_engine.ranks.remote_experts import RemoteExpertExecutor
 from afd_engine.ranks.static_decode import StaticReceived
+from afd_engine.ranks.static_stages import RouteTables
 from afd_engine.runtime.cuda_graph import GraphRunner
 from afd_engine.tiny_model import make_tiny_model
 from tests.engine_helpers import random_prompts
@@ -170,21 +171,22 @@ def test_the_single_mode_decode_forward_traces_as_one_graph(checkpoint, bs):
 
 
 class PieceExecutor(RemoteExpertExecutor):
-    """An attention rank's real executor with its messages stood in for by device compute: what the
-    pieces of a static micro-batch run (route all rows, send the real ones, combine into the
-    persistent buffer) with the send and receive, which a graph leaves out, made traceable."""
+    """An attention rank's real executor on a static micro-batch, its messages (which a graph leaves
+    to the host, ranks/static_stages.py) left out: dispatch routes every row through the persistent
+    tables, combine returns the persistent buffer the host would have filled."""
 
-    def _send(self, layer_id, micro_batch, hidden, slots, topk_weights):
-        return hidden * (topk_weights * (slots >= 0)).sum(-1, keepdim=True).to(hidden.dtype)
-
-    def _receive(self, handle):
-        return handle
+    def receive_into(self, d):
+        d.received = True
 
 
 def piece_executor(engine: Engine, bs: int, real: int) -> PieceExecutor:
     cfg = engine.config
     layout = ExpertLayout(cfg.n_routed_experts, 4, 1, 2, num_groups=cfg.n_group or 1)  # 4 copies: the sorting path
-    executor = PieceExecutor(SimpleNamespace(sender=1), ExpertMap.initial(layout, cfg.moe_layers))
+    expert_map = ExpertMap.initial(layout, cfg.moe_layers)
+    executor = PieceExecutor(SimpleNamespace(sender=1), expert_map)
+    tables = RouteTables(cfg.moe_layers, cfg.n_routed_experts, 5, torch.device("cpu"))
+    tables.load(expert_map)
+    executor.route_tables, executor.salts = tables, [torch.tensor(3)]
     executor.real_rows, executor.combined = [real], [torch.zeros(bs, cfg.hidden_size)]
     return executor
 
@@ -212,13 +214,13 @@ def test_a_host_read_in_the_route_breaks_an_attention_ranks_graph(checkpoint, mo
     engine = make_engine(checkpoint)
     graphs = loaded_runner(engine, 2, [2])
     ops = AFD_ATTENTION.arrange(engine.model.operations(piece_executor(engine, 2, 2)))
-    real = ExpertMap.to_physical
+    real = RouteTables.route
 
-    def host_read(self, layer, topk_ids, salt=0):
+    def host_read(self, layer, topk_ids, salt):
         torch.bincount(topk_ids.flatten())
         return real(self, layer, topk_ids, salt)
 
-    monkeypatch.setattr(ExpertMap, "to_physical", host_read)
+    monkeypatch.setattr(RouteTables, "route", host_read)
 
     def step(fb, cache, rows):
         return run_micro_batches(ops, [{"fb": fb, "kv_cache": cache, "rows": rows}])[0]
