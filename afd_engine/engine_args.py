@@ -115,7 +115,8 @@ class EngineArgs:
     disable_overlap_schedule: bool = opt(False, "the same as --overlap-schedule off")
     cuda_graph_max_bs: int | None = opt(
         None,
-        "cuda, single mode: the largest decode batch replayed from a CUDA graph (default: --max-running-requests, "
+        "cuda: the largest decode batch (micro-batch, on attention ranks) replayed from a CUDA graph (default: "
+        "--max-running-requests, "
         "at most 64); larger decode steps and steps with prefill run eagerly",
     )
     cuda_graph_bs: str | None = opt(

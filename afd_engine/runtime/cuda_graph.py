@@ -24,9 +24,8 @@ GPU; elsewhere (`capture=False`, the CPU and the tests) the same static path run
 padding and buffer logic is checked without a GPU. Steps with prefill chunks, or wider than the
 largest bucket, or longer than the page table the buffers hold, run eagerly as before.
 
-Deployments: an attention rank's step is split by its dispatch and combine messages, which go
-through the host (shm, ZeroMQ) or gloo headers, so a whole step cannot be one graph; the compute
-between them is graph-safe (the same test traces it) but piecewise capture is not built yet.
+Deployments capture pieces of their steps instead (ranks/static_stages.py for attention ranks,
+ranks/static_decode.py for the experts), on the same `StaticDecode` buffers.
 """
 
 from __future__ import annotations
