@@ -76,7 +76,9 @@ class Engine(OfflineEngine):
         self.tokenizer = _load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
         experts = rank.expert_slots if rank else None
-        self.model = load_model(self.config, self.model_path, args.torch_dtype, experts, kernels, self.device)
+        self.model = load_model(
+            self.config, self.model_path, args.torch_dtype, experts, kernels, self.device, args.ffn_weight_dtype
+        )
         self.load_recorder = ExpertLoadRecorder(
             self.config.moe_layers, self.config.n_routed_experts, args.load_window_steps
         )

@@ -3,8 +3,9 @@
 An expert rank (an FFN rank, or a colocated rank for its own share) stages the slots the new
 placement gives it on a background thread, from the checkpoint, while it keeps serving the old
 placement; `on_ready` fires when they are loaded. At the step boundary every rank agreed on,
-`switch` hands the staged weights to the serving modules (a pointer swap, no copy and no load on
-the step's critical path). Experts the rank already holds are copied, not re-read.
+`switch` copies the staged weights into the serving modules' storage (one device copy per weight
+tensor, no load on the step's critical path): the serving weights never move, so CUDA graphs
+captured over them stay valid. Experts the rank already holds are copied, not re-read.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ log = logging.getLogger("afd.eplb")
 
 
 def load_shard(args, cfg, device, slots: dict[int, list[int]]) -> torch.nn.Module:
-    """The experts of `slots` from the checkpoint of `args` (EngineArgs), as an ExpertShard."""
+    """The experts of `slots` from the checkpoint of `args` (EngineArgs), as an ExpertShard held at
+    --ffn-weight-dtype (as the full model of single mode holds them)."""
     kernels = Kernels.named(moe=args.moe_backend)
-    return load_expert_shard(cfg, resolve_model_path(args.model_path), args.torch_dtype, slots, kernels, device)
+    path = resolve_model_path(args.model_path)
+    return load_expert_shard(cfg, path, args.torch_dtype, slots, kernels, device, args.ffn_weight_dtype)
 
 
 def _background_priority() -> None:
@@ -91,8 +94,9 @@ class ExpertStager:
         return self._staged is not None and self._staged[0] == version and self._staged[1].done()
 
     def switch(self, version: int, timeout: float) -> None:
-        """Serves placement `version` from now on: its staged experts replace the serving
-        modules' in place. Waits for the staging only if it is still running."""
+        """Serves placement `version` from now on: its staged experts are copied into the serving
+        modules' weights (RoutedExperts.adopt; their addresses stay). Waits for the staging only if
+        it is still running."""
         if self._staged is None or self._staged[0] != version:
             raise RuntimeError(f"expert rank {self.rank} was told to switch to placement {version}, never staged")
         for layer, module in self._staged[1].result(timeout=timeout).items():

@@ -57,17 +57,20 @@ def load_model(
     expert_slots: dict[int, list[int]] | None = None,
     kernels: Kernels | None = None,
     device: torch.device | str = "cpu",
+    ffn_weight_dtype: str = "auto",
 ) -> DeepseekForCausalLM:
     """Builds the model for `cfg.architecture` in `dtype` on `device` and loads its weights from
-    `model_path` (read on the host, copied to the device tensor by tensor)."""
+    `model_path` (read on the host, copied to the device tensor by tensor). Its routed experts are
+    held at `ffn_weight_dtype` (--ffn-weight-dtype: auto, bf16 or fp8; RoutedExperts.set_precision)."""
     with on_meta():  # no random init of weights that the checkpoint overwrites
         model = MODEL_REGISTRY[cfg.architecture](cfg, expert_slots, kernels or Kernels.named())
+    _hold_experts(model, ffn_weight_dtype)
     model.to(dtype)
     for layer in model.model.layers:  # the router's bias stays fp32, as the checkpoint stores it
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "e_score_correction_bias"):
             gate.e_score_correction_bias = gate.e_score_correction_bias.float()
-    _keep_fp32_scales(model)
+    _keep_storage_dtypes(model)
     model.to_empty(device=device)
     load_weights(model, model_path)
     return model.eval().requires_grad_(False)
@@ -80,19 +83,28 @@ def load_expert_shard(
     expert_slots: dict[int, list[int]],
     kernels: Kernels | None = None,
     device: torch.device | str = "cpu",
+    ffn_weight_dtype: str = "auto",
 ) -> ExpertShard:
     """Only the routed experts of `expert_slots` (per MoE layer, the logical expert of each slot):
-    an FFN rank's weights, or the experts a rebalance stages."""
+    an FFN rank's weights, or the experts a rebalance stages; held at `ffn_weight_dtype` as in
+    `load_model`, so that they equal the full model's experts."""
     with on_meta():
         shard = ExpertShard(cfg, expert_slots, kernels or Kernels.named())
+    _hold_experts(shard, ffn_weight_dtype)
     shard.to(dtype)
-    _keep_fp32_scales(shard)
+    _keep_storage_dtypes(shard)
     shard.to_empty(device=device)
     load_weights(shard, model_path)
     return shard.eval().requires_grad_(False)
 
 
-def _keep_fp32_scales(model: torch.nn.Module) -> None:
+def _hold_experts(model: torch.nn.Module, precision: str) -> None:
     for module in model.modules():
         if isinstance(module, RoutedExperts):
-            module.keep_fp32()
+            module.set_precision(precision)
+
+
+def _keep_storage_dtypes(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.keep_storage_dtypes()

@@ -4,6 +4,10 @@ Names are the checkpoint's own; the mapping table below only covers what the ser
 stores differently (stacked routed experts). Each process loads only the tensors its modules
 own, so an expert-parallel rank reads only its experts. FP8 weights are dequantized here, except
 routed experts whose module keeps them FP8 (`w13_q`/`w2_q` with their block scales).
+
+Routed experts held at `fp8` (--ffn-weight-dtype) from a checkpoint whose experts are not FP8 are
+block-quantized here, one checkpoint tensor at a time on the host (models/quant.py): kept as FP8
+bytes and scales where the module keeps FP8, else stored as the quantized weights' values.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from afd_engine.errors import ModelLoadError
+from afd_engine.models.quant import FP8_BLOCK, dequantize_fp8, fp8_round_trip, quantize_fp8_blocks
 
 # checkpoint name -> (parameter name, which stacked slot); group(1) layer, group(2) expert.
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -39,20 +44,14 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     return files
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """weight [N, K] float8_e4m3fn, scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
-    n, k = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-    return weight.float() * scale
-
-
 def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
     """Fills every parameter and buffer of `model` from the checkpoint; errors name what is missing.
     Only tensors the model holds are read."""
     model_path = Path(model_path)
     cfg = model.config
     params = dict(model.named_parameters()) | dict(model.named_buffers())
-    slots = _expert_slots(model)
+    experts = _routed_experts(model)
+    slots = {layer: _slots_of(module) for layer, module in experts.items()}
     filled: Counter[str] = Counter()
     for file in checkpoint_files(model_path):
         with safe_open(str(file), framework="pt") as f:
@@ -72,10 +71,12 @@ def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
                     continue
                 prefix = f"model.layers.{layer}.mlp.experts.{_STACK_SLOT[proj][0]}"
                 if prefix + "_q" in params:
-                    dests = _place_fp8_expert(f, name, proj, rows, prefix, params)
+                    dests = _place_fp8_expert(_read_fp8(f, name, names), name, proj, rows, prefix, params)
                 else:
-                    dests = _place_expert(_read(f, name, names, cfg.fp8_block), name, proj, rows, params[prefix])
-                    dests = [prefix] * dests
+                    tensor = _read(f, name, names, cfg.fp8_block)
+                    if experts[layer].precision == "fp8" and name + "_scale_inv" not in names:
+                        tensor = fp8_round_trip(tensor)  # the checkpoint's FP8 is taken as it is
+                    dests = [prefix] * _place_expert(tensor, name, proj, rows, params[prefix])
                 filled.update(dests)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # prepare() ties it to the embedding
     missing = sorted(n for n, p in params.items() if filled[n] != _pieces(n, p) and n not in tied)
@@ -85,16 +86,21 @@ def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
     model.prepare()
 
 
-def _expert_slots(model: torch.nn.Module) -> dict[int, dict[int, list[int]]]:
-    """layer -> logical expert -> the slots holding it, from each routed-experts module's
-    `slot_expert` (a rank may hold two copies of one expert)."""
-    out: dict[int, dict[int, list[int]]] = {}
-    for name, module in model.named_modules():
-        if hasattr(module, "slot_expert"):
-            rows = out.setdefault(int(_LAYER.match(name + ".").group(1)), {})
-            for slot, expert in enumerate(module.slot_expert):
-                rows.setdefault(expert, []).append(slot)
-    return out
+def _routed_experts(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """layer -> its routed-experts module (the modules with a `slot_expert`)."""
+    return {
+        int(_LAYER.match(name + ".").group(1)): module
+        for name, module in model.named_modules()
+        if hasattr(module, "slot_expert")
+    }
+
+
+def _slots_of(module: torch.nn.Module) -> dict[int, list[int]]:
+    """logical expert -> the slots holding it (a rank may hold two copies of one expert)."""
+    rows: dict[int, list[int]] = {}
+    for slot, expert in enumerate(module.slot_expert):
+        rows.setdefault(expert, []).append(slot)
+    return rows
 
 
 def _pieces(name: str, param: torch.Tensor) -> int:
@@ -138,19 +144,29 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
-def _place_fp8_expert(f, name: str, proj: str, rows: list[int], prefix: str, params: dict) -> list[str]:
-    """Copies an expert's FP8 weight bytes and its 128x128 block scales into the stacked buffers of
-    each of its slots: gate rows then up rows of w13 (and of w13_scale, whole blocks since
-    I % 128 == 0), or w2."""
-    half = _STACK_SLOT[proj][1]
-    weight, scale = f.get_tensor(name), f.get_tensor(name + "_scale_inv")
+def _read_fp8(f, name: str, names: set[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert projection as FP8 bytes and fp32 128x128 block scales: the checkpoint's, or the
+    checkpoint's bf16/fp32 weight block-quantized here."""
+    weight = f.get_tensor(name)
+    if name + "_scale_inv" not in names:
+        weight, scale = quantize_fp8_blocks(weight, FP8_BLOCK)
+        return weight.view(torch.uint8), scale
     if weight.dtype != torch.float8_e4m3fn:
         raise ModelLoadError(f"{name} has a scale_inv but is {weight.dtype}, not float8_e4m3fn")
+    return weight.view(torch.uint8), f.get_tensor(name + "_scale_inv").float()
+
+
+def _place_fp8_expert(fp8, name: str, proj: str, rows: list[int], prefix: str, params: dict) -> list[str]:
+    """Copies an expert's FP8 weight bytes and its 128x128 block scales (`fp8`) into the stacked
+    buffers of each of its slots: gate rows then up rows of w13 (and of w13_scale, whole blocks
+    since I % 128 == 0), or w2."""
+    half = _STACK_SLOT[proj][1]
+    weight, scale = fp8
     for row in rows:
         q, s = params[prefix + "_q"].data[row], params[prefix + "_scale"].data[row]
         if half is not None:
             q = q[half * (q.shape[0] // 2) : (half + 1) * (q.shape[0] // 2)]
             s = s[half * (s.shape[0] // 2) : (half + 1) * (s.shape[0] // 2)]
-        _copy(q, weight.view(torch.uint8), name)
-        _copy(s, scale.float(), name + "_scale_inv")
+        _copy(q, weight, name)
+        _copy(s, scale, name + "_scale_inv")
     return [prefix + "_q", prefix + "_scale"] * len(rows)
