@@ -14,19 +14,32 @@ leaves all it measured: {"header": {device, driver, versions, SMs, memory...}, "
                         transformers on the device (fp32 token-exact, bf16 near), AFD 1A+1F equal to
                         single mode, CUDA graph decode steps equal to eager ones; each test's outcome
                         and what it recorded (relative errors, tokens matched) from its JUnit XML
+    afd_one_gpu         AFD 1A+1F with both ranks on the one GPU over shared memory (--gpu-id-step 0)
+                        against single mode, graphs (static decode) on and off: fp32 tokens equal,
+                        bf16 first-token logprobs near (agreement recorded); device payloads or not
+    fp8_checkpoint      a block-quantized FP8 tiny checkpoint served by the single engine (Triton fp8
+                        MoE) and by AFD 1A+1F, and a bf16 one with --ffn-weight-dtype fp8: equal tokens
     kernels_timing      bench_kernels' rows at DeepSeek-V3 shapes, MLA decode over batch x context,
                         fused MoE (bf16, fp8) over tokens per expert: time, GB/s, TFLOP/s, peak fractions
     decode_step_time    the single engine's decode step at batch 1, 8, 64: torch backend eager, triton
                         with CUDA graphs off and on (runtime/cuda_graph.py), and their ratio
+    afd_tpot            time per output token of AFD 1A+1F and single mode at batch 1, 8, 64, graphs on
+                        and off, the ratio AFD / single and whether it meets the target (1.5x, batch 8)
+    moe_layer_staging   one MoE layer's payloads at DeepSeek-V3's width (8, 64, 512 tokens, top-8):
+                        through the host (.cpu(), .to(device): the data path now) against device copies
+    nccl_self           NCCL as a world of one rank: send/recv to itself (else all_gather) captured in a
+                        CUDA graph and replayed, values checked (last: a hang there costs no other part)
 
-The timed parts are in gpu_timings.py; correctness first, so that should the time run out, what is
-left undone is speed.
+The timed parts are in gpu_timings.py, the AFD ones in gpu_afd.py; correctness first, so that
+should the time run out, what is left undone is speed. The limits add up to 7 minutes, the default
+--deadline-s (the dry run's are three times theirs: the CPU's cores are few and slower).
 
     python -m benchmarks.kernels.gpu_check --json gpu_check.json          # on a GPU (no venv needed; from the root)
     python -m benchmarks.kernels.gpu_check --json check.json --dry-run    # the same on the CPU, tiny shapes
     python -m benchmarks.kernels.gpu_check --json check.json --parts ceilings,gpu_tests --quick
+    python -m benchmarks.kernels.gpu_check --json afd.json --parts afd_one_gpu,afd_tpot   # the AFD parts alone
 
-Exit status 0 when every part passed, 1 otherwise. The AFD test needs pyzmq (gpu_wheels.sh here).
+Exit status 0 when every part passed, 1 otherwise. The AFD test and parts need pyzmq (gpu_wheels.sh here).
 """
 
 from __future__ import annotations
@@ -50,13 +63,31 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kernels import gpu_timings
+from benchmarks.kernels import gpu_afd, gpu_timings
 from benchmarks.part_runner import PartTimeout, died, error_record, run_parts, summary, time_limit, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
-# part -> time limit in seconds (also capped by what --deadline-s leaves); the expected times on an
-# H200 are well under these: most of a part's first seconds are Triton compiling its kernels
-PART_LIMITS_S = {"ceilings": 30, "gpu_tests": 420, "kernels_timing": 100, "decode_step_time": 90}
+# part -> time limit in seconds (also capped by what --deadline-s leaves); they add up to the default
+# deadline. The expected times on an H200 are well under these: most of a part's first seconds are
+# Triton compiling its kernels, and each AFD deployment starts two rank processes
+PART_LIMITS_S = {
+    "ceilings": 10,
+    "gpu_tests": 135,
+    "afd_one_gpu": 80,
+    "fp8_checkpoint": 55,
+    "kernels_timing": 30,
+    "decode_step_time": 25,
+    "afd_tpot": 60,
+    "moe_layer_staging": 10,
+    "nccl_self": 15,
+}
+# the dry run: the Triton interpreter and every rank process share the few cores of a CPU machine
+DRY_RUN_SLACK = 3
+
+
+def part_limits(dry_run: bool) -> dict:
+    """PART_LIMITS_S, DRY_RUN_SLACK times over on the dry run."""
+    return {name: limit * (DRY_RUN_SLACK if dry_run else 1) for name, limit in PART_LIMITS_S.items()}
 
 
 @dataclass
@@ -286,8 +317,13 @@ def worst_kernel(tests: dict) -> str:
 PARTS = {
     "ceilings": gpu_timings.ceilings,
     "gpu_tests": gpu_tests,
+    "afd_one_gpu": gpu_afd.afd_one_gpu,
+    "fp8_checkpoint": gpu_afd.fp8_checkpoint,
     "kernels_timing": gpu_timings.kernels_timing,
     "decode_step_time": gpu_timings.decode_step_time,
+    "afd_tpot": gpu_afd.afd_tpot,
+    "moe_layer_staging": gpu_timings.moe_layer_staging,
+    "nccl_self": gpu_afd.nccl_self,
 }
 
 
@@ -297,7 +333,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="everything on the CPU at tiny shapes")
     parser.add_argument("--quick", action="store_true", help="fewer timed repetitions, no timing sweeps")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of: {', '.join(PARTS)}")
-    parser.add_argument("--deadline-s", type=float, default=600.0, help="parts not started by then are not run")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="parts not started by then are not run (default: the sum of the part limits, 7 min on a GPU)",
+    )
     parser.add_argument(
         "--isolate",
         default="auto",
@@ -310,6 +351,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(ns.parts.split(",")) - set(PARTS))
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)}; known: {', '.join(PARTS)}")
+    if ns.deadline_s is None:
+        ns.deadline_s = sum(part_limits(ns.dry_run).values())
     return ns
 
 
@@ -329,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     try:
         parts = {p: PARTS[p] for p in ns.parts.split(",")}
-        ok = run_parts(parts, report, ns.json, ns.deadline_s, runner(ns, report, workdir), PART_LIMITS_S)
+        limits = part_limits(ns.dry_run)
+        ok = run_parts(parts, report, ns.json, ns.deadline_s, runner(ns, report, workdir), limits)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"device: {report['header']['device']}; report: {ns.json}\n{summary(report)}")

@@ -1,8 +1,9 @@
 """The timed parts of the GPU check (benchmarks.kernels.gpu_check): what the device gives a trivial
-kernel, the Triton kernels at DeepSeek-V3 shapes, and the engine's decode step with CUDA graphs off
-and on. Each part takes the check's Context (device, dry_run, quick, checkpoint(arch), part(name))
-and returns its record; the dry run runs them on the CPU at tiny shapes, where the times say
-nothing and the mechanics are what is checked."""
+kernel, the Triton kernels at DeepSeek-V3 shapes, the engine's decode step with CUDA graphs off
+and on, and an MoE layer's payloads moved through the host or device to device. Each part takes
+the check's Context (device, dry_run, quick, checkpoint(arch), part(name)) and returns its record;
+the dry run runs them on the CPU at tiny shapes, where the times say nothing and the mechanics are
+what is checked."""
 
 from __future__ import annotations
 
@@ -185,3 +186,66 @@ def decode_step_time(ctx) -> dict:
         times = ", ".join(f"B{b} {ms:.1f} ms" for b, ms in off.items())
         out["headline"] = f"{rows[-1]['backend']} step {times} (eager: CUDA graphs need a GPU)"
     return out
+
+
+# -- an MoE layer's payloads: through the host or device to device ----------------------------------
+
+V3_HIDDEN, V3_TOP_K, V3_EXPERTS, V3_MOE_LAYERS = 7168, 8, 256, 58  # DeepSeek-V3: 61 layers, the first 3 dense
+
+
+def layer_payloads(tokens: int, hidden: int, top_k: int, device: torch.device) -> list[torch.Tensor]:
+    """What one MoE layer of `tokens` moves between the ranks: dispatch (hidden states bf16, top-k
+    expert ids int64 and weights fp32) and combine (the experts' weighted sum, bf16)."""
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g, device=device).bfloat16()
+    ids = torch.randint(0, V3_EXPERTS, (tokens, top_k), generator=g, device=device)
+    weights = torch.rand(tokens, top_k, generator=g, device=device)
+    return [x, ids, weights, torch.randn(tokens, hidden, generator=g, device=device).bfloat16()]
+
+
+def staging_paths(payloads: list[torch.Tensor], device: torch.device) -> dict:
+    """name -> fn() moving every payload once: `host`, the current data path (`.cpu()` before the
+    send, `.to(device)` after it); `device`, a device payload (a copy into a preallocated buffer
+    of the receiver's); on a GPU also `pinned`, through preallocated pinned host buffers."""
+    received = [torch.empty_like(t) for t in payloads]
+
+    def host():
+        for t in payloads:
+            t.cpu().to(device)
+
+    def device_copy():
+        for dst, t in zip(received, payloads):
+            dst.copy_(t, non_blocking=True)
+
+    paths = {"host": host, "device": device_copy}
+    if device.type == "cuda":
+        staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in payloads]
+
+        def pinned():
+            for dst, stage, t in zip(received, staged, payloads):
+                stage.copy_(t, non_blocking=True)
+                dst.copy_(stage, non_blocking=True)
+
+        paths["pinned"] = pinned
+    return paths
+
+
+def moe_layer_staging(ctx) -> dict:
+    """Time per MoE layer of moving its payloads (layer_payloads) through the host as the data path
+    does now, against device payloads, at 8, 64 and 512 tokens of DeepSeek-V3's width (CUDA events,
+    median); per decode step that is V3_MOE_LAYERS of them. The dry run: hidden 64, top-2, CPU."""
+    hidden, top_k = (64, 2) if ctx.dry_run else (V3_HIDDEN, V3_TOP_K)
+    reps = 30 if ctx.dry_run else (10 if ctx.quick else 50)
+    rows = []
+    for tokens in (8, 64, 512):
+        payloads = layer_payloads(tokens, hidden, top_k, ctx.device)
+        nbytes = sum(t.numel() * t.element_size() for t in payloads)
+        row = {"tokens": tokens, "hidden": hidden, "top_k": top_k, "bytes": nbytes}
+        for name, fn in staging_paths(payloads, ctx.device).items():
+            seconds = median_seconds(fn, ctx.device, reps)
+            row[f"{name}_us"], row[f"{name}_gb_s"] = seconds * 1e6, nbytes / seconds / 1e9
+        row["host_over_device"] = row["host_us"] / row["device_us"]
+        row["v3_step_ms"] = {k[:-3]: v * V3_MOE_LAYERS / 1e3 for k, v in row.items() if k.endswith("_us")}
+        rows.append(row)
+    times = ", ".join(f"T{r['tokens']} {r['host_us']:.0f} vs {r['device_us']:.0f} us" for r in rows)
+    return {"rows": rows, "moe_layers_per_step": V3_MOE_LAYERS, "headline": f"MoE layer, host vs device: {times}"}

@@ -1,7 +1,8 @@
 """gpu_check (benchmarks/kernels): the dry run checks every part on the CPU (the GPU tests of
-tests/gpu too, at tiny shapes), a failing part is recorded and the rest still run (a crashing one
-too, when parts run in processes of their own), the report is on disk after every part, and a part
-over its time limit is stopped."""
+tests/gpu too, at tiny shapes, and the AFD parts with both ranks on the one device), a failing part
+is recorded and the rest still run (a crashing one too, when parts run in processes of their own),
+the report is on disk after every part, a part over its time limit is stopped, and the limits fit
+the run in 7 minutes."""
 
 from __future__ import annotations
 
@@ -18,16 +19,23 @@ import torch
 
 from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import ConfigError
-from benchmarks.kernels import gpu_check
+from benchmarks.kernels import gpu_afd, gpu_check
 
 PARTS = list(gpu_check.PARTS)
-GPU_TESTS = 26  # tests/gpu's tests marked gpu: 15 kernels, 8 single engine, 2 AFD, 1 CUDA graphs
+GPU_TESTS_AT_LEAST = 26  # marked gpu: 15 kernels, 8 single engine, 2 AFD, 1 CUDA graphs, and more since
 
 
 def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "benchmarks.kernels.gpu_check", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def gpu_tests_collected() -> int:
+    """How many tests of tests/gpu pytest selects with -m gpu (each one the dry run must pass)."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return sum(line.startswith("tests/gpu/") and "::" in line for line in res.stdout.splitlines())
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +83,10 @@ def test_a_failing_part_is_recorded_and_fails_the_run(dry_run):
 
 def test_the_gpu_tests_run_on_the_cpu_and_pass(dry_run):
     part = dry_run[1]["parts"]["gpu_tests"]
-    assert part["counts"] == {"passed": GPU_TESTS, "failed": 0, "error": 0, "skipped": 0}, part.get("log_tail")
-    assert part["headline"].startswith(f"{GPU_TESTS} passed; worst kernel ")
+    collected = gpu_tests_collected()
+    assert collected >= GPU_TESTS_AT_LEAST
+    assert part["counts"] == {"passed": collected, "failed": 0, "error": 0, "skipped": 0}, part.get("log_tail")
+    assert part["headline"].startswith(f"{collected} passed; worst kernel ")
     tests = {name.split("::", 1)[1]: t for name, t in part["tests"].items()}
     assert all(t["outcome"] == "passed" and t["seconds"] >= 0 for t in tests.values())
     kernels = {k.split("[")[1].rstrip("]"): t for k, t in tests.items() if k.startswith("test_kernel_agrees")}
@@ -88,7 +98,7 @@ def test_the_gpu_tests_run_on_the_cpu_and_pass(dry_run):
     assert len(single) == 4 and all(t["matched"] == t["tokens"] == 3 * 3 for t in single.values())
     assert all(t["max_logprob_diff"] < 1e-4 for t in single.values())
     afd = [k for k in tests if k.startswith("test_afd_1a1f")]
-    assert len(afd) == 2  # shared memory, and gloo standing in for NCCL
+    assert any("[shm" in k for k in afd) and "test_afd_1a1f_gives_the_single_engine_tokens[torch]" in afd  # gloo: NCCL
     assert tests["test_graph_decode_steps_give_the_eager_tokens"]["graph_replays"] > 0
 
 
@@ -105,6 +115,69 @@ def test_decode_step_times_per_batch(dry_run):
     assert [r["batch"] for r in part["rows"]] == [1, 8, 64] and all(r["step_ms"] > 0 for r in part["rows"])
     assert not any(r["cuda_graphs"] or r["graph_replays"] for r in part["rows"])  # the CPU runs eagerly
     assert "eager: CUDA graphs need a GPU" in part["headline"]
+
+
+def test_afd_on_one_device_gives_single_mode_tokens_with_graphs_on_and_off(dry_run):
+    part = dry_run[1]["parts"]["afd_one_gpu"]
+    cases = part["cases"]
+    assert list(cases) == [f"{d}_graphs_{g}" for d in ("fp32", "bf16") for g in ("on", "off")]
+    for name, case in cases.items():
+        assert case["tokens"] == 3 * 3 and case["cuda_graphs"] is False, name  # the CPU: static decode only
+        for role in ("single", "afd"):  # static decode ran exactly where asked for
+            assert (case[role]["static_decode_batches"] > 0) == case["graphs"], (name, role, case[role])
+        assert case["afd"]["device_payloads"] is False and case["afd"]["device_payloads_from"], case["afd"]  # a CPU
+    for case in cases.values():
+        if case["dtype"] == "float32":
+            assert case["equal"] and case["matched"] == case["tokens"] and case["agreement"] == 1.0
+        else:
+            assert case["max_first_logprob_diff"] <= gpu_afd.BF16_MAX_FIRST_LOGPROB_DIFF
+            assert 0 < case["agreement"] <= 1
+    assert part["headline"].startswith("AFD vs single tokens: fp32 on 9/9, fp32 off 9/9, bf16 on ")
+
+
+def test_fp8_experts_give_equal_tokens_in_single_mode_and_afd(dry_run):
+    cases = dry_run[1]["parts"]["fp8_checkpoint"]["cases"]
+    assert list(cases) == ["fp8_checkpoint", "bf16_ffn_weight_dtype_fp8"]
+    for name, case in cases.items():
+        assert case["equal"] and case["matched"] == case["tokens"] == 3 * 3, (name, case.get("error"))
+        assert case["backend"] == "triton" and case["single"]["experts_fp8"] is True, name  # fused_moe_fp8
+
+
+def test_afd_tpot_against_single_mode_at_batch_1_8_64(dry_run):
+    part = dry_run[1]["parts"]["afd_tpot"]
+    assert list(part["cases"]) == ["single_graphs_on", "afd_graphs_on", "single_graphs_off", "afd_graphs_off"]
+    rows = [r for case in part["cases"].values() for r in case["rows"]]
+    combos = [(m, g, b) for g in (True, False) for m in ("single", "afd") for b in (1, 8, 64)]
+    assert [(r["mode"], r["graphs"], r["batch"]) for r in rows] == combos
+    assert all(isinstance(r["tpot_ms"], float) for r in rows)  # CPU times: any sign, meaning nothing
+    for name, case in part["cases"].items():
+        assert (case["static_decode_batches"] > 0) == ("graphs_on" in name), (name, case["static_decode_batches"])
+        assert case["tokens"] == [2, 6] and case["reps"] == 3
+    on, off = part["afd_over_single"]["graphs_on"], part["afd_over_single"]["graphs_off"]
+    assert list(on) == list(off) == ["1", "8", "64"]
+    assert part["target"] == 1.5 and part["target_met"] == (0 < on["8"] <= 1.5)
+    assert part["headline"].startswith("AFD/single TPOT, graphs on: B1 ")
+
+
+def test_moe_layer_staging_times_host_and_device_payloads(dry_run):
+    part = dry_run[1]["parts"]["moe_layer_staging"]
+    assert [r["tokens"] for r in part["rows"]] == [8, 64, 512] and all(r["host_over_device"] > 0 for r in part["rows"])
+
+
+def test_nccl_self_stands_in_with_gloo_and_says_what_it_skipped(dry_run):
+    part = dry_run[1]["parts"]["nccl_self"]
+    assert (part["backend"], part["op"], part["graph"]) == ("gloo", "all_gather", False)
+    assert part["skipped"] == {"graph_capture": "CUDA graphs need a GPU: gloo on the CPU runs the ops eagerly"}
+    assert part["unusable"]["send_recv"].startswith("eager: ")  # gloo pairs no rank with itself
+
+
+def test_part_limits_fit_the_default_deadline_of_7_minutes():
+    assert list(gpu_check.PART_LIMITS_S) == PARTS
+    assert gpu_check.parse_args(["--json", "x.json"]).deadline_s == sum(gpu_check.PART_LIMITS_S.values()) <= 7 * 60
+    dry = gpu_check.part_limits(dry_run=True)  # the CPU's slack
+    assert dry == {name: 3 * limit for name, limit in gpu_check.PART_LIMITS_S.items()}
+    assert gpu_check.parse_args(["--json", "x.json", "--dry-run"]).deadline_s == sum(dry.values())
+    assert gpu_check.parse_args(["--json", "x.json", "--deadline-s", "60"]).deadline_s == 60
 
 
 def test_a_subset_of_parts_that_passes_exits_0(tmp_path):
