@@ -223,6 +223,7 @@ def run_engine_process(
             "architecture": engine.config.architecture,
             "disagg_address": engine.disagg.address if engine.disagg is not None else None,
             "disagg_description": engine.disagg.description if engine.disagg is not None else None,
+            "payload_device": _payload_device(engine),
         }
     )
     log.info(
@@ -253,3 +254,9 @@ def _last_words(addrs: ControlAddrs, rank: int, message: str) -> None:
         sock.send(msgs.encode_output(msgs.RankFailed(rank, message)), zmq.NOBLOCK)
         sock.close(linger=1000)
     ctx.term()
+
+
+def _payload_device(engine: Engine) -> str | None:
+    """Where the rank's transport delivers tensors between ranks ("cuda:0"), None: host memory."""
+    device = getattr(getattr(engine.runner, "transport", None), "payload_device", None)
+    return str(device) if device is not None else None
