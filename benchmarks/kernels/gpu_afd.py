@@ -62,25 +62,11 @@ def static_batches(engine) -> int | None:
     return getattr(getattr(engine, "stats", None), "static_decode_batches", None)
 
 
-def device_payloads(engine, device: torch.device) -> dict:
+def device_payloads(engine) -> dict:
     """Whether the deployment's ranks exchanged payloads in device memory (the shared-memory
-    transport's payload areas in GPU memory), and where that comes from: the ranks' start info where
-    they report it, else what the settings imply (the ranks here run over shm on `device`, without
-    --host-payloads)."""
-    from afd_engine.engine_args import EngineArgs
-    from comm.transport import base
-
-    if not hasattr(base.Transport, "payload_device"):
-        why = "comm.transport.base.Transport has no payload_device: payloads cross the host (.cpu(), .to(device))"
-        return {"device_payloads": False, "device_payloads_from": why}
+    transport's payload areas in GPU memory), as the ranks report it when they start."""
     reported = getattr(engine, "info", {}).get("payload_device")
-    if reported is not None:
-        return {"device_payloads": str(reported).startswith("cuda"), "device_payloads_from": f"the ranks: {reported}"}
-    if "host_payloads" not in EngineArgs.__dataclass_fields__:
-        why = "unknown: the ranks report no payload_device, and there is no --host-payloads to imply one"
-        return {"device_payloads": None, "device_payloads_from": why}
-    why = "the settings (the ranks report none): over shm on a GPU, payloads stay in GPU memory unless --host-payloads"
-    return {"device_payloads": device.type == "cuda", "device_payloads_from": why}
+    return {"device_payloads": str(reported).startswith("cuda"), "payload_device": reported}
 
 
 def routed_experts_fp8(engine) -> bool | None:
@@ -99,7 +85,7 @@ def greedy(path: str, ctx, dtype: str, backend: str, settings: dict, new_tokens:
     with make_engine(path, ctx.device, dtype, backend, settings, **deployment) as engine:
         outs = engine.generate(prompt_token_ids=fixed_prompts(ctx.dry_run), sampling_params=params)
         info = {"static_decode_batches": static_batches(engine)}
-        info.update(device_payloads(engine, ctx.device) if deployment else {"experts_fp8": routed_experts_fp8(engine)})
+        info.update(device_payloads(engine) if deployment else {"experts_fp8": routed_experts_fp8(engine)})
     errors = [o.error for o in outs if o.error]
     if errors:
         raise RuntimeError(f"{'AFD' if deployment else 'single'} engine request failed: {errors[0]}")

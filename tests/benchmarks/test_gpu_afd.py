@@ -71,25 +71,11 @@ def test_a_timed_request_that_falls_short_is_an_error():
         gpu_afd.generate_seconds(engine, [[1]], 5)
 
 
-def test_device_payloads_as_the_ranks_report_them_else_as_the_settings_imply(monkeypatch):
-    from afd_engine.engine_args import EngineArgs
-    from comm.transport import base
-
-    cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(base.Transport, "payload_device", None, raising=False)
+def test_device_payloads_as_the_ranks_report_them():
     cuda = SimpleNamespace(info={"payload_device": "cuda:0"})
-    assert gpu_afd.device_payloads(cuda, cpu) == {"device_payloads": True, "device_payloads_from": "the ranks: cuda:0"}
-    silent = SimpleNamespace(info={"model_path": "m"})
-    monkeypatch.setitem(EngineArgs.__dataclass_fields__, "host_payloads", None)
-    on_gpu, on_cpu = gpu_afd.device_payloads(silent, gpu), gpu_afd.device_payloads(silent, cpu)
-    assert on_gpu["device_payloads"] is True and on_cpu["device_payloads"] is False
-    assert on_gpu["device_payloads_from"].startswith("the settings (the ranks report none)")
-    monkeypatch.delitem(EngineArgs.__dataclass_fields__, "host_payloads")
-    unknown = gpu_afd.device_payloads(silent, gpu)
-    assert unknown["device_payloads"] is None and unknown["device_payloads_from"].startswith("unknown: ")
-    monkeypatch.delattr(base.Transport, "payload_device")
-    host = gpu_afd.device_payloads(cuda, gpu)
-    assert host["device_payloads"] is False and "has no payload_device" in host["device_payloads_from"]
+    host = SimpleNamespace(info={"payload_device": None})
+    assert gpu_afd.device_payloads(cuda) == {"device_payloads": True, "payload_device": "cuda:0"}
+    assert gpu_afd.device_payloads(host) == {"device_payloads": False, "payload_device": None}
 
 
 def test_static_batches_of_the_single_engine_and_of_a_deployment():

@@ -125,7 +125,7 @@ def test_afd_on_one_device_gives_single_mode_tokens_with_graphs_on_and_off(dry_r
         assert case["tokens"] == 3 * 3 and case["cuda_graphs"] is False, name  # the CPU: static decode only
         for role in ("single", "afd"):  # static decode ran exactly where asked for
             assert (case[role]["static_decode_batches"] > 0) == case["graphs"], (name, role, case[role])
-        assert case["afd"]["device_payloads"] is False and case["afd"]["device_payloads_from"], case["afd"]  # a CPU
+        assert case["afd"]["device_payloads"] is False and case["afd"]["payload_device"] is None, case["afd"]  # a CPU
     for case in cases.values():
         if case["dtype"] == "float32":
             assert case["equal"] and case["matched"] == case["tokens"] and case["agreement"] == 1.0
