@@ -68,6 +68,7 @@ class ModelConfig:
     head_dim: int = 0  # gqa
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among sparse ones
     decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
+    mtp_layers: int = 0  # DeepSeek: multi-token prediction modules stored after the last layer
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -163,6 +164,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             fp8_block=fp8_block,
+            mtp_layers=raw.get("num_nextn_predict_layers") or 0,
             raw=raw,
         )
         cfg.validate()

@@ -147,46 +147,64 @@ def tiny_weight_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """
     if config.get("model_type") == "qwen3_moe":
         return _qwen3_specs(config)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
+    for layer in range(config["num_hidden_layers"]):
+        specs += _deepseek_layer_specs(config, layer)
+    specs += [("model.norm.weight", (hidden,), "norm"), ("lm_head.weight", (vocab, hidden), "lm_head")]
+    first_mtp = config["num_hidden_layers"]
+    for layer in range(first_mtp, first_mtp + (config.get("num_nextn_predict_layers") or 0)):
+        p = f"model.layers.{layer}."  # a multi-token prediction module: a decoder layer and its glue
+        specs += [
+            (p + "embed_tokens.weight", (vocab, hidden), "embed"),
+            (p + "enorm.weight", (hidden,), "norm"),
+            (p + "hnorm.weight", (hidden,), "norm"),
+            (p + "eh_proj.weight", (hidden, 2 * hidden), "linear"),
+            *_deepseek_layer_specs(config, layer),
+            (p + "shared_head.norm.weight", (hidden,), "norm"),
+            (p + "shared_head.head.weight", (vocab, hidden), "lm_head"),
+        ]
+    return specs
+
+
+def _deepseek_layer_specs(config: dict, layer: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of one DeepSeek decoder layer's tensors."""
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
     nope, rope, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
     q_lora, kv_lora = config.get("q_lora_rank"), config["kv_lora_rank"]
     moe_inter = config["moe_intermediate_size"]
-    vocab = config["vocab_size"]
-
-    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
-    for layer in range(config["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        specs.append((p + "input_layernorm.weight", (hidden,), "norm"))
-        if q_lora is not None:
-            specs += [
-                (p + "self_attn.q_a_proj.weight", (q_lora, hidden), "linear"),
-                (p + "self_attn.q_a_layernorm.weight", (q_lora,), "norm"),
-                (p + "self_attn.q_b_proj.weight", (heads * (nope + rope), q_lora), "linear"),
-            ]
-        else:
-            specs.append((p + "self_attn.q_proj.weight", (heads * (nope + rope), hidden), "linear"))
+    specs: list[tuple[str, tuple[int, ...], str]] = []
+    p = f"model.layers.{layer}."
+    specs.append((p + "input_layernorm.weight", (hidden,), "norm"))
+    if q_lora is not None:
         specs += [
-            # Output = [compressed kv latent | shared rope key].
-            (p + "self_attn.kv_a_proj_with_mqa.weight", (kv_lora + rope, hidden), "linear"),
-            (p + "self_attn.kv_a_layernorm.weight", (kv_lora,), "norm"),
-            # Output per head = [k_nope | v].
-            (p + "self_attn.kv_b_proj.weight", (heads * (nope + v_dim), kv_lora), "linear"),
-            (p + "self_attn.o_proj.weight", (hidden, heads * v_dim), "linear"),
-            (p + "post_attention_layernorm.weight", (hidden,), "norm"),
+            (p + "self_attn.q_a_proj.weight", (q_lora, hidden), "linear"),
+            (p + "self_attn.q_a_layernorm.weight", (q_lora,), "norm"),
+            (p + "self_attn.q_b_proj.weight", (heads * (nope + rope), q_lora), "linear"),
         ]
-        if _is_moe_layer(config, layer):
-            n_experts = config["n_routed_experts"]
-            specs.append((p + "mlp.gate.weight", (n_experts, hidden), "router"))
-            if config.get("topk_method") == "noaux_tc":
-                specs.append((p + "mlp.gate.e_score_correction_bias", (n_experts,), "bias"))
-            for e in range(n_experts):
-                specs += _mlp_specs(f"{p}mlp.experts.{e}.", hidden, moe_inter)
-            if config.get("n_shared_experts"):
-                specs += _mlp_specs(p + "mlp.shared_experts.", hidden, moe_inter * config["n_shared_experts"])
-        else:
-            specs += _mlp_specs(p + "mlp.", hidden, config["intermediate_size"])
-    specs += [("model.norm.weight", (hidden,), "norm"), ("lm_head.weight", (vocab, hidden), "lm_head")]
+    else:
+        specs.append((p + "self_attn.q_proj.weight", (heads * (nope + rope), hidden), "linear"))
+    specs += [
+        # Output = [compressed kv latent | shared rope key].
+        (p + "self_attn.kv_a_proj_with_mqa.weight", (kv_lora + rope, hidden), "linear"),
+        (p + "self_attn.kv_a_layernorm.weight", (kv_lora,), "norm"),
+        # Output per head = [k_nope | v].
+        (p + "self_attn.kv_b_proj.weight", (heads * (nope + v_dim), kv_lora), "linear"),
+        (p + "self_attn.o_proj.weight", (hidden, heads * v_dim), "linear"),
+        (p + "post_attention_layernorm.weight", (hidden,), "norm"),
+    ]
+    if _is_moe_layer(config, layer):
+        n_experts = config["n_routed_experts"]
+        specs.append((p + "mlp.gate.weight", (n_experts, hidden), "router"))
+        if config.get("topk_method") == "noaux_tc":
+            specs.append((p + "mlp.gate.e_score_correction_bias", (n_experts,), "bias"))
+        for e in range(n_experts):
+            specs += _mlp_specs(f"{p}mlp.experts.{e}.", hidden, moe_inter)
+        if config.get("n_shared_experts"):
+            specs += _mlp_specs(p + "mlp.shared_experts.", hidden, moe_inter * config["n_shared_experts"])
+    else:
+        specs += _mlp_specs(p + "mlp.", hidden, config["intermediate_size"])
     return specs
 
 

@@ -58,12 +58,18 @@ def load_model(
     kernels: Kernels | None = None,
     device: torch.device | str = "cpu",
     ffn_weight_dtype: str = "auto",
+    mtp: bool = False,
 ) -> DeepseekForCausalLM:
     """Builds the model for `cfg.architecture` in `dtype` on `device` and loads its weights from
     `model_path` (read on the host, copied to the device tensor by tensor). Its routed experts are
-    held at `ffn_weight_dtype` (--ffn-weight-dtype: auto, bf16 or fp8; RoutedExperts.set_precision)."""
+    held at `ffn_weight_dtype` (--ffn-weight-dtype: auto, bf16 or fp8; RoutedExperts.set_precision).
+    With `mtp`, the checkpoint's multi-token prediction module too (models/mtp.py)."""
     with on_meta():  # no random init of weights that the checkpoint overwrites
         model = MODEL_REGISTRY[cfg.architecture](cfg, expert_slots, kernels or Kernels.named())
+        if mtp:  # the checkpoint's multi-token prediction module, the draft of speculative decoding
+            from afd_engine.models.mtp import attach_mtp
+
+            attach_mtp(model, cfg, (kernels or Kernels.named()))
     _hold_experts(model, ffn_weight_dtype)
     model.to(dtype)
     for layer in model.model.layers:  # the router's bias stays fp32, as the checkpoint stores it

@@ -278,12 +278,17 @@ class DeepseekForCausalLM(nn.Module):
 
     def operations(self, executor: ExpertExecutor, server: ExpertServer | None = None) -> ModelOps:
         """The forward as operations: embed, every layer's operations, logits."""
-        layers = tuple(layer.operations(executor, server) for layer in self.model.layers)
+        layers = tuple(layer.operations(executor, server) for layer in self.served_layers)
         return ModelOps((Operation("embed", self._embed),), layers, (Operation("logits", self._logits),))
 
     def routed_experts(self) -> dict[int, RoutedExperts]:
         """layer id -> the routed experts held here, per MoE layer."""
-        return {layer.layer_id: layer.mlp.experts for layer in self.model.layers if layer.is_moe}
+        return {layer.layer_id: layer.mlp.experts for layer in self.served_layers if layer.is_moe}
+
+    @property
+    def served_layers(self):
+        """The decoder layers of the forward (an MTP module held after them is not one: models/mtp.py)."""
+        return self.model.layers[: self.config.num_layers]
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:

@@ -53,11 +53,12 @@ def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
     experts = _routed_experts(model)
     slots = {layer: _slots_of(module) for layer, module in experts.items()}
     filled: Counter[str] = Counter()
+    held = cfg.num_layers + len(getattr(model, "mtp", ()))  # the layers past these are MTP modules not held
     for file in checkpoint_files(model_path):
         with safe_open(str(file), framework="pt") as f:
             names = set(f.keys())
             for name in names:
-                if name.endswith("_scale_inv") or _skip_layer(name, cfg.num_layers):
+                if name.endswith("_scale_inv") or _skip_layer(name, held):
                     continue
                 m = _EXPERT.match(name)
                 if m is None:
@@ -111,7 +112,7 @@ def _pieces(name: str, param: torch.Tensor) -> int:
 
 
 def _skip_layer(name: str, num_layers: int) -> bool:
-    """Layers past num_hidden_layers are multi-token-prediction modules; not served."""
+    """Layers past num_hidden_layers are multi-token-prediction modules: read only where held."""
     m = _LAYER.match(name)
     return m is not None and int(m.group(1)) >= num_layers
 
