@@ -174,13 +174,25 @@ class Sampler:
     def _sample(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor) -> torch.Tensor:
         """Temperature, top-k/top-p, then Gumbel-max; greedy rows get a dummy temperature of 1."""
         temperatures = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)
-        scaled = logits / temperatures[:, None]  # [B, V]
-        if batch.min_ps is not None:
-            scaled = apply_min_p(scaled, batch.min_ps)
-        if batch.any_top_k_top_p:
-            scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+        scaled = process_logits(logits, batch, temperatures)  # [B, V]
         uniforms = random_uniforms(batch.seeds, batch.offsets, logits.shape[-1])  # [B, V]
         gumbel = -torch.log(-torch.log(uniforms))  # [B, V]
         # log_softmax(scaled) differs from scaled by a per-row constant, which argmax ignores;
         # filtered tokens stay at -inf and so are never chosen.
         return torch.argmax(scaled + gumbel, dim=-1)
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch, temperatures: torch.Tensor, repeat: int = 1):
+    """[R * repeat, V] logits scaled by each row's temperature, then min-p, top-k and top-p: what the
+    sampler draws from (filtered tokens at -inf). `repeat`: consecutive rows per request of `batch`
+    (speculative verification processes every position of a request alike)."""
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(repeat) if repeat > 1 else t
+
+    scaled = logits / per_row(temperatures)[:, None]
+    if batch.min_ps is not None:
+        scaled = apply_min_p(scaled, per_row(batch.min_ps))
+    if batch.any_top_k_top_p:
+        scaled = apply_top_k_top_p(scaled, per_row(batch.top_ks), per_row(batch.top_ps))
+    return scaled

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from afd_engine.runtime.sampler import SamplingBatch, apply_min_p, apply_top_k_top_p, mix64, random_uniforms
+from afd_engine.runtime.sampler import SamplingBatch, mix64, process_logits, random_uniforms
 
 # Domain tags that turn a request's seed into the seeds of verification's own RNG streams
 # (arbitrary odd 63-bit constants; mix64 then spreads them over all 64 bits).
@@ -138,14 +138,10 @@ def _processed_probs(logits: torch.Tensor, batch: SamplingBatch, temperatures: t
     """[B, M, V] logits -> [B, M, V] fp32 probabilities after the sampler's processing, per row.
 
     The same steps in the same order as :class:`~afd_engine.runtime.sampler.Sampler`
-    (temperature, min-p, top-k then top-p), so that these are the distributions it samples from.
+    (`sampler.process_logits`), so that these are the distributions it samples from.
     """
     rows, m, vocab = logits.shape
-    flat = (logits.to(torch.float32) / temperatures[:, None, None]).reshape(rows * m, vocab)
-    if batch.min_ps is not None:
-        flat = apply_min_p(flat, batch.min_ps.repeat_interleave(m))
-    if batch.any_top_k_top_p:
-        flat = apply_top_k_top_p(flat, batch.top_ks.repeat_interleave(m), batch.top_ps.repeat_interleave(m))
+    flat = process_logits(logits.to(torch.float32).reshape(rows * m, vocab), batch, temperatures, repeat=m)
     return torch.softmax(flat, dim=-1).view(rows, m, vocab)
 
 
