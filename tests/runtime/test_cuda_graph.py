@@ -244,6 +244,7 @@ def test_an_ffn_ranks_experts_trace_on_a_padded_received_batch(checkpoint, bs, w
     static = StaticReceived([8, 16], cfg.hidden_size, cfg.num_experts_per_tok, torch.float32, torch.device("cpu"))
     padded = static.load(hidden, experts.to_local(ids), weights)
     assert padded[0].shape[0] == bs and static.addresses() == static.addresses()
+    assert (padded[1][m:] == -1).all() and not padded[2][m:].any()  # padding rows route nowhere, weigh 0
     with torch.inference_mode():
         eager = experts(*padded)
         alone = experts(hidden, experts.to_local(ids), weights)
