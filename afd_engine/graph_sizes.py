@@ -16,6 +16,11 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sorted({*sizes, max_bs})
 
 
+def bucket_for(buckets: list[int], rows: int) -> int | None:
+    """The smallest of `buckets` (ascending) holding `rows`; None above the largest."""
+    return next((bs for bs in buckets if bs >= rows), None)
+
+
 def ffn_graph_buckets(max_rows: int) -> list[int]:
     """The default received-token counts of FFN expert graphs: 8, 16, 32, ... up to the first power
     of two holding `max_rows`."""

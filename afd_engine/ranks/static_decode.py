@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from afd_engine.graph_sizes import bucket_for
 from afd_engine.runtime.cuda_graph import graph_safe_moe
 
 
@@ -54,8 +55,9 @@ class StaticReceived:
     def fits(self, rows: int) -> bool:
         return 0 < rows <= self.buckets[-1]
 
-    def bucket_for(self, rows: int) -> int:
-        return next(bs for bs in self.buckets if bs >= rows)
+    def bucket_for(self, rows: int) -> int | None:
+        """The smallest bucket holding `rows`; None above the largest."""
+        return bucket_for(self.buckets, rows)
 
     def load(
         self, hidden: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor

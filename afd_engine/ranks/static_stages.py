@@ -32,9 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from afd_engine.eplb.expert_map import spread_over_copies
+from afd_engine.graph_sizes import bucket_for
 from afd_engine.models.forward_batch import ForwardBatch
+from afd_engine.operations.stages import split_stages
 from afd_engine.operations.state import MicroBatchState
-from afd_engine.runtime.cuda_graph import StaticDecode
+from afd_engine.ranks.static_decode import AddressGuard, expert_addresses
+from afd_engine.runtime.cuda_graph import StaticDecode, needs_slot_tables
 from afd_engine.runtime.kv_cache import KVPool
 
 
@@ -56,7 +59,8 @@ class StaticMicroBatches:
         self.steps = 0  # micro-batches run statically
 
     def bucket_for(self, rows: int) -> int | None:
-        return next((bs for bs in self.buckets if bs >= rows), None)
+        """The smallest bucket holding `rows`; None above the largest."""
+        return bucket_for(self.buckets, rows)
 
     def stage(self, micro: list[dict]) -> tuple[list[dict], list[int | None], list[torch.Tensor | None]]:
         """The step's micro-batches, each decode-only one that fits moved onto its persistent batch:
@@ -220,9 +224,6 @@ class StaticAttention:
     that none of the tensors they hold has moved."""
 
     def __init__(self, args, model, pool: KVPool, executor, layout, num_micro_batches: int, colocated: bool) -> None:
-        from afd_engine.ranks.static_decode import AddressGuard, expert_addresses
-        from afd_engine.runtime.cuda_graph import needs_slot_tables
-
         cfg = model.config
         self.micro = StaticMicroBatches(
             pool, args.graph_buckets(), needs_slot_tables(args.attention_backend), num_micro_batches,
@@ -244,8 +245,6 @@ class StaticAttention:
 
     def capture(self, ops, expert_map) -> float:
         """Captures the stages of `ops` (arranged, with YieldOperation markers); the seconds it took."""
-        from afd_engine.operations.stages import split_stages
-
         self.tables.load(expert_map)
         seconds = self.stages.capture_all(split_stages(list(ops)))
         self.guard.expected = self.guard.addresses()  # capture made the tables' device copies

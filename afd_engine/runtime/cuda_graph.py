@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from afd_engine.graph_sizes import bucket_for
 from afd_engine.models.forward_batch import ForwardBatch
 from afd_engine.runtime.kv_cache import KVPool
 
@@ -154,9 +155,9 @@ class GraphRunner:
     def max_bs(self) -> int:
         return self.buckets[-1]
 
-    def bucket_for(self, batch: int) -> int | None:
-        """The smallest bucket holding `batch` sequences; None above the largest."""
-        return next((bs for bs in self.buckets if bs >= batch), None)
+    def bucket_for(self, rows: int) -> int | None:
+        """The smallest bucket holding `rows`; None above the largest."""
+        return bucket_for(self.buckets, rows)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return self.static.fits(fb)
