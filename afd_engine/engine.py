@@ -31,6 +31,7 @@ from afd_engine.runtime.model_runner import ModelRunner, StepRunner
 from afd_engine.runtime.radix_cache import RadixCache
 from afd_engine.runtime.request import Request, RequestOutput, TokenUpdate
 from afd_engine.runtime.scheduler import Scheduler
+from afd_engine.runtime.spec_step import SpecStepper
 from afd_engine.runtime.step_recorder import StepRecorder
 from afd_engine.runtime.stepper import Stepper
 from afd_engine.runtime.stop_checker import StopChecker, trim_text
@@ -77,7 +78,14 @@ class Engine(OfflineEngine):
         kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
         experts = rank.expert_slots if rank else None
         self.model = load_model(
-            self.config, self.model_path, args.torch_dtype, experts, kernels, self.device, args.ffn_weight_dtype
+            self.config,
+            self.model_path,
+            args.torch_dtype,
+            experts,
+            kernels,
+            self.device,
+            args.ffn_weight_dtype,
+            mtp=args.spec_steps > 0,
         )
         self.load_recorder = ExpertLoadRecorder(
             self.config.moe_layers, self.config.n_routed_experts, args.load_window_steps
@@ -108,6 +116,16 @@ class Engine(OfflineEngine):
 
     def _make_stepper(self, eos: set[int]) -> Stepper:
         args = self.args
+        if args.spec_steps:
+            return SpecStepper(
+                self.scheduler,
+                self.runner,
+                StopChecker(self.tokenizer, eos),
+                self.load_recorder,
+                self.context_len,
+                self.config.vocab_size,
+                num_steps=args.spec_steps,
+            )
         return Stepper(
             self.scheduler,
             self.runner,
@@ -281,7 +299,7 @@ class Engine(OfflineEngine):
         streaming front end forwards)."""
         arrived, sampled, finished = self._step()
         done = {id(r) for r in finished}
-        updates = [self._update(r, [r.output_ids[-1]], id(r) in done) for r in sampled]
+        updates = [self._update(r, r.output_ids[-r.num_new :], id(r) in done) for r in sampled]
         if arrived:  # decode side: first tokens from the prefill side (and a second if a step ran)
             stepped = {id(r) for r in sampled}
             first = [self._update(r, r.output_ids[:1], id(r) in done and id(r) not in stepped) for r in arrived]
@@ -391,6 +409,14 @@ class Engine(OfflineEngine):
         graphs, static = getattr(r, "graphs", None), getattr(r, "static", None)
         return (graphs.replays if graphs is not None else 0) + (static.steps if static is not None else 0)
 
+    def spec_counters(self) -> tuple[int, int, int, tuple[int, ...]]:
+        """Speculative decoding since start (runtime/spec_step.SpecCounters): verifications, drafts
+        proposed, drafts accepted, verifications per accepted count; zeros without it."""
+        c = getattr(self.stepper, "counters", None)
+        if c is None:
+            return 0, 0, 0, ()
+        return c.verifies, c.drafts, c.accepted, tuple(c.histogram or ())
+
     def expert_rank_load(self) -> tuple[float, ...]:
         """Tokens per expert rank over this rank's window, under the current placement."""
         return tuple(self.expert_map.rank_loads(self.load_recorder.window()).tolist())
@@ -450,13 +476,14 @@ def _load_tokenizer(model_path):
 
 
 def _make_pool(cfg: ModelConfig, args: EngineArgs, context_len: int, device: torch.device) -> KVPool:
-    page_bytes = KVPool.bytes_per_page(cfg.num_layers, cfg.kv_cache_dim, args.page_size, args.torch_dtype)
+    layers = cfg.num_layers + (1 if args.spec_steps else 0)  # the MTP module's own cache layer
+    page_bytes = KVPool.bytes_per_page(layers, cfg.kv_cache_dim, args.page_size, args.torch_dtype)
     if args.max_total_tokens is not None:
         num_pages = pages_for(args.max_total_tokens, args.page_size)
     else:
         num_pages = int(args.kv_cache_memory_mb * 2**20) // page_bytes
     return KVPool(
-        cfg.num_layers,
+        layers,
         cfg.kv_cache_dim,
         num_pages,
         args.page_size,

@@ -256,6 +256,21 @@ class EngineArgs:
         "write one JSONL record per forward step (load and wall time; `afd plan simulate --step-calibration`) "
         "to PATH, or PATH.a<rank>.jsonl for each attention rank of a deployment",
     )
+    speculative_algorithm: str | None = opt(
+        None,
+        "speculative decoding: NEXTN drafts with the checkpoint's multi-token prediction (MTP) module and "
+        "verifies the drafts in one forward (EAGLE: the same here)",
+        choices=("NEXTN", "EAGLE"),
+    )
+    speculative_num_steps: int | None = opt(
+        None, "with --speculative-algorithm: draft tokens per step, the MTP module chained (default 1)"
+    )
+    speculative_num_draft_tokens: int | None = opt(
+        None, "with --speculative-algorithm: tokens a step verifies per request, --speculative-num-steps + 1"
+    )
+    speculative_eagle_topk: int | None = opt(
+        None, "with --speculative-algorithm: drafts per step and position; 1 (a chain) is what is supported"
+    )
     disaggregation_mode: str = opt(
         "null",
         "prefill-decode disaggregation: null (prefill and decode here), prefill (prompts only; the KV cache goes "
@@ -357,6 +372,7 @@ class EngineArgs:
         need(0 < self.disaggregation_bootstrap_port < 65536, "disaggregation_bootstrap_port", "must be a TCP port")
         need(self.base_gpu_id >= 0, "base_gpu_id", "must be >= 0")
         need(self.gpu_id_step >= 0, "gpu_id_step", "must be >= 0")
+        self._validate_speculation(need)
         need(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
@@ -367,6 +383,56 @@ class EngineArgs:
             "moe_backend",
             f"unknown backend; known: {', '.join(sorted(MOE_BACKENDS))}",
         )
+
+    def _validate_speculation(self, need) -> None:
+        given = [
+            f
+            for f in ("speculative_num_steps", "speculative_num_draft_tokens", "speculative_eagle_topk")
+            if getattr(self, f) is not None
+        ]
+        if self.speculative_algorithm is None:
+            for f in given:
+                need(False, f, "needs --speculative-algorithm NEXTN")
+            return
+        steps = self.spec_steps
+        need(1 <= steps <= 8, "speculative_num_steps" if "speculative_num_steps" in given else
+             "speculative_num_draft_tokens", "draft steps must be between 1 and 8")  # fmt: skip
+        need(
+            self.speculative_num_draft_tokens is None or self.speculative_num_draft_tokens == steps + 1,
+            "speculative_num_draft_tokens",
+            f"with --speculative-num-steps={steps} and a chain of drafts it is {steps + 1} (tree drafts are not "
+            "supported)",
+        )
+        need(
+            self.speculative_eagle_topk in (None, 1),
+            "speculative_eagle_topk",
+            "only 1 is supported (a chain of drafts; tree drafts are not)",
+        )
+        refused = {
+            "mode": self.mode != "single",
+            "disaggregation_mode": self.disaggregation_mode != "null",
+            "overlap_schedule": self.overlap_schedule == "on",
+            "static_decode": self.static_decode,
+            "record_steps": self.record_steps is not None,
+        }
+        for flag, clash in refused.items():
+            need(
+                not clash,
+                flag,
+                f"is not supported with --speculative-algorithm {self.speculative_algorithm} yet (speculative "
+                "steps run in --mode single, without overlapped scheduling)",
+            )
+
+    @property
+    def spec_steps(self) -> int:
+        """Draft steps per speculative step; 0 without speculative decoding."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

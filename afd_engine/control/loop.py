@@ -24,6 +24,7 @@ from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import InvalidRequestError
 
 HEARTBEAT_S = 0.5
+SPEC_LOG_S = 10.0  # speculative decoding: the acceptance log line's interval
 # A lockstep rank with no work anywhere runs an agreement round this often. The front end wakes
 # every rank when it sends a request (messages.Wake), so this only bounds how long a rank that
 # started a round alone waits for the others; each idle round costs every rank some CPU.
@@ -102,6 +103,23 @@ class EngineLoop:
         self._last_sent = 0.0
         self._rank_load: tuple[float, ...] = ()
         self._rank_load_at = float("-inf")
+        self._spec_logged = (time.monotonic(), 0, 0)  # (when, verifications, accepted drafts) at the last line
+
+    def _log_speculation(self) -> None:
+        """Every SPEC_LOG_S with verifications since the last line: their mean accepted length."""
+        when, verifies, accepted = self._spec_logged
+        now = time.monotonic()
+        if now - when < SPEC_LOG_S:
+            return
+        v, _, a, _ = self.engine.spec_counters()
+        if v > verifies:
+            log.info(
+                "speculative decoding: %d verifications, mean accepted length %.2f (%.2f since start)",
+                v - verifies,
+                1.0 + (a - accepted) / (v - verifies),
+                1.0 + a / v,
+            )
+        self._spec_logged = (now, v, a)
 
     def run(self) -> None:
         engine = self.engine
@@ -121,6 +139,8 @@ class EngineLoop:
             updates = engine.step_updates() if engine.lockstep or engine.has_unfinished() else []
             if updates or time.monotonic() - self._last_sent >= HEARTBEAT_S:
                 self._send(msgs.StepOutput(updates, self.stats(), self.rank))
+            if self.engine.args.spec_steps:
+                self._log_speculation()
         engine.close()
         self.close()
 
@@ -141,6 +161,7 @@ class EngineLoop:
             pd.transfer_seconds if pd is not None else 0.0,
             *self.engine.ffn_fault_counters(),
             self.engine.static_decode_batches(),
+            *self.engine.spec_counters(),
         )
 
     def _expert_rank_load(self) -> tuple[float, ...]:

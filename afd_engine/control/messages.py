@@ -73,6 +73,12 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     ffn_recoveries: int = 0  # AFD, since start: recoveries from lost FFN ranks
     ffn_experts_read: int = 0  # AFD, since start: experts those recoveries read from the checkpoint
     static_decode_batches: int = 0  # since start: decode (micro-)batches run on graph buffers (Engine)
+    # speculative decoding, since start: verifications of drafting requests, drafts they proposed and
+    # accepted, and per accepted count (the index) how many verifications accepted it
+    spec_verifies: int = 0
+    spec_drafts: int = 0
+    spec_accepted: int = 0
+    spec_accepted_histogram: tuple[int, ...] = ()
 
     @staticmethod
     def total(stats) -> EngineStats:
@@ -82,7 +88,7 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
         out = {}
         for name in EngineStats.__struct_fields__:
             values = [getattr(s, name) for s in stats]
-            if name == "expert_rank_load":
+            if name in ("expert_rank_load", "spec_accepted_histogram"):
                 values = [v for v in values if v]
                 out[name] = tuple(map(sum, zip(*values))) if values else ()
             elif name.startswith("ffn_"):  # the deployment's, which every attention rank knows

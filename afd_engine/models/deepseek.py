@@ -291,13 +291,18 @@ class DeepseekForCausalLM(nn.Module):
         return self.model.layers[: self.config.num_layers]
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, fb: ForwardBatch, kv_cache: torch.Tensor, logit_rows: torch.Tensor, hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Runs one step in this process; kv_cache [layers, slots, C + R]; returns fp32 logits
-        [len(logit_rows), V]."""
+        [len(logit_rows), V], and with `hidden` also every token's last hidden state [T, H] before
+        the final norm (what the MTP draft module reads: models/mtp.py)."""
         if self._local_ops is None:
             executor = LocalExpertExecutor(self.routed_experts(), self.load_recorder)
             self._local_ops = SINGLE.arrange(self.operations(executor))
         state = {"fb": fb, "kv_cache": kv_cache, "rows": logit_rows}
+        if hidden:
+            state["keep_hidden"] = True
         return run_micro_batches(self._local_ops, [state])[0]
 
     def _embed(self, st) -> None:
@@ -317,7 +322,9 @@ class DeepseekForCausalLM(nn.Module):
         for key in ("fb", "kv_cache", "cos_sin"):
             st.pop(key)
         x, rows = st.pop("x"), st.pop("rows")
+        keep_hidden = "keep_hidden" in st and st.pop("keep_hidden")
         if not len(rows):  # no row wants logits (an empty micro-batch, or prefill chunks only)
-            st.set_output(x.new_empty(0, self.config.vocab_size, dtype=torch.float32))
-            return
-        st.set_output(self.lm_head(self.model.norm(x[rows])).float())
+            logits = x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+        else:
+            logits = self.lm_head(self.model.norm(x[rows])).float()
+        st.set_output((logits, x) if keep_hidden else logits)

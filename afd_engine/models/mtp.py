@@ -15,7 +15,7 @@ released checkpoints' projections expect (the report writes the two the other wa
 
 `MTPLayer` is a `DecoderLayer` (the block is the same code as every layer, held at
 `model.layers.N` so the checkpoint's names load as they are) plus the glue; `load_model(...,
-mtp=True)` attaches it. The speculative step that drives it is not built yet.
+mtp=True)` attaches it; runtime/spec_step.py drives it.
 """
 
 from __future__ import annotations
@@ -62,24 +62,28 @@ class MTPLayer(DecoderLayer):
         fb: ForwardBatch,
         kv_cache: torch.Tensor,
         rows: torch.Tensor,
-    ) -> torch.Tensor:
+        with_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """embeds [T, H]: the main model's embedding of each position's next token; hidden [T, H]:
         the main model's last hidden state there (before its norm); `fb`: the positions and KV slots
         of this layer's cache (kv_cache [layers, slots, dim], this layer's id among the layers);
-        returns fp32 logits [len(rows), V] of the token after next."""
+        returns fp32 logits [len(rows), V] of the token after next, and with `with_hidden` also the
+        block's output at `rows` [len(rows), H] (before the head's norm): the `hidden` of a chained
+        draft step at the next position."""
         x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
         if self._ops is None:
             executor = LocalExpertExecutor({self.layer_id: self.mlp.experts}) if self.is_moe else None
             layer = self.operations(executor)
             self._ops = SINGLE.arrange(ModelOps((), (layer,), (Operation("head", self._head),)))
         state = {"x": x, "fb": fb, "cos_sin": self._rotary.cos_sin(fb.positions, x.dtype), "kv_cache": kv_cache}
-        return run_micro_batches(self._ops, [{**state, "rows": rows}])[0]
+        logits, out = run_micro_batches(self._ops, [{**state, "rows": rows}])[0]
+        return (logits, out) if with_hidden else logits
 
     def _head(self, st) -> None:
         for key in ("fb", "kv_cache", "cos_sin"):
             st.pop(key)
-        x, rows = st.pop("x"), st.pop("rows")
-        st.set_output(self.shared_head.head(self.shared_head.norm(x[rows])).float())
+        x = st.pop("x")[st.pop("rows")]
+        st.set_output((self.shared_head.head(self.shared_head.norm(x)).float(), x))
 
 
 def attach_mtp(model, cfg: ModelConfig, kernels) -> MTPLayer:

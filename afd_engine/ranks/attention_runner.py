@@ -163,7 +163,7 @@ class PipelineRunner(StepRunner):
     def begin_step(self, plan: StepPlan) -> bool:
         """True when any attention rank has work this step (every rank calls this every round)."""
         self._keepalive()
-        mine = sum(n for _, n in plan.extend) + len(plan.decode)
+        mine = plan.num_tokens
         while True:
             round_start = time.monotonic()
             eplb_meta, loads = self.rebalancer.sync_out(self.step_id)

@@ -123,6 +123,13 @@ class KVPool:
             owned.append(page)
         return True
 
+    def shrink(self, row: int, pages: int) -> None:
+        """Frees the row's own pages past its first `pages` (slots a step reserved and no longer needs)."""
+        owned = self._pages[row]
+        if len(owned) > pages:
+            self._free_pages.extend(reversed(owned[pages:]))
+            del owned[pages:]
+
     def release(self, row: int, keep: int = 0) -> None:
         """Frees the row and its pages but the first `keep` (which the prefix cache holds)."""
         self._free_pages.extend(reversed(self._pages.pop(row)[keep:]))

@@ -42,11 +42,15 @@ class StepInputs:
     sample_rows: list[int]  # each sampler's row in the step's logits
     scored: list[Scored]
     scoring_done: list[Request]  # requests that only score their prompt (max_new_tokens 0) and end now
+    # speculative decoding: per sampler, its logit rows from sample_rows[i] on (1 + its drafts)
+    sample_counts: list[int] | None = None
 
     @staticmethod
     def of(plan: StepPlan) -> StepInputs:
         extend = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + n)) for r, n in plan.extend]
         decode = [SeqChunk(r.row, r.num_cached, [r.newest_token()]) for r in plan.decode]
+        # verifying decodes (speculative decoding) are chunks of the extend segment: newest token + drafts
+        extend += [SeqChunk(r.row, r.num_cached, [r.newest_token(), *r.draft_ids[: n - 1]]) for r, n in plan.verify]
         rows, samplers, sample_rows, scored, scoring_done, total = [], [], [], [], [], 0
         for r, n in plan.extend:
             start, mine = r.num_cached, []
@@ -65,6 +69,15 @@ class StepInputs:
                 scoring_done.append(r)
             rows.append(mine)
             total += len(mine)
+        counts = None
+        if plan.verify:
+            counts = [1] * len(samplers)
+            for r, n in plan.verify:  # every position's logits: each may be the token's draw
+                samplers.append(r)
+                sample_rows.append(total)
+                counts.append(n)
+                rows.append(list(range(n)))
+                total += n
         for r in plan.decode:  # and every decode token (but a prompt's last one that only scores)
             sampling = r.params.max_new_tokens > 0
             if sampling:
@@ -74,7 +87,9 @@ class StepInputs:
                 scoring_done.append(r)
             rows.append([0] if sampling else [])
             total += sampling
-        return StepInputs(extend, decode, rows, samplers, sample_rows, scored, scoring_done)
+            if counts is not None and sampling:
+                counts.append(1)
+        return StepInputs(extend, decode, rows, samplers, sample_rows, scored, scoring_done, counts)
 
 
 def logit_rows(chunks: list[SeqChunk], rows: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -95,7 +110,7 @@ class PreparedStep:
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.plan.extend) + len(self.plan.decode)
+        return self.plan.num_tokens
 
     def resolve(self, previous: torch.Tensor | None) -> None:
         """Puts the tokens sampled by the previous step where the step was built with their
@@ -117,6 +132,8 @@ def commit(plan: StepPlan) -> None:
     for req, n in plan.extend:
         req.num_cached += n
     for req in plan.decode:
+        req.num_cached += 1
+    for req, _ in plan.verify:  # its newest token; the drafts it keeps count once verified
         req.num_cached += 1
 
 
@@ -147,6 +164,20 @@ class StepRunner(ABC):
     def execute(self, step: PreparedStep) -> torch.Tensor:
         """Forwards a prepared step (after `begin_step` said it runs); returns the logits of its
         rows [len(rows), V] fp32: each sampler's last token and the scored prompt positions."""
+
+    # speculative decoding (runtime/spec_step.py), on runners of a model that holds its MTP module
+
+    def execute_spec(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `execute`, plus every token's last hidden state before the final norm [T, H]."""
+        raise NotImplementedError(f"{type(self).__name__} does not run speculative steps")
+
+    def draft(
+        self, fb: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the MTP module over `fb`'s tokens: each position's next token `next_ids`
+        [T] and the hidden state `hidden` [T, H] it continues from; returns (fp32 logits, the
+        module's output) at `rows`."""
+        raise NotImplementedError(f"{type(self).__name__} does not run speculative steps")
 
     def request_stop(self) -> None:
         """Asks to stop; a lockstep runner stops in the next round its peers agree on."""
@@ -181,3 +212,15 @@ class ModelRunner(StepRunner):
         if self.graphs is not None and self.graphs.can_run(batch["fb"]):
             return self.graphs.run(batch["fb"], batch["rows"])
         return self.model(batch["fb"], self.pool.cache, batch["rows"])
+
+    @torch.inference_mode()
+    def execute_spec(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = step.batches[0]
+        return self.model(batch["fb"], self.pool.cache, batch["rows"], hidden=True)
+
+    @torch.inference_mode()
+    def draft(
+        self, fb: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds = self.model.model.embed_tokens(next_ids)
+        return self.model.mtp[0](embeds, hidden, fb, self.pool.cache, rows, with_hidden=True)

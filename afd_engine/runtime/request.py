@@ -41,6 +41,10 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     inflight: list[int] = field(default_factory=list)  # per token under way: its row in its step's samples
+    # speculative decoding (runtime/spec_step.py): the draft tokens its next step verifies after
+    # its newest token, and how many tokens its last step appended
+    draft_ids: list[int] = field(default_factory=list)
+    num_new: int = 1
     # prefill-decode disaggregation: the request's room (its id shared by both instances), the
     # prefill instance's bootstrap address (decode side), and durations for the TTFT split
     disagg_room: int | None = None

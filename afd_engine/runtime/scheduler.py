@@ -32,11 +32,17 @@ LPM_MAX_QUEUE = 128  # longer queues are taken fcfs: ordering them costs a tree 
 class StepPlan:
     extend: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     decode: list[Request] = field(default_factory=list)
+    # speculative decoding: decodes that verify draft tokens, (request, its newest token + drafts)
+    verify: list[tuple[Request, int]] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # ended by the scheduler (KV exhausted)
 
     @property
     def empty(self) -> bool:
-        return not self.extend and not self.decode
+        return not self.extend and not self.decode and not self.verify
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.extend) + len(self.decode) + sum(n for _, n in self.verify)
 
 
 class Scheduler:
@@ -60,6 +66,9 @@ class Scheduler:
         self.prompt_tokens = 0  # of admitted requests, since start
         self.cache_hit_tokens = 0  # of those, served from the prefix cache
         self.scoring: set[Request] = set()  # live requests that asked for prompt logprobs
+        # speculative decoding: draft steps per verify (runtime/spec_step.py); a request's pages
+        # then also hold its drafts and the chained draft steps after them
+        self.spec_steps = 0
 
     def add(self, req: Request) -> None:
         """Queues a request; raises InvalidRequestError if it can never run."""
@@ -146,9 +155,34 @@ class Scheduler:
                 continue
             # (most decodes still have room in their last page: no allocation to try)
             if capacity(req.row) > req.num_cached or self._reserve(req, req.num_cached + 1, plan):
-                plan.decode.append(req)
-                budget -= 1
+                drafts = self._room_for_drafts(req, budget - 1) if req.draft_ids else 0
+                if drafts:
+                    plan.verify.append((req, 1 + drafts))
+                else:
+                    plan.decode.append(req)
+                budget -= 1 + drafts
         return budget
+
+    def _room_for_drafts(self, req: Request, budget: int) -> int:
+        """How many of its drafts a speculating decode verifies: those its pages hold (grown where
+        pages are free or evictable, with the chained draft steps' positions too; never by
+        preempting), within the step's token budget."""
+        need = req.num_cached + 1 + len(req.draft_ids)
+        if not self._grow(req.row, self.spec_need(need)):
+            self._grow(req.row, need)
+        return max(0, min(len(req.draft_ids), self.pool.tokens_capacity(req.row) - req.num_cached - 1, budget))
+
+    def spec_need(self, tokens: int) -> int:
+        """Tokens of cache a speculating request holds for a step that computes up to `tokens`:
+        those, and the positions its chained draft steps write after them (runtime/spec_step.py),
+        within the context length."""
+        return min(tokens + self.spec_steps - 1, self.context_len)
+
+    def _grow_sampler(self, req: Request, n: int) -> None:
+        """A prefill chunk that completes its prompt: with speculation, room for the chained draft
+        steps after it too where pages are free (without, its first draft steps are skipped)."""
+        if self.spec_steps and n == req.pending:
+            self._grow(req.row, self.spec_need(req.num_cached + n))
 
     def _reserve(self, req: Request, tokens: int, plan: StepPlan) -> bool:
         """Grows req's pages to `tokens`, preempting newer requests; False if req itself lost out."""
@@ -175,6 +209,7 @@ class Scheduler:
                 continue
             n = min(req.pending, budget, self._room(req))
             if n > 0 and self._grow(req.row, req.num_cached + n):
+                self._grow_sampler(req, n)
                 plan.extend.append((req, n))
                 budget -= n
         return budget
@@ -228,6 +263,7 @@ class Scheduler:
             self.running.append(req)
             n = min(req.pending, budget)
             self._grow(req.row, req.num_cached + n)
+            self._grow_sampler(req, n)
             plan.extend.append((req, n))
             budget -= n
 

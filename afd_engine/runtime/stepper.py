@@ -197,18 +197,22 @@ class Stepper:
 
 
 def _record_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Appends each asking request's token logprob (and its top-k) in one pass over the batch."""
+    """Appends each asking live request's token logprob (and its top-k) in one pass over the batch."""
     asking = [i for i, r in enumerate(reqs) if r.logprobs is not None and r.finish_reason is None]
-    if not asking:
-        return
-    rows = torch.tensor(asking, device=logits.device)
-    logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [n, V]
-    chosen = logp.gather(1, tokens[rows, None])[:, 0].tolist()
-    k = max(reqs[i].params.logprobs for i in asking)
+    if asking:
+        record_logprobs([reqs[i] for i in asking], logits[asking], tokens[asking])
+
+
+def record_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Appends, per row, the token's logprob (and the top-k) to its request (which asks for them;
+    a request may own several rows, in its tokens' order)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+    k = max(r.params.logprobs for r in reqs)
     top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    for j, i in enumerate(asking):
-        n = reqs[i].params.logprobs
-        reqs[i].logprobs.append(TokenLogprob(chosen[j], top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
+    for j, req in enumerate(reqs):
+        n = req.params.logprobs
+        req.logprobs.append(TokenLogprob(chosen[j], top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
 
 
 def _record_prompt_logprobs(scored: list[Scored], logits: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from afd_engine.control.messages import EngineStats
@@ -83,6 +83,7 @@ class _EngineCounters(Collector):
         self.stats = EngineStats()
 
     def collect(self):
+        s = self.stats
         for name, doc, value in (
             ("afd_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", self.stats.cache_hit_tokens),
             ("afd_prefix_cache_queried_tokens", "prompt tokens of admitted requests", self.stats.prompt_tokens),
@@ -108,5 +109,24 @@ class _EngineCounters(Collector):
                 "the same static path without capture (--static-decode)",
                 self.stats.static_decode_batches,
             ),
+            ("afd_spec_verify_steps", "speculative decoding: verifications of drafting requests", s.spec_verifies),
+            ("afd_spec_draft_tokens", "speculative decoding: draft tokens proposed", s.spec_drafts),
+            ("afd_spec_accepted_tokens", "speculative decoding: draft tokens accepted", s.spec_accepted),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        mean = 1.0 + s.spec_accepted / s.spec_verifies if s.spec_verifies else 0.0
+        yield GaugeMetricFamily(
+            "afd_spec_mean_accepted_length",
+            "speculative decoding: tokens per verification since start (accepted drafts + the target's own)",
+            value=mean,
+        )
+        cumulative, total = [], 0
+        for accepted, count in enumerate(s.spec_accepted_histogram):
+            total += count
+            cumulative.append((str(float(accepted)), total))
+        yield HistogramMetricFamily(
+            "afd_spec_accepted_drafts",
+            "speculative decoding: draft tokens accepted per verification",
+            buckets=cumulative + [("+Inf", total)],
+            sum_value=s.spec_accepted,
+        )

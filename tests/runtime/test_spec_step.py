@@ -1,0 +1,239 @@
+"""Speculative decoding in single mode (runtime/spec_step.py): greedy outputs equal speculation off,
+whatever the drafts; the MTP module's drafts equal the module recomputed from scratch over the kept
+tokens (so its cache holds exactly the kept positions); seeded sampling stays reproducible; pages
+and counters add up.
+
+A tiny random MTP module almost never guesses right, so most tests feed the verifier "oracle"
+drafts: the reference continuation with some tokens corrupted, which exercises acceptance, partial
+acceptance, stop strings inside an accepted run and `max_tokens` alike. The module itself still runs
+every step (its cache and chain are what the from-scratch test checks).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from afd_engine import Engine, SamplingParams
+from afd_engine.errors import ConfigError
+from afd_engine.models.forward_batch import ForwardBatch, SeqChunk
+from afd_engine.runtime import spec_step
+from afd_engine.runtime.kv_cache import KVPool
+from afd_engine.tiny_model import make_tiny_model
+
+MTP = {"num_nextn_predict_layers": 1}
+FLAGS = dict(dtype="float32", num_threads=1, page_size=4, kv_cache_memory_mb=16)
+PROMPTS = [[5, 9, 33, 12, 7], [4, 8, 15, 16, 23, 42, 17, 3], [11] * 20, [30, 41, 7], [8, 8, 2, 40, 11] * 7]
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("spec"), arch="deepseek_v3", seed=4, overrides=MTP))
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_new_tokens=13, temperature=0.0, ignore_eos=True),  # lands inside accepted runs
+        SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=17, temperature=0.0, ignore_eos=True, logprobs=0),
+        SamplingParams(max_new_tokens=21, temperature=0.0, ignore_eos=True),
+    ]
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """Replaces the module's drafts by the reference continuation (`oracle.want`: prompt -> tokens),
+    each token kept with probability 0.7 (else off by one); records the module's own drafts."""
+
+    class Oracle:
+        want: dict[tuple[int, ...], list[int]] = {}
+        perfect: set[tuple[int, ...]] = set()  # prompts whose drafts are never corrupted
+        rng = random.Random(0)
+        real: list[tuple[list[int], list[int]]] = []  # (known tokens after the step, the module's drafts)
+
+    real_draft = spec_step.SpecStepper._draft
+
+    def draft(self, prepared, hidden, accepted, emitted):
+        drafts = real_draft(self, prepared, hidden, accepted, emitted)
+        if accepted is None:
+            return drafts
+        out = []
+        for r, a, e, mine in zip(prepared.inputs.samplers, accepted.tolist(), emitted.tolist(), drafts):
+            known = r.prompt_ids + r.output_ids + r.draft_ids[:a] + [e]  # after the step
+            Oracle.real.append((known, mine))
+            cont = Oracle.want.get(tuple(r.prompt_ids))
+            if cont is None or not mine:
+                out.append(mine)
+                continue
+            n = len(known) - len(r.prompt_ids)
+            keep = 1.0 if tuple(r.prompt_ids) in Oracle.perfect else 0.7
+            out.append([t if Oracle.rng.random() < keep else (t + 1) % 500 for t in cont[n : n + self.num_steps]])
+        return out
+
+    monkeypatch.setattr(spec_step.SpecStepper, "_draft", draft)
+    return Oracle
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_greedy_tokens_equal_speculation_off(mtp_model, oracle, steps):
+    """Mixed lengths, logprobs, a stop string taken from the reference output (so it lands inside
+    accepted runs), chunked prefill and preemption in a small pool: the same tokens, text, finish
+    reasons and logprobs as without speculation."""
+    with Engine(model_path=mtp_model, **FLAGS) as off:
+        params = _params()
+        ref = off.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        ref2_full = ref[2].token_ids  # (the oracle drafts past the stop string too)
+        # tokens 8 and 9: with perfect drafts, token 9 is inside a verify's run at 1 and 3 steps
+        stop_text = off.tokenizer.decode(ref[2].token_ids[8:10])
+        params[2] = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop_text])
+        ref[2] = off.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=params[2])[0]
+    assert ref[2].finish_reason == "stop" and len(ref[2].token_ids) == 10
+    oracle.want = {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}
+    oracle.perfect = {tuple(PROMPTS[2])}
+    oracle.want[tuple(PROMPTS[2])] = ref2_full
+    small = dict(FLAGS, max_total_tokens=56, max_num_batched_tokens=16)
+    with Engine(model_path=mtp_model, speculative_algorithm="NEXTN", speculative_num_steps=steps, **small) as eng:
+        _check_cached_after_every_step(eng)
+        outs = eng.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        counters = eng.stepper.counters
+        preemptions = eng.scheduler.num_preemptions
+        pool, cache = eng.pool, eng.cache
+        assert pool.used_pages == cache.num_pages  # every page of the requests went back (or to the cache)
+    for got, want in zip(outs, ref):
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text and got.finish_reason == want.finish_reason
+        assert (got.logprobs is None) == (want.logprobs is None)
+        for a, b in zip(got.logprobs or [], want.logprobs or []):
+            assert a.top_ids == b.top_ids and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert [len(o.token_ids) for o in outs[:2]] == [24, 13]
+    assert counters.accepted > 0 and counters.verifies > 0
+    assert counters.histogram[steps] > 0 and counters.histogram[0] > 0  # whole runs kept, and none
+    assert preemptions > 0
+
+
+def _check_cached_after_every_step(eng: Engine) -> None:
+    """After each step every live request that sampled has all its tokens but the newest cached:
+    a verify's kept drafts count as computed (they are never prefilled again)."""
+    finish = eng.stepper._finish
+
+    def checked(step, result):
+        out = finish(step, result)
+        for req in step.prepared.inputs.samplers:
+            if req.finish_reason is None and req.row is not None:
+                assert req.num_cached == req.total_len - 1, (req.rid, req.num_cached, req.total_len)
+        return out
+
+    eng.stepper._finish = checked
+
+
+def test_drafts_equal_the_module_recomputed_from_scratch(mtp_model, oracle):
+    """After every step, each request's drafts (the module's own) equal what the module gives over
+    a fresh cache: the main model over the kept tokens, the module over every kept position, then
+    its chain. Oracle drafts make steps keep several tokens, whose positions the module rewrites."""
+    with Engine(model_path=mtp_model, **FLAGS) as off:
+        ref = off.generate(
+            prompt_token_ids=PROMPTS[:3], sampling_params=SamplingParams(max_new_tokens=16, ignore_eos=True)
+        )
+    oracle.want = {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}
+    with Engine(model_path=mtp_model, speculative_algorithm="NEXTN", speculative_num_steps=3, **FLAGS) as eng:
+        eng.generate(prompt_token_ids=PROMPTS[:3], sampling_params=SamplingParams(max_new_tokens=16, ignore_eos=True))
+        checked = 0
+        for known, drafts in oracle.real[::3]:
+            assert drafts == _scratch_drafts(eng, known, len(drafts)), (known, drafts)
+            checked += len(drafts) > 1
+    assert checked >= 5
+
+
+def _scratch_drafts(eng: Engine, known: list[int], n: int) -> list[int]:
+    """The module's chain of `n` drafts after `known` (whose last token is not cached), in a fresh pool."""
+    model, cfg = eng.model, eng.config
+    m = len(known)
+    pool = KVPool(cfg.num_layers + 1, cfg.kv_cache_dim, 64, 4, 1, 16, torch.float32)
+    row = pool.open_row()
+    assert pool.grow(row, m + n)
+    fb = ForwardBatch.build([SeqChunk(row, 0, known[:-1])], [], pool.page_table, 4)
+    _, hidden = model(fb, pool.cache, torch.arange(0), hidden=True)
+    tokens, drafts = list(known[1:]), []
+    for k in range(n):
+        fb = ForwardBatch.build([SeqChunk(row, 0, [0] * (m - 1 + k))], [], pool.page_table, 4)  # (ids unread)
+        embeds = model.model.embed_tokens(torch.tensor(tokens))
+        logits, out = model.mtp[0](embeds, hidden, fb, pool.cache, torch.tensor([m - 2 + k]), with_hidden=True)
+        drafts.append(int(logits.argmax(-1)))
+        tokens.append(drafts[-1])
+        hidden = torch.cat((hidden, out))
+    return drafts
+
+
+def test_seeded_sampling_is_reproducible_alone_or_batched(mtp_model):
+    sampled = [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2)]
+    with Engine(model_path=mtp_model, speculative_algorithm="EAGLE", speculative_num_steps=2, **FLAGS) as eng:
+        both = eng.generate(prompt_token_ids=PROMPTS[:2], sampling_params=sampled)
+        alone = eng.generate(prompt_token_ids=PROMPTS[1:2], sampling_params=sampled[1:])
+    assert both[1].token_ids == alone[0].token_ids and len(both[0].token_ids) == 12
+
+
+def test_constrained_requests_decode_beside_speculating_ones(mtp_model, oracle):
+    """A JSON-schema request drafts nothing (its grammar steps token by token) while the others
+    speculate; it gives the output it gives without speculation."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    }
+    params = [
+        SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=40, temperature=0.0, guide=("json_schema", json.dumps(schema))),
+    ]
+    with Engine(model_path=mtp_model, **FLAGS) as off:
+        ref = off.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)
+    oracle.want = {tuple(PROMPTS[0]): ref[0].token_ids}
+    with Engine(model_path=mtp_model, speculative_algorithm="NEXTN", speculative_num_steps=2, **FLAGS) as eng:
+        outs = eng.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)
+        assert eng.stepper.counters.accepted > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert 0 <= json.loads(outs[1].text)["n"] <= 99 and outs[1].finish_reason == "stop"
+
+
+def test_streamed_updates_carry_every_kept_token(mtp_model, oracle):
+    p = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    with Engine(model_path=mtp_model, **FLAGS) as off:
+        ref = off.generate(prompt_token_ids=PROMPTS[:1], sampling_params=p)[0].token_ids
+    oracle.want = {tuple(PROMPTS[0]): ref}
+    with Engine(model_path=mtp_model, speculative_algorithm="NEXTN", speculative_num_steps=3, **FLAGS) as eng:
+        rid = eng.add_request(prompt_token_ids=PROMPTS[0], params=p)
+        chunks = []
+        while eng.has_unfinished():
+            chunks += [u.token_ids for u in eng.step_updates() if u.request_id == rid]
+    assert [t for c in chunks for t in c] == ref
+    assert max(len(c) for c in chunks) > 1
+
+
+def test_checkpoint_without_mtp_is_refused(tiny_v3):
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers=0: it has no multi-token prediction module"):
+        Engine(model_path=tiny_v3, speculative_algorithm="NEXTN", **FLAGS)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(speculative_num_steps=2), "--speculative-num-steps=2: needs --speculative-algorithm NEXTN"),
+        (
+            dict(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_num_draft_tokens=4),
+            "--speculative-num-draft-tokens=4: with --speculative-num-steps=2 and a chain of drafts it is 3",
+        ),
+        (dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4), "--speculative-eagle-topk=4: only 1"),
+        (dict(speculative_algorithm="NEXTN", speculative_num_steps=0), "draft steps must be between 1 and 8"),
+        (
+            dict(speculative_algorithm="NEXTN", mode="afd"),
+            "--mode='afd': is not supported with --speculative-algorithm NEXTN yet",
+        ),
+        (dict(speculative_algorithm="NEXTN", overlap_schedule="on"), "--overlap-schedule='on': is not supported"),
+    ],
+)
+def test_unsupported_combinations_are_refused_naming_both_flags(mtp_model, flags, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        Engine(model_path=mtp_model, **{**FLAGS, **flags})
