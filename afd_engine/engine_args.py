@@ -409,8 +409,9 @@ class EngineArgs:
             "only 1 is supported (a chain of drafts; tree drafts are not)",
         )
         refused = {
-            "mode": self.mode != "single",
-            "disaggregation_mode": self.disaggregation_mode != "null",
+            "enable_eplb": self.enable_eplb,
+            "init_expert_location": self.init_expert_location is not None,
+            "enable_ffn_fault_tolerance": self.enable_ffn_fault_tolerance,
             "overlap_schedule": self.overlap_schedule == "on",
             "static_decode": self.static_decode,
             "record_steps": self.record_steps is not None,
@@ -420,7 +421,7 @@ class EngineArgs:
                 not clash,
                 flag,
                 f"is not supported with --speculative-algorithm {self.speculative_algorithm} yet (speculative "
-                "steps run in --mode single, without overlapped scheduling)",
+                "steps run without overlapped scheduling, graph buffers, expert rebalancing or fault tolerance)",
             )
 
     @property

@@ -29,7 +29,7 @@ class _Side:
         self.scheduler, self.pool, self.page_size = engine.scheduler, engine.pool, engine.pool.page_size
         self.timeout = args.disaggregation_timeout
         self.description = wire.instance_description(
-            engine.config, engine.model_path, args.page_size, engine.pool.cache.dtype
+            engine.config, engine.model_path, args.page_size, engine.pool.cache.dtype, engine.pool.cache.shape[0]
         )
         self.ctx = zmq.Context()
         # with a cluster secret (AFD_CLUSTER_SECRET), the inbox admits only ranks that hold it

@@ -37,12 +37,13 @@ def unpack(frame) -> dict:
     return msgpack.unpackb(frame)
 
 
-def instance_description(config, model_path, page_size: int, kv_dtype) -> dict:
-    """What a prefill and a decode instance must agree on for pages to mean the same thing."""
+def instance_description(config, model_path, page_size: int, kv_dtype, kv_layers: int | None = None) -> dict:
+    """What a prefill and a decode instance must agree on for pages to mean the same thing.
+    `kv_layers`: the KV cache's layers (with speculative decoding, the MTP module's one more)."""
     return {
         "model": _model_fingerprint(Path(model_path)),
         "architecture": config.architecture,
-        "num_layers": config.num_layers,
+        "num_layers": config.num_layers if kv_layers is None else kv_layers,
         "kv_cache_dim": config.kv_cache_dim,
         "page_size": page_size,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
@@ -52,7 +53,8 @@ def instance_description(config, model_path, page_size: int, kv_dtype) -> dict:
 _NAMES = {
     "model": "model (config.json or weight files differ)",
     "architecture": "architecture",
-    "num_layers": "layer count",
+    "num_layers": "KV cache layers (speculative decoding adds the MTP module's: give both instances the same "
+    "--speculative-algorithm)",
     "kv_cache_dim": "KV cache row size",
     "page_size": "page size",
     "kv_dtype": "KV cache dtype",

@@ -126,9 +126,10 @@ class ExpertMap:
 
     def rank_loads(self, load: torch.Tensor) -> torch.Tensor:
         """load [layers, E] (MoE layers in order) -> [ranks]: tokens per expert rank, summed over
-        layers, each expert's load split evenly over its copies."""
+        layers, each expert's load split evenly over its copies. Layers past the load's rows (the
+        MTP draft module's, placed last and not watched) count nothing."""
         out = torch.zeros(self.layout.num_ranks, dtype=torch.float64)
-        for i, p in enumerate(self.placements.values()):
+        for i, p in zip(range(len(load)), self.placements.values()):
             out += p.rank_loads(load[i], self.dead)
         return out
 

@@ -33,8 +33,9 @@ class ExpertLoadRecorder:
         self._ring, self._step = self._ring.to(device), self._step.to(device)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """topk_ids [T, K] logical expert ids routed by `layer`'s gate."""
-        if topk_ids.numel():
+        """topk_ids [T, K] logical expert ids routed by `layer`'s gate (a layer not watched, the MTP
+        draft module's, is not counted)."""
+        if topk_ids.numel() and layer in self.layers:
             if self._step.device != topk_ids.device:
                 self.to(topk_ids.device)
             flat = topk_ids.flatten()  # index_add, not bincount: no device sync on a GPU

@@ -69,7 +69,8 @@ def load_model(
         if mtp:  # the checkpoint's multi-token prediction module, the draft of speculative decoding
             from afd_engine.models.mtp import attach_mtp
 
-            attach_mtp(model, cfg, (kernels or Kernels.named()))
+            held = None if expert_slots is None else expert_slots.get(cfg.num_layers, [])
+            attach_mtp(model, cfg, (kernels or Kernels.named()), held)
     _hold_experts(model, ffn_weight_dtype)
     model.to(dtype)
     for layer in model.model.layers:  # the router's bias stays fp32, as the checkpoint stores it

@@ -53,7 +53,8 @@ def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
     experts = _routed_experts(model)
     slots = {layer: _slots_of(module) for layer, module in experts.items()}
     filled: Counter[str] = Counter()
-    held = cfg.num_layers + len(getattr(model, "mtp", ()))  # the layers past these are MTP modules not held
+    # the layers past these are MTP modules not held (an FFN rank's shard may hold an MTP layer's experts)
+    held = max(cfg.num_layers + len(getattr(model, "mtp", ())), max(experts, default=-1) + 1)
     for file in checkpoint_files(model_path):
         with safe_open(str(file), framework="pt") as f:
             names = set(f.keys())

@@ -90,7 +90,11 @@ class PipelineRunner(StepRunner):
         self.rebalancer = Rebalancer(spec.initial_map(), model.load_recorder, every, transport, ffn, stager)
         # fault tolerance: the FFN ranks in use, their recoveries and replacements
         self.recovery = RecoveryCoordinator(spec, rank, transport, self.rebalancer, ffn, store, self._use_topology)
-        own = (model.routed_experts(), self.server.endpoint.to_local) if self.server is not None else (None, None)
+        held = model.routed_experts()
+        for layer in getattr(model, "mtp", ()):  # the draft module's experts held here (colocated)
+            if layer.is_moe:
+                held[layer.layer_id] = layer.mlp.experts
+        own = (held, self.server.endpoint.to_local) if self.server is not None else (None, None)
         self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder, *own)
         self.executor.skip_empty = not topo.colocated  # AFD: the FFN ranks know each micro-batch's count
         if transport.payload_device == pool.device:  # tensors stay on the device (remote_experts.py)
@@ -119,6 +123,8 @@ class PipelineRunner(StepRunner):
             self.timeline.timed("attention", lambda st: st.get("x").shape[0], spec.args.inject_attention_delay_ms),
         )
         self.ops = strategy.arrange(ops.wrap("combine", self.timeline.timed("wait")))
+        mtp = getattr(model, "mtp", None)  # speculative decoding: the draft module's passes
+        self.draft_ops = strategy.arrange(mtp[0].draft_operations(self.executor, self.server)) if mtp else None
         if capture:
             log.info(
                 "attention rank %d: stage graphs captured in %.1f s",
@@ -217,10 +223,54 @@ class PipelineRunner(StepRunner):
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
         with self.timeline.span("step", 0, -1, step.num_tokens):
-            return self._run_resilient(step.batches)
+            return self._cat(self._run_resilient(step.batches))
+
+    def _cat(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(outs) if outs else torch.empty(0, device=self.pool.device)
+
+    # -- speculative decoding (runtime/spec_step.py): the MTP module's passes are steps of their own
+    # for the expert ranks (descriptors say "draft"), which serve its layer's experts in them
 
     @torch.inference_mode()
-    def _run_resilient(self, batches: list[dict]) -> torch.Tensor:
+    def execute_spec(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        for m in step.batches:
+            m["keep_hidden"] = True
+        with self.timeline.span("step", 0, -1, step.num_tokens):
+            outs = self._run(step.batches)
+        return self._cat([o[0] for o in outs]), self._cat([o[1] for o in outs])
+
+    @torch.inference_mode()
+    def draft_extend(self, step, next_ids, hidden, at):
+        micro, start = [], 0
+        for batch in step.batches:
+            end = start + batch["fb"].num_tokens
+            mine = at[(at >= start) & (at < end)] - start
+            micro.append(self._draft_batch(batch["fb"], next_ids[start:end], hidden[start:end], mine))
+            start = end
+        return self._draft_pass(micro)
+
+    @torch.inference_mode()
+    def draft_chain(self, chunks, tokens, hidden):
+        micro = []
+        for group in split_micro_batches([1] * len(chunks), self._micro_batches(len(chunks))):
+            fb = ForwardBatch.build(
+                [], [chunks[i] for i in group], self.pool.page_table, self.pool.page_size, self.pool.device
+            )
+            rows = torch.arange(len(group), device=self.pool.device)
+            micro.append(
+                self._draft_batch(fb, tokens[group.start : group.stop], hidden[group.start : group.stop], rows)
+            )
+        return self._draft_pass(micro)
+
+    def _draft_batch(self, fb, next_ids, hidden, rows) -> dict:
+        return {"fb": fb, "kv_cache": self.pool.cache, "next_ids": next_ids, "hidden": hidden, "rows": rows}
+
+    def _draft_pass(self, micro: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        outs = self._run(micro, self.draft_ops, draft=True)
+        return self._cat([o[0] for o in outs]), self._cat([o[1] for o in outs])
+
+    @torch.inference_mode()
+    def _run_resilient(self, batches: list[dict]) -> list[torch.Tensor]:
         """Runs a step; with fault tolerance, once an FFN rank is lost, the recovery, and the step
         again from the same inputs (its KV writes write the same values again)."""
         if not self.ft:
@@ -258,17 +308,18 @@ class PipelineRunner(StepRunner):
             return self.n
         return max(1, min(self.n, num_seqs))
 
-    def _run(self, micro: list[dict]) -> torch.Tensor:
+    def _run(self, micro: list[dict], ops: list | None = None, draft: bool = False) -> list:
+        """One step of the expert ranks: the model's (or with `draft`, the MTP module's `ops`)."""
         with self.timeline.span("eplb_switch", 0, -1) if self.rebalancer.switching else nullcontext():
             eplb = self.rebalancer.begin_step(self.spec.args.comm_timeout)
         self.recovery.on_step(eplb, self.step_id, self.keepalive_id)
         self.executor.expert_map = self.rebalancer.map
-        self._announce([int(m["fb"].num_tokens) for m in micro], extra=eplb)
+        self._announce([int(m["fb"].num_tokens) for m in micro], extra={**eplb, "draft": True} if draft else eplb)
         self.executor.step = self.step_id
         if self.server is not None:
             self.server.step = self.step_id
-        if self.static is None:
-            outs = run_micro_batches(self.ops, micro, self.strategy.delays(len(micro)))
+        if self.static is None or draft:
+            outs = run_micro_batches(ops or self.ops, micro, self.strategy.delays(len(micro)))
         else:
             micro, keep = self.static.begin_step(micro, self.step_id, self.executor.expert_map)
             outs = run_micro_batches(
@@ -278,7 +329,7 @@ class PipelineRunner(StepRunner):
         self.rebalancer.end_step()
         self.timeline.end_step(self.step_id)
         self.step_id += 1
-        return torch.cat(outs) if outs else torch.empty(0, device=self.pool.device)
+        return outs
 
     def _micro_batch(self, inputs: StepInputs, group: range) -> dict:
         n_ext = len(inputs.extend)

@@ -137,8 +137,13 @@ class FfnWorker:
                 (lambda st: int((st.get("received").local_ids >= 0).sum()), spec.args.inject_ffn_delay_us_per_token),
             ),
         )
-        self.ops = ops
-        self._arranged: dict[int, list[object]] = {}  # micro-batch count -> the arranged operations
+        # the model's layers, and apart from them the MTP draft module's (speculative decoding: its
+        # passes are steps whose descriptors say "draft")
+        main = tuple(la for la in ops.layers if la.layer_id < shard.config.num_layers)
+        self.ops = dataclasses.replace(ops, layers=main)
+        self.draft_ops = dataclasses.replace(ops, layers=tuple(la for la in ops.layers if la not in main))
+        self.draft = False  # whether the step being served is a draft pass
+        self._arranged: dict[tuple[int, bool], list[object]] = {}  # (micro-batches, draft) -> the operations
         # fault tolerance: heartbeats (the attention ranks tell a lost FFN rank by their absence),
         # admission as a replacement, recoveries
         self.recovery = RecoveryMember(spec, rank, transport, store, incarnation, self._use_topology)
@@ -170,10 +175,11 @@ class FfnWorker:
         self.server.step = self.step_id
         if self.guard is not None:  # a switch or recovery of the last step copied, not rebound
             self.guard.check()
-        if count not in self._arranged:
-            self._arranged[count] = AFD_FFN.arrange(self.ops, count)
+        key = (count, self.draft)
+        if key not in self._arranged:
+            self._arranged[key] = AFD_FFN.arrange(self.draft_ops if self.draft else self.ops, count)
         with torch.inference_mode():
-            run_micro_batches(self._arranged[count], [{} for _ in range(count)], AFD_FFN.delays(count))
+            run_micro_batches(self._arranged[key], [{} for _ in range(count)], AFD_FFN.delays(count))
         if self._to_stage is not None:
             self.stager.stage(self._to_stage, self._ready)
             self._to_stage = None
@@ -226,6 +232,7 @@ class FfnWorker:
         metas = {ep: self._descriptor(ep, key).meta for ep in self.senders}
         count = check_descriptors(metas, self.n, self.step_id)
         if count is not None:
+            self.draft = bool(metas[self.senders[0]].get("draft"))
             self._rebalance(metas[self.senders[0]])
             # an empty micro-batch of an attention rank sends nothing (RemoteExpertExecutor.skip_empty)
             tokens = [metas[ep]["tokens"] for ep in self.senders]

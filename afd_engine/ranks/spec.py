@@ -27,7 +27,10 @@ class DeploymentSpec:
 
     @staticmethod
     def of(args: EngineArgs, cfg: ModelConfig) -> DeploymentSpec:
-        spec = DeploymentSpec(args, cfg.n_routed_experts, cfg.moe_layers, cfg.n_group)
+        layers = cfg.moe_layers
+        if args.spec_steps and cfg.mtp_layers and cfg.is_moe_layer(cfg.num_layers):
+            layers += (cfg.num_layers,)  # the MTP draft module's experts are placed like any layer's
+        spec = DeploymentSpec(args, cfg.n_routed_experts, layers, cfg.n_group)
         spec.validate()
         return spec
 

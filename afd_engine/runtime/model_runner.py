@@ -171,12 +171,20 @@ class StepRunner(ABC):
         """Like `execute`, plus every token's last hidden state before the final norm [T, H]."""
         raise NotImplementedError(f"{type(self).__name__} does not run speculative steps")
 
-    def draft(
-        self, fb: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
+    def draft_extend(
+        self, step: PreparedStep, next_ids: torch.Tensor, hidden: torch.Tensor, at: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass of the MTP module over `fb`'s tokens: each position's next token `next_ids`
-        [T] and the hidden state `hidden` [T, H] it continues from; returns (fp32 logits, the
-        module's output) at `rows`."""
+        """The MTP module over a step's tokens: each position's next token `next_ids` [T] and the
+        target's hidden state there [T, H]; returns (fp32 logits, the module's output) at the flat
+        token indices `at` (ascending)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run speculative steps")
+
+    def draft_chain(
+        self, chunks: list[SeqChunk], tokens: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained step of the MTP module: one token per chunk (its previous draft, fed the
+        module's previous output `hidden`); returns (fp32 logits, the module's output) per chunk.
+        A lockstep runner takes part with no chunk at all."""
         raise NotImplementedError(f"{type(self).__name__} does not run speculative steps")
 
     def request_stop(self) -> None:
@@ -219,8 +227,14 @@ class ModelRunner(StepRunner):
         return self.model(batch["fb"], self.pool.cache, batch["rows"], hidden=True)
 
     @torch.inference_mode()
-    def draft(
-        self, fb: ForwardBatch, next_ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_extend(self, step, next_ids, hidden, at):
         embeds = self.model.model.embed_tokens(next_ids)
-        return self.model.mtp[0](embeds, hidden, fb, self.pool.cache, rows, with_hidden=True)
+        return self.model.mtp[0](embeds, hidden, step.batches[0]["fb"], self.pool.cache, at, with_hidden=True)
+
+    @torch.inference_mode()
+    def draft_chain(self, chunks, tokens, hidden):
+        pool = self.pool
+        fb = ForwardBatch.build([], chunks, pool.page_table, pool.page_size, pool.device)
+        rows = torch.arange(len(chunks), device=pool.device)
+        embeds = self.model.model.embed_tokens(tokens)
+        return self.model.mtp[0](embeds, hidden, fb, pool.cache, rows, with_hidden=True)

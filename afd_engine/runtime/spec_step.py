@@ -30,7 +30,7 @@ one token at a time, with their controls, beside the others. Steps do not overla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,23 +46,23 @@ from afd_engine.runtime.stepper import Stepper, _record_prompt_logprobs, _Step, 
 @dataclass
 class SpecCounters:
     """What speculation did since start: verifications of drafting requests, drafts proposed and
-    accepted, and how many requests accepted each count (index = accepted drafts)."""
+    accepted, and how many verifications accepted each count (index = accepted drafts, 0..steps)."""
 
+    steps: int
     verifies: int = 0
     drafts: int = 0
     accepted: int = 0
-    histogram: list[int] | None = None
+    histogram: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.histogram = self.histogram or [0] * (self.steps + 1)
 
     def add(self, proposed: list[int], accepted: list[int]) -> None:
-        if self.histogram is None:
-            self.histogram = [0] * (max(proposed, default=0) + 1)
         for p, a in zip(proposed, accepted):
             if p:
                 self.verifies += 1
                 self.drafts += p
                 self.accepted += a
-                if a >= len(self.histogram):
-                    self.histogram += [0] * (a + 1 - len(self.histogram))
                 self.histogram[a] += 1
 
     @property
@@ -88,7 +88,7 @@ class SpecStepper(Stepper):
         super().__init__(*args, overlap=False, **kwargs)
         self.num_steps = num_steps
         self.scheduler.spec_steps = num_steps
-        self.counters = SpecCounters()
+        self.counters = SpecCounters(num_steps)
 
     def step(self) -> tuple[list[Request], list[Request]]:
         step, planned_done = self._plan()
@@ -136,37 +136,38 @@ class SpecStepper(Stepper):
         self, prepared: PreparedStep, hidden: torch.Tensor, accepted: torch.Tensor | None, emitted: torch.Tensor | None
     ) -> list[list[int]]:
         """Steps 3 and 4 of the module doc; returns each sampler's drafts (fewer where its pages
-        end, none for requests whose logits are processed)."""
-        batch, inputs, pool = prepared.batches[0], prepared.inputs, self.scheduler.pool
-        fb, rows = batch["fb"], batch["rows"]
+        end, none for requests whose logits are processed). A lockstep runner (a rank of a
+        deployment) runs every pass, with or without tokens, as its peers do."""
+        batch, inputs, pool, runner = prepared.batches[0], prepared.inputs, self.scheduler.pool, self.runner
         chunks = inputs.extend + inputs.decode
-        device = fb.input_ids.device
+        device = pool.device
         # each position's next token: the chunk's own next one, and after its last one the prompt's
         # next token where the chunk does not end the prompt (a sampler's is filled in below)
-        next_ids = fb.input_ids.roll(-1)
-        ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0) - 1
-        follow = [_following(c, r) for c, r in zip(chunks, _chunk_requests(prepared))]
-        next_ids[ends.to(device)] = torch.tensor(follow, device=device)
-        if accepted is None:  # no sampler: the module only writes its cache
-            self.runner.draft(fb, next_ids, hidden, rows[:0])
-            return []
-        at = rows[torch.tensor(inputs.sample_rows, device=rows.device)] + accepted  # [B] flat: last kept
-        next_ids[at] = emitted
-        logits, out = self.runner.draft(fb, next_ids, hidden, at)
+        next_ids = torch.cat([b["fb"].input_ids for b in prepared.batches]).roll(-1)
+        if chunks:
+            ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0) - 1
+            follow = [_following(c, r) for c, r in zip(chunks, _chunk_requests(prepared))]
+            next_ids[ends.to(device)] = torch.tensor(follow, device=device)
+        samplers = inputs.samplers if accepted is not None else []
+        at = torch.zeros(0, dtype=torch.int64, device=device)
+        if samplers:
+            rows = torch.cat([b["rows"] + off for b, off in zip(prepared.batches, _token_offsets(prepared))])
+            at = rows[torch.tensor(inputs.sample_rows, device=device)] + accepted  # [B] flat: last kept
+            next_ids[at] = emitted
+        logits, out = runner.draft_extend(prepared, next_ids, hidden, at)
         proposal = [logits.argmax(-1)]
-        samplers = inputs.samplers
-        pos = (fb.positions[at] + 1).tolist()  # where each sampler's next token goes
+        positions = torch.cat([b["fb"].positions for b in prepared.batches])
+        pos = (positions[at] + 1).tolist()  # where each sampler's next token goes
         drafting = [i for i, r in enumerate(samplers) if not r.params.processed and r.params.max_new_tokens > 0]
         for k in range(1, self.num_steps):
             # rows whose pages hold the module's cache entry at position pos + k - 1
             drafting = [i for i in drafting if pool.tokens_capacity(samplers[i].row) >= pos[i] + k]
-            if not drafting:
+            if not drafting and not runner.lockstep:
                 break
-            idx = torch.tensor(drafting, device=device)
+            idx = torch.tensor(drafting, dtype=torch.int64, device=device)
             fed = proposal[-1][idx]
             chain = [SeqChunk(samplers[i].row, pos[i] + k - 1, [t]) for i, t in zip(drafting, fed.tolist())]
-            step_fb = ForwardBatch.build([], chain, pool.page_table, pool.page_size, pool.device)
-            step_logits, step_out = self.runner.draft(step_fb, fed, out[idx], torch.arange(len(chain), device=device))
+            step_logits, step_out = runner.draft_chain(chain, fed, out[idx])
             nxt = torch.full_like(proposal[-1], -1)  # -1: a row that stopped drafting
             nxt[idx] = step_logits.argmax(-1)
             out = out.clone()
@@ -249,6 +250,12 @@ class SpecStepper(Stepper):
         pool = self.scheduler.pool
         need = self.scheduler.spec_need(req.num_cached + 1 + len(req.draft_ids))
         pool.shrink(req.row, pages_for(need, pool.page_size))
+
+
+def _token_offsets(prepared: PreparedStep) -> list[int]:
+    """Each micro-batch's first token in the step's flat token order."""
+    sizes = [b["fb"].num_tokens for b in prepared.batches]
+    return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def _chunk_requests(prepared: PreparedStep) -> list[Request]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from afd_engine import Engine, SamplingParams
+from afd_engine.engine_args import EngineArgs
 from afd_engine.errors import ConfigError
 from afd_engine.models.forward_batch import ForwardBatch, SeqChunk
 from afd_engine.runtime import spec_step
@@ -228,12 +229,43 @@ def test_checkpoint_without_mtp_is_refused(tiny_v3):
         (dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4), "--speculative-eagle-topk=4: only 1"),
         (dict(speculative_algorithm="NEXTN", speculative_num_steps=0), "draft steps must be between 1 and 8"),
         (
-            dict(speculative_algorithm="NEXTN", mode="afd"),
-            "--mode='afd': is not supported with --speculative-algorithm NEXTN yet",
+            dict(speculative_algorithm="NEXTN", mode="afd", enable_eplb=True),
+            "--enable-eplb=True: is not supported with --speculative-algorithm NEXTN yet",
         ),
+        (dict(speculative_algorithm="NEXTN", static_decode=True), "--static-decode=True: is not supported"),
         (dict(speculative_algorithm="NEXTN", overlap_schedule="on"), "--overlap-schedule='on': is not supported"),
     ],
 )
-def test_unsupported_combinations_are_refused_naming_both_flags(mtp_model, flags, message):
+def test_unsupported_combinations_are_refused_naming_both_flags(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        Engine(model_path=mtp_model, **{**FLAGS, **flags})
+        EngineArgs.from_kwargs(**flags).validate()
+
+
+def test_prefill_decode_instances_both_speculating(mtp_model, oracle):
+    """PD (builtin transfer): the prefill instance computes the module's cache of the prompt too
+    and sends it with the pages; the decode instance speculates from its first step. An instance
+    pair where only one speculates is refused at the handshake, naming the difference."""
+    from tests.disagg.pd_helpers import PDPair
+
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)
+    with Engine(model_path=mtp_model, **FLAGS) as off:
+        ref = off.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    oracle.want = {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}
+    spec = dict(FLAGS, model_path=mtp_model, speculative_algorithm="NEXTN", speculative_num_steps=2)
+    pd = PDPair(Engine(**spec, disaggregation_mode="prefill"), Engine(**spec, disaggregation_mode="decode"))
+    try:
+        outs = pd.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        for got, want in zip(outs, ref):
+            assert [a.top_ids for a in got.logprobs] == [b.top_ids for b in want.logprobs]
+        assert pd.decode.stepper.counters.accepted > 0
+    finally:
+        pd.close()
+    plain = dict(FLAGS, model_path=mtp_model)
+    pd = PDPair(Engine(**plain, disaggregation_mode="prefill"), Engine(**spec, disaggregation_mode="decode"))
+    try:
+        pd.add_request(prompt_token_ids=PROMPTS[0], params=params)
+        (out,) = pd.run_until(lambda: not pd.decode.has_unfinished())
+        assert out.finish_reason == "error" and "KV cache layers" in out.error and "prefill 4, decode 5" in out.error
+    finally:
+        pd.close()

@@ -1,0 +1,120 @@
+"""Speculative decoding in deployments of processes: colocated DP attention (the MTP module's MoE
+through the same expert executor) and AFD (its routed experts on the FFN ranks, its passes steps of
+their own there). Greedy outputs equal the single engine's without speculation, with 1 and 3 draft
+steps, for requests with stop strings, `max_tokens` and logprobs.
+
+The checkpoint's MTP module is rewritten into a "copy" drafter: its block adds nothing (attention
+and expert outputs zeroed), its projection passes the next token's normalised embedding through
+and its head is the embedding, so it proposes the last token again. The tiny model's greedy output
+ends in runs of one repeated token, where those drafts are accepted; elsewhere they are rejected.
+The module still runs every pass (attention over its cache, its MoE on the expert ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from afd_engine import Engine, SamplingParams, make_engine
+from afd_engine.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[11] * 20, [5, 9, 33, 12, 7], [4, 8, 15, 16, 23, 42, 17, 3], [30, 41, 7] * 6]
+DEPLOYMENTS = {
+    "colocated dp2": dict(mode="colocated", dp_size=2),
+    "afd 2A 2x2 mb3": dict(mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, micro_batches=3),
+}
+
+
+@pytest.fixture(scope="module")
+def copy_drafter(tmp_path_factory) -> str:
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("copy-mtp"), arch="deepseek_v3", seed=4, overrides={"num_nextn_predict_layers": 1}
+    )
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    (file,) = path.glob("*.safetensors")
+    w = load_file(str(file))
+    p = f"model.layers.{n}."
+    for name in list(w):
+        if name.startswith(p) and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")):
+            w[name] = torch.zeros_like(w[name])
+    h = w[p + "eh_proj.weight"].shape[0]
+    w[p + "eh_proj.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1).to(w[p + "eh_proj.weight"].dtype)
+    w[p + "shared_head.head.weight"] = w["model.embed_tokens.weight"].clone()
+    save_file(w, str(file))
+    return str(path)
+
+
+def _params(stop: str) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_new_tokens=23, temperature=0.0, ignore_eos=True, logprobs=1),
+        SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop]),
+        SamplingParams(max_new_tokens=19, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=21, temperature=0.0, ignore_eos=True),
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(copy_drafter):
+    """Speculation off, single engine: the outputs, a stop string (two tokens of request 1's
+    output), and the single engine's speculation counters at 1 and 3 steps."""
+    with Engine(model_path=copy_drafter, dtype="float32", num_threads=1) as off:
+        plain = off.generate(prompt_token_ids=PROMPTS[1:2], sampling_params=_params("\x00")[1])[0]
+        stop = off.tokenizer.decode(plain.token_ids[6:8])
+        ref = off.generate(prompt_token_ids=PROMPTS, sampling_params=_params(stop))
+    assert ref[1].finish_reason == "stop"
+    counters = {}
+    for steps in (1, 3):
+        with Engine(
+            model_path=copy_drafter, dtype="float32", num_threads=1, speculative_algorithm="NEXTN",
+            speculative_num_steps=steps,
+        ) as single:  # fmt: skip
+            outs = single.generate(prompt_token_ids=PROMPTS, sampling_params=_params(stop))
+            assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+            counters[steps] = single.stepper.counters
+            assert counters[steps].accepted > 0
+    return stop, ref, counters
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("name", list(DEPLOYMENTS))
+def test_deployment_speculates_exactly(copy_drafter, reference, name, steps):
+    stop, ref, counters = reference
+    with make_engine(
+        model_path=copy_drafter, comm_timeout=30, dispatch_dtype="fp32", speculative_algorithm="NEXTN",
+        speculative_num_steps=steps, **DEPLOYMENTS[name],
+    ) as engine:  # fmt: skip
+        outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=_params(stop))
+        stats = engine.stats
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
+    assert [a.top_ids for a in outs[0].logprobs] == [b.top_ids for b in ref[0].logprobs]
+    # the ranks' drafts were the single engine's: the same verifications, drafts and acceptances
+    # (split over the attention ranks, summed in the stats)
+    single = counters[steps]
+    assert (stats.spec_verifies, stats.spec_drafts, stats.spec_accepted) == (
+        single.verifies,
+        single.drafts,
+        single.accepted,
+    )
+    assert list(stats.spec_accepted_histogram) == single.histogram
+
+
+def test_the_copy_drafter_proposes_the_last_token(copy_drafter):
+    """The fixture's premise: its drafts repeat the last token (so acceptance follows repetition)."""
+    with Engine(
+        model_path=copy_drafter, dtype="float32", num_threads=1, speculative_algorithm="NEXTN", speculative_num_steps=2
+    ) as eng:
+        rid = eng.add_request(prompt_token_ids=PROMPTS[1], params=SamplingParams(max_new_tokens=6, ignore_eos=True))
+        seen = 0
+        while eng.has_unfinished():
+            eng.step()
+            req = eng._requests.get(rid)
+            if req is not None and req.draft_ids:
+                assert req.draft_ids == [req.output_ids[-1]] * len(req.draft_ids)
+                seen += 1
+    assert seen > 0
