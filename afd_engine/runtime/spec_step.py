@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd_engine.models.forward_batch import ForwardBatch, SeqChunk
+from afd_engine.models.forward_batch import SeqChunk
 from afd_engine.runtime.kv_cache import pages_for
 from afd_engine.runtime.model_runner import PreparedStep
 from afd_engine.runtime.request import Request
@@ -138,7 +138,7 @@ class SpecStepper(Stepper):
         """Steps 3 and 4 of the module doc; returns each sampler's drafts (fewer where its pages
         end, none for requests whose logits are processed). A lockstep runner (a rank of a
         deployment) runs every pass, with or without tokens, as its peers do."""
-        batch, inputs, pool, runner = prepared.batches[0], prepared.inputs, self.scheduler.pool, self.runner
+        inputs, pool, runner = prepared.inputs, self.scheduler.pool, self.runner
         chunks = inputs.extend + inputs.decode
         device = pool.device
         # each position's next token: the chunk's own next one, and after its last one the prompt's
