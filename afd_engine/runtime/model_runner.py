@@ -49,8 +49,14 @@ class StepInputs:
     def of(plan: StepPlan) -> StepInputs:
         extend = [SeqChunk(r.row, r.num_cached, r.tokens(r.num_cached, r.num_cached + n)) for r, n in plan.extend]
         decode = [SeqChunk(r.row, r.num_cached, [r.newest_token()]) for r in plan.decode]
-        # verifying decodes (speculative decoding) are chunks of the extend segment: newest token + drafts
-        extend += [SeqChunk(r.row, r.num_cached, [r.newest_token(), *r.draft_ids[: n - 1]]) for r, n in plan.verify]
+        # verifying decodes (speculative decoding) join the decode segment as one row per position
+        # (newest token, then each draft), each attending the cache up to its own position: the
+        # decode path that plain decoding takes, with the rows' writes made before any reads
+        decode += [
+            SeqChunk(r.row, r.num_cached + j, [t])
+            for r, n in plan.verify
+            for j, t in enumerate([r.newest_token(), *r.draft_ids[: n - 1]])
+        ]
         rows, samplers, sample_rows, scored, scoring_done, total = [], [], [], [], [], 0
         for r, n in plan.extend:
             start, mine = r.num_cached, []
@@ -69,15 +75,6 @@ class StepInputs:
                 scoring_done.append(r)
             rows.append(mine)
             total += len(mine)
-        counts = None
-        if plan.verify:
-            counts = [1] * len(samplers)
-            for r, n in plan.verify:  # every position's logits: each may be the token's draw
-                samplers.append(r)
-                sample_rows.append(total)
-                counts.append(n)
-                rows.append(list(range(n)))
-                total += n
         for r in plan.decode:  # and every decode token (but a prompt's last one that only scores)
             sampling = r.params.max_new_tokens > 0
             if sampling:
@@ -87,8 +84,15 @@ class StepInputs:
                 scoring_done.append(r)
             rows.append([0] if sampling else [])
             total += sampling
-            if counts is not None and sampling:
-                counts.append(1)
+        counts = None
+        if plan.verify:
+            counts = [1] * len(samplers)
+            for r, n in plan.verify:  # every position's logits: each may be the token's draw
+                samplers.append(r)
+                sample_rows.append(total)
+                counts.append(n)
+                rows += [[0]] * n
+                total += n
         return StepInputs(extend, decode, rows, samplers, sample_rows, scored, scoring_done, counts)
 
 

@@ -139,15 +139,15 @@ class SpecStepper(Stepper):
         end, none for requests whose logits are processed). A lockstep runner (a rank of a
         deployment) runs every pass, with or without tokens, as its peers do."""
         inputs, pool, runner = prepared.inputs, self.scheduler.pool, self.runner
-        chunks = inputs.extend + inputs.decode
         device = pool.device
-        # each position's next token: the chunk's own next one, and after its last one the prompt's
-        # next token where the chunk does not end the prompt (a sampler's is filled in below)
+        # each position's next token: the request's own next one in the step, and after its last
+        # one the prompt's next token where the step does not end the prompt (a sampler's is filled
+        # in below)
         next_ids = torch.cat([b["fb"].input_ids for b in prepared.batches]).roll(-1)
-        if chunks:
-            ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0) - 1
-            follow = [_following(c, r) for c, r in zip(chunks, _chunk_requests(prepared))]
-            next_ids[ends.to(device)] = torch.tensor(follow, device=device)
+        spans = _spans(prepared.plan)
+        if spans:
+            ends = torch.tensor([n for _, n in spans]).cumsum(0) - 1
+            next_ids[ends.to(device)] = torch.tensor([_following(r) for r, _ in spans], device=device)
         samplers = inputs.samplers if accepted is not None else []
         at = torch.zeros(0, dtype=torch.int64, device=device)
         if samplers:
@@ -258,14 +258,18 @@ def _token_offsets(prepared: PreparedStep) -> list[int]:
     return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
-def _chunk_requests(prepared: PreparedStep) -> list[Request]:
-    """The request of each chunk of the step, in batch order (extend, verify, decode)."""
-    plan = prepared.plan
-    return [r for r, _ in plan.extend] + [r for r, _ in plan.verify] + list(plan.decode)
+def _spans(plan) -> list[tuple[Request, int]]:
+    """Each request of a step with its tokens' count, in the step's flat token order (prefill
+    chunks, plain decodes, verifying decodes: model_runner.StepInputs)."""
+    return list(plan.extend) + [(r, 1) for r in plan.decode] + list(plan.verify)
 
 
-def _following(chunk: SeqChunk, req: Request) -> int:
-    """The token after a chunk's last one where it is known now (the prompt's next token), else 0
-    (a sampler's: the step fills it in)."""
-    end = chunk.start + len(chunk.tokens)
-    return req.prompt_ids[end] if end < len(req.prompt_ids) else 0
+def _following(req: Request) -> int:
+    """The token after a request's last one in the step where it is known now (the prompt's, or
+    an output token a resumed request computes again), else 0 (a sampler's: the step fills it in).
+    `req.num_cached` counts the step already."""
+    end = req.num_cached
+    if end < len(req.prompt_ids):
+        return req.prompt_ids[end]
+    end -= len(req.prompt_ids)
+    return req.output_ids[end] if end < len(req.output_ids) else 0
