@@ -164,9 +164,9 @@ def _print(rows: list[dict]) -> None:
     for r in rows:
         acc = "-" if r["accepted_length"] is None else f"{r['accepted_length']:.2f}"
         ratio = f"{r['tpot_vs_off']:.2f}" if "tpot_vs_off" in r else "-"
+        speed = f"{r['tpot_ms']:>9.2f} {r['output_tokens_per_s']:>8.1f}"
         print(
-            f"{r['mode']:7} {r['steps']:>5} {r['concurrency']:>5} {r['tpot_ms']:>9.2f} {r['output_tokens_per_s']:>8.1f} "
-            f"{acc:>10} {ratio:>9} {str(r.get('exact', '-')):>6}"
+            f"{r['mode']:7} {r['steps']:>5} {r['concurrency']:>5} {speed} {acc:>10} {ratio:>9} {str(r.get('exact', '-')):>6}"
         )
 
 
