@@ -158,16 +158,13 @@ def main(argv=None) -> int:
 
 
 def _print(rows: list[dict]) -> None:
-    print(
-        f"{'mode':7} {'steps':>5} {'conc':>5} {'TPOT ms':>9} {'tok/s':>8} {'accept len':>10} {'TPOT/off':>9} {'exact':>6}"
-    )
+    line = "{:7} {:>5} {:>5} {:>9} {:>8} {:>10} {:>9} {:>6}"
+    print(line.format("mode", "steps", "conc", "TPOT ms", "tok/s", "accept len", "TPOT/off", "exact"))
     for r in rows:
         acc = "-" if r["accepted_length"] is None else f"{r['accepted_length']:.2f}"
         ratio = f"{r['tpot_vs_off']:.2f}" if "tpot_vs_off" in r else "-"
-        speed = f"{r['tpot_ms']:>9.2f} {r['output_tokens_per_s']:>8.1f}"
-        print(
-            f"{r['mode']:7} {r['steps']:>5} {r['concurrency']:>5} {speed} {acc:>10} {ratio:>9} {str(r.get('exact', '-')):>6}"
-        )
+        cells = (r["mode"], r["steps"], r["concurrency"], f"{r['tpot_ms']:.2f}", f"{r['output_tokens_per_s']:.1f}")
+        print(line.format(*cells, acc, ratio, str(r.get("exact", "-"))))
 
 
 if __name__ == "__main__":
