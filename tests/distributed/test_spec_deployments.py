@@ -1,28 +1,19 @@
 """Speculative decoding in deployments of processes: colocated DP attention (the MTP module's MoE
 through the same expert executor) and AFD (its routed experts on the FFN ranks, its passes steps of
 their own there). Greedy outputs equal the single engine's without speculation, with 1 and 3 draft
-steps, for requests with stop strings, `max_tokens` and logprobs.
-
-The checkpoint's MTP module is rewritten into a "copy" drafter: its block adds nothing (attention
-and expert outputs zeroed), its projection passes the next token's normalised embedding through
-and its head is the embedding, so it proposes the last token again. The tiny model's greedy output
-ends in runs of one repeated token, where those drafts are accepted; elsewhere they are rejected.
-The module still runs every pass (attention over its cache, its MoE on the expert ranks)."""
+steps, for requests with stop strings, `max_tokens` and logprobs; the ranks verify, draft and accept
+exactly what the single engine does. The checkpoint's MTP module is a "copy" drafter
+(tests/spec_helpers.py), so drafts are accepted in runs of repeated tokens."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from afd_engine import Engine, SamplingParams, make_engine
-from afd_engine.tiny_model import make_tiny_model
+from tests.spec_helpers import PROMPTS, make_copy_drafter
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[11] * 20, [5, 9, 33, 12, 7], [4, 8, 15, 16, 23, 42, 17, 3], [30, 41, 7] * 6]
 DEPLOYMENTS = {
     "colocated dp2": dict(mode="colocated", dp_size=2),
     "afd 2A 2x2 mb3": dict(mode="afd", dp_size=2, ffn_nodes=2, ffn_ranks_per_node=2, micro_batches=3),
@@ -31,21 +22,7 @@ DEPLOYMENTS = {
 
 @pytest.fixture(scope="module")
 def copy_drafter(tmp_path_factory) -> str:
-    path = make_tiny_model(
-        tmp_path_factory.mktemp("copy-mtp"), arch="deepseek_v3", seed=4, overrides={"num_nextn_predict_layers": 1}
-    )
-    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    (file,) = path.glob("*.safetensors")
-    w = load_file(str(file))
-    p = f"model.layers.{n}."
-    for name in list(w):
-        if name.startswith(p) and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")):
-            w[name] = torch.zeros_like(w[name])
-    h = w[p + "eh_proj.weight"].shape[0]
-    w[p + "eh_proj.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1).to(w[p + "eh_proj.weight"].dtype)
-    w[p + "shared_head.head.weight"] = w["model.embed_tokens.weight"].clone()
-    save_file(w, str(file))
-    return str(path)
+    return make_copy_drafter(tmp_path_factory.mktemp("copy-mtp"))
 
 
 def _params(stop: str) -> list[SamplingParams]:
