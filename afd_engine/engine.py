@@ -73,7 +73,11 @@ class Engine(OfflineEngine):
         self.device = _claim_device(args, rank)
         self.model_path = resolve_model_path(args.model_path)
         # a deployment's rank runs on a checkpoint its launcher has inspected already
-        self.config = (ModelConfig.from_pretrained if rank else inspect_checkpoint)(self.model_path)
+        self.config = (
+            ModelConfig.from_pretrained(self.model_path)
+            if rank
+            else inspect_checkpoint(self.model_path, mtp=args.spec_steps > 0)
+        )
         self.tokenizer = _load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
         experts = rank.expert_slots if rank else None

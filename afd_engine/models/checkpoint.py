@@ -28,14 +28,20 @@ FP8_DTYPE = "F8_E4M3"  # with a `<name>_scale_inv` of block scales, in fp8 check
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(w13|w2)(_q)?$")
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
     """name -> shape of every tensor a complete checkpoint holds for the served layers (multi-token
-    prediction layers are not served and not listed; block scales neither)."""
+    prediction layers only with `mtp`, where speculative decoding drafts with the first; block
+    scales never). With `mtp`, a config without such a layer raises ConfigError."""
     from afd_engine.models import MODEL_REGISTRY, Kernels
     from afd_engine.models.meta import on_meta
 
     with on_meta():
-        model = MODEL_REGISTRY[cfg.architecture](cfg, None, Kernels.named(attention_kind=cfg.attention))
+        kernels = Kernels.named(attention_kind=cfg.attention)
+        model = MODEL_REGISTRY[cfg.architecture](cfg, None, kernels)
+        if mtp:
+            from afd_engine.models.mtp import attach_mtp
+
+            attach_mtp(model, cfg, kernels)
     out: dict[str, tuple[int, ...]] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         m = _STACKED.match(name)
@@ -65,14 +71,15 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     return total, total - routed + active
 
 
-def inspect_checkpoint(model_path: str | Path) -> ModelConfig:
+def inspect_checkpoint(model_path: str | Path, mtp: bool = False) -> ModelConfig:
     """The checkpoint's config, once config, index, shards and tensor headers have been checked;
-    a ModelLoadError naming the file and the tensor otherwise."""
+    a ModelLoadError naming the file and the tensor otherwise. `mtp`: the multi-token prediction
+    module speculative decoding drafts with is checked too (a ConfigError where there is none)."""
     path = Path(model_path)
     cfg = ModelConfig.from_pretrained(path)
     headers = read_headers(path)
     missing = []
-    for name, shape in expected_tensors(cfg).items():
+    for name, shape in expected_tensors(cfg, mtp).items():
         if name not in headers:
             missing.append(name)
             continue

@@ -111,7 +111,7 @@ def attach_mtp(model, cfg: ModelConfig, kernels, slots: list[int] | None = None)
     if cfg.attention != "mla" or not cfg.mtp_layers:
         raise ConfigError(
             f"{cfg.architecture} checkpoint declares num_nextn_predict_layers={cfg.mtp_layers}: it has no "
-            "multi-token prediction module to draft with"
+            "multi-token prediction module to draft with (--speculative-algorithm needs one)"
         )
     layer = MTPLayer(cfg, cfg.num_layers, model.model.rotary, kernels, slots)
     layer._embed_tokens[0] = model.model.embed_tokens

@@ -55,7 +55,9 @@ class Deployment:
             raise ConfigError("launching by role needs --mode afd and --dist-init-addr")
         self.role, self.node_rank, self.rendezvous = role, node_rank, rendezvous
         path = resolve_model_path(args.model_path)
-        cfg = inspect_checkpoint(path)  # a broken checkpoint stops here, before any process starts
+        # a broken checkpoint (or one without the MTP module speculation needs) stops here, before any
+        # process starts
+        cfg = inspect_checkpoint(path, mtp=args.spec_steps > 0)
         ranks, cores = self._local_processes(args), usable_cpus()
         _check_nccl_placement(args, ranks)
         threads = args.num_threads or max(1, cores // ranks)

@@ -269,3 +269,22 @@ def test_prefill_decode_instances_both_speculating(mtp_model, oracle):
         assert out.finish_reason == "error" and "KV cache layers" in out.error and "prefill 4, decode 5" in out.error
     finally:
         pd.close()
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["no module", "module declared, tensors missing"])
+def test_afd_serve_refuses_a_checkpoint_without_the_module_in_one_line(tmp_path, declared):
+    """Exit 2, one line, no traceback, before any process or port is taken."""
+    from tests.process_helpers import afd_run
+
+    plain = make_tiny_model(tmp_path / "plain", arch="deepseek_v3", seed=4)
+    if declared:
+        config = json.loads((plain / "config.json").read_text())
+        (plain / "config.json").write_text(json.dumps({**config, **MTP}))
+    res = afd_run("serve", "--model-path", str(plain), "--speculative-algorithm", "NEXTN", "--port", "1")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    if declared:
+        assert "lacks weights the model needs: model.layers.4.self_attn" in lines[0]
+    else:
+        assert "num_nextn_predict_layers=0: it has no multi-token prediction module to draft with" in lines[0]
