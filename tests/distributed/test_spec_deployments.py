@@ -7,6 +7,8 @@ exactly what the single engine does. The checkpoint's MTP module is a "copy" dra
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from afd_engine import Engine, SamplingParams, make_engine
@@ -25,12 +27,15 @@ def copy_drafter(tmp_path_factory) -> str:
     return make_copy_drafter(tmp_path_factory.mktemp("copy-mtp"))
 
 
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
+
+
 def _params(stop: str) -> list[SamplingParams]:
     return [
         SamplingParams(max_new_tokens=23, temperature=0.0, ignore_eos=True, logprobs=1),
         SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop]),
         SamplingParams(max_new_tokens=19, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_new_tokens=21, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, temperature=0.0, guide=("json_schema", json.dumps(SCHEMA))),
     ]
 
 
@@ -42,7 +47,7 @@ def reference(copy_drafter):
         plain = off.generate(prompt_token_ids=PROMPTS[1:2], sampling_params=_params("\x00")[1])[0]
         stop = off.tokenizer.decode(plain.token_ids[6:8])
         ref = off.generate(prompt_token_ids=PROMPTS, sampling_params=_params(stop))
-    assert ref[1].finish_reason == "stop"
+    assert ref[1].finish_reason == "stop" and 0 <= json.loads(ref[3].text)["n"] <= 99
     counters = {}
     for steps in (1, 3):
         with Engine(

@@ -241,21 +241,33 @@ def test_unsupported_combinations_are_refused_naming_both_flags(flags, message):
         EngineArgs.from_kwargs(**flags).validate()
 
 
-def test_prefill_decode_instances_both_speculating(mtp_model, oracle):
+@pytest.mark.parametrize("steps", [1, 3])
+def test_prefill_decode_instances_both_speculating(mtp_model, oracle, steps):
     """PD (builtin transfer): the prefill instance computes the module's cache of the prompt too
     and sends it with the pages; the decode instance speculates from its first step. An instance
     pair where only one speculates is refused at the handshake, naming the difference."""
     from tests.disagg.pd_helpers import PDPair
 
-    params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    params = [SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)] * 4 + [
+        SamplingParams(max_new_tokens=30, temperature=0.0, guide=("json_schema", json.dumps(schema)), logprobs=1)
+    ]
     with Engine(model_path=mtp_model, **FLAGS) as off:
         ref = off.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        full = ref[1].token_ids
+        stop = off.tokenizer.decode(full[3:5])  # token 4: inside a run of perfect drafts at 1 and 3 steps
+        params[1] = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True, stop=[stop], logprobs=1)
+        ref[1] = off.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=params[1])[0]
+    assert ref[1].finish_reason == "stop" and len(ref[1].token_ids) == 5 and json.loads(ref[4].text)
     oracle.want = {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}
-    spec = dict(FLAGS, model_path=mtp_model, speculative_algorithm="NEXTN", speculative_num_steps=2)
+    oracle.want[tuple(PROMPTS[1])] = full
+    oracle.perfect = {tuple(PROMPTS[1])}
+    spec = dict(FLAGS, model_path=mtp_model, speculative_algorithm="NEXTN", speculative_num_steps=steps)
     pd = PDPair(Engine(**spec, disaggregation_mode="prefill"), Engine(**spec, disaggregation_mode="decode"))
     try:
         outs = pd.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
         for got, want in zip(outs, ref):
             assert [a.top_ids for a in got.logprobs] == [b.top_ids for b in want.logprobs]
         assert pd.decode.stepper.counters.accepted > 0
@@ -264,7 +276,7 @@ def test_prefill_decode_instances_both_speculating(mtp_model, oracle):
     plain = dict(FLAGS, model_path=mtp_model)
     pd = PDPair(Engine(**plain, disaggregation_mode="prefill"), Engine(**spec, disaggregation_mode="decode"))
     try:
-        pd.add_request(prompt_token_ids=PROMPTS[0], params=params)
+        pd.add_request(prompt_token_ids=PROMPTS[0], params=params[0])
         (out,) = pd.run_until(lambda: not pd.decode.has_unfinished())
         assert out.finish_reason == "error" and "KV cache layers" in out.error and "prefill 4, decode 5" in out.error
     finally:
