@@ -78,7 +78,26 @@ def _space(ns, mode: str) -> SearchSpace:
         total_gpus=ns.gpus,
         dispatch=ns.dispatch,
         shared_expert=("attention", "ffn") if ns.shared_expert == "any" else (ns.shared_expert,),
+        mtp_steps=ns.mtp_steps,
+        accept_length=_accept_length(ns),
     )
+
+
+# speculative decoding's accepted length (tokens per request and step) as published for DeepSeek-V3's
+# MTP module: vLLM, 81-82% acceptance at one draft token; SGLang, 2.18 with three draft tokens
+# (two chained steps and the target's token)
+PUBLISHED_ACCEPT_LENGTH = {0: 1.0, 1: 1.81, 2: 2.18}
+
+
+def _accept_length(ns) -> float:
+    if ns.mtp_accept_length is not None:
+        return ns.mtp_accept_length
+    if ns.mtp_steps not in PUBLISHED_ACCEPT_LENGTH:
+        raise ConfigError(
+            f"--mtp-steps {ns.mtp_steps} has no published accepted length; give --mtp-accept-length "
+            "(benchmarks/bench_spec.py measures one)"
+        )
+    return PUBLISHED_ACCEPT_LENGTH[ns.mtp_steps]
 
 
 def _best(sm: StageModel, ns, mode: str) -> list[Estimate]:
@@ -221,6 +240,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="read --expert-imbalance from JSON: 'imbalance_after' (benchmarks/bench_eplb.py --json), "
         "else 'imbalance' (afd expert-load)",
+    )
+    d.add_argument(
+        "--mtp-steps",
+        type=int,
+        default=0,
+        help="speculative decoding with the MTP module: drafts per request and step (0: off)",
+    )
+    d.add_argument(
+        "--mtp-accept-length",
+        type=float,
+        default=None,
+        help="tokens kept per request and step (accepted drafts + 1; default: the published figure for "
+        "--mtp-steps 1 or 2)",
     )
     d.add_argument("--top", type=int, default=5, help="alternatives to list")
     d.add_argument("--plot", default=None, help="write the throughput-vs-TPOT frontier to this PNG")

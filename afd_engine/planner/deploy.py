@@ -15,6 +15,12 @@ so each is its own resource; a colocated GPU computes both A and F, and its NIC 
 phases in each direction. The last term is one micro-batch's round trip: with too few micro-batches
 it is what sets the period (a bubble). Over L MoE layers a step takes (L-1)*P + (N-1)*A' + round
 trip, plus the dense layers (attention GPU only), the lm_head and a fixed per-step cost.
+
+Speculative decoding with the MTP module (`mtp_steps` N drafts per request and step, `accept_length`
+A tokens kept per step on average) changes both sides: a verify step runs every request as 1 + N
+decode rows through every layer (so the FFN side gets 1 + N times the tokens per step), the
+module then makes one pass of one MoE layer over the same rows and N - 1 chained passes over one
+row per request, and each step emits A tokens per request: TPOT = step / A, throughput x A.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class Deployment:
     seqs_per_gpu: int  # running sequences per attention GPU, over all its micro-batches
     dispatch: str = "two-stage"  # AFD only; colocated always sends directly
     shared_expert: str = "attention"  # AFD: which side runs the shared expert (Baidu: attention; Step-3: ffn)
+    mtp_steps: int = 0  # speculative decoding: drafts per request and step (0: off)
+    accept_length: float = 1.0  # speculative decoding: tokens kept per request and step (accepted drafts + 1)
 
     @property
     def gpus(self) -> int:
@@ -54,6 +62,10 @@ class Deployment:
             raise ConfigError(f"shared expert placement {self.shared_expert!r} must be 'attention' or (AFD only) 'ffn'")
         if self.mode == "afd" and self.ffn_gpus < 1:
             raise ConfigError("an AFD deployment needs at least one FFN GPU")
+        if self.mtp_steps < 0 or not 1.0 <= self.accept_length <= self.mtp_steps + 1:
+            raise ConfigError(
+                f"the accepted length {self.accept_length} must be between 1 and drafts + 1 ({self.mtp_steps + 1})"
+            )
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,8 @@ class Estimate:
     attn_gpu_gb: float  # memory used per attention (or colocated) GPU
     ffn_gpu_gb: float
     fits: bool
+    step_ms: float = 0.0  # one decode step (with speculation: verify and draft passes)
+    ffn_tokens_per_layer: float = 0.0  # tokens the FFN side computes per MoE layer and step, all micro-batches
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "deployment"}
@@ -97,17 +111,29 @@ def moe_layers_time(layers: int, n: int, period: float, a_work: float, round_tri
     return (layers - 1) * period + (n - 1) * a_work + round_trip if layers else 0.0
 
 
-def estimate(sm: StageModel, dep: Deployment) -> Estimate:
-    dep.validate()
+@dataclass(frozen=True)
+class _Layer:
+    """One MoE layer's stage times for `rows` token rows per micro-batch."""
+
+    attention: float
+    ffn: float
+    dispatch: float
+    combine: float
+    period: float
+    bound: str
+    a_work: float
+    round_trip: float
+
+
+def _moe_layer(sm: StageModel, dep: Deployment, rows: float) -> _Layer:
     m, n = sm.model, dep.micro_batches
-    b = dep.seqs_per_gpu / n
     afd = dep.mode == "afd"
     ep = dep.ffn_gpus if afd else dep.attn_gpus
     shared_on_f = dep.shared_expert == "ffn"
-    t_a = sm.attention_us(b, shared_expert=not shared_on_f)
-    t_f = sm.experts_us(b * dep.attn_gpus, ep, hw=sm.ffn_hw if afd else sm.attn_hw, shared_expert=shared_on_f)
+    t_a = sm.attention_us(rows, shared_expert=not shared_on_f)
+    t_f = sm.experts_us(rows * dep.attn_gpus, ep, hw=sm.ffn_hw if afd else sm.attn_hw, shared_expert=shared_on_f)
     case = CommCase(
-        tokens=round(b),
+        tokens=round(rows),
         hidden=m.hidden,
         topk=m.topk,
         experts=m.experts,
@@ -118,38 +144,52 @@ def estimate(sm: StageModel, dep: Deployment) -> Estimate:
         imbalance=sm.expert_imbalance,
     )
     comm = comm_time(case, sm.attn_hw, sm.ffn_hw if afd else None)
-    t_d, t_c = comm.dispatch_us, comm.combine_us
-    round_trip = t_a + t_d + t_f + t_c
+    round_trip = t_a + comm.dispatch_us + t_f + comm.combine_us
     period, bound = pipeline_period(n, t_a, t_f, comm.dispatch_busy_us, comm.combine_busy_us, round_trip, afd)
-    a_work = t_a if afd else t_a + t_f
-    moe_us = moe_layers_time(m.moe_layers, n, period, a_work, round_trip)
+    return _Layer(t_a, t_f, comm.dispatch_us, comm.combine_us, period, bound, t_a if afd else t_a + t_f, round_trip)
+
+
+def estimate(sm: StageModel, dep: Deployment) -> Estimate:
+    dep.validate()
+    m, n = sm.model, dep.micro_batches
+    afd = dep.mode == "afd"
+    rows_per_seq = 1 + dep.mtp_steps  # a verify step's decode rows per request
+    b = dep.seqs_per_gpu / n
+    layer = _moe_layer(sm, dep, b * rows_per_seq)
+    moe_us = moe_layers_time(m.moe_layers, n, layer.period, layer.a_work, layer.round_trip)
     step_us = (
         sm.attn_hw.efficiency.step_overhead_us
-        + sm.head_us(dep.seqs_per_gpu)
-        + m.dense_layers * n * sm.dense_layer_us(b)
+        + sm.head_us(dep.seqs_per_gpu * rows_per_seq)
+        + m.dense_layers * n * sm.dense_layer_us(b * rows_per_seq)
         + moe_us
     )
-    tokens_per_s = dep.seqs_per_gpu * dep.attn_gpus / (step_us * 1e-6) if dep.seqs_per_gpu else 0.0
+    if dep.mtp_steps:  # the module's passes: one MoE layer each, and its head
+        for rows in [b * rows_per_seq] + [b] * (dep.mtp_steps - 1):
+            mtp = _moe_layer(sm, dep, rows)
+            step_us += moe_layers_time(1, n, mtp.period, mtp.a_work, mtp.round_trip) + sm.head_us(rows * n)
+    tokens_per_s = dep.seqs_per_gpu * dep.attn_gpus * dep.accept_length / (step_us * 1e-6) if dep.seqs_per_gpu else 0.0
     attn_gb, ffn_gb = memory_gb(sm, dep)
     fits = attn_gb <= sm.attn_hw.mem_gb * (1 - MEMORY_RESERVE) and (
         not afd or ffn_gb <= sm.ffn_hw.mem_gb * (1 - MEMORY_RESERVE)
     )
     return Estimate(
         dep,
-        step_us / 1e3,
+        step_us / 1e3 / dep.accept_length,
         tokens_per_s / dep.gpus,
         tokens_per_s,
-        t_a,
-        t_f,
-        t_d,
-        t_c,
-        period,
-        n * a_work / period if period else 0.0,
-        n * t_f / period if period else 0.0,
-        bound,
+        layer.attention,
+        layer.ffn,
+        layer.dispatch,
+        layer.combine,
+        layer.period,
+        n * layer.a_work / layer.period if layer.period else 0.0,
+        n * layer.ffn / layer.period if layer.period else 0.0,
+        layer.bound,
         attn_gb,
         ffn_gb,
         fits,
+        step_us / 1e3,
+        dep.seqs_per_gpu * dep.attn_gpus * rows_per_seq,
     )
 
 

@@ -28,6 +28,8 @@ class SearchSpace:
     total_gpus: int | None = None  # keep only topologies with exactly this many GPUs
     dispatch: str = "two-stage"
     shared_expert: tuple[str, ...] = ("attention", "ffn")  # AFD placements to try
+    mtp_steps: int = 0  # speculative decoding: drafts per request and step (deploy.py)
+    accept_length: float = 1.0
 
 
 def best_batch(sm: StageModel, dep: Deployment, tpot_slo_ms: float) -> Estimate | None:
@@ -50,14 +52,15 @@ def candidates(sm: StageModel, mode: str, space: SearchSpace) -> list[Deployment
     if mode == "colocated":
         gpus = space.attn_gpus or ((space.total_gpus,) if space.total_gpus else COLOCATED_GPUS)
         mbs = space.micro_batches or (1, 2)
-        return [Deployment("colocated", g, 0, n, 0, "direct") for g in gpus for n in mbs if g <= experts]
+        spec = dict(mtp_steps=space.mtp_steps, accept_length=space.accept_length)
+        return [Deployment("colocated", g, 0, n, 0, "direct", **spec) for g in gpus for n in mbs if g <= experts]
     if mode != "afd":
         raise ConfigError(f"--mode {mode!r} must be 'afd' or 'colocated'")
     a_gpus = space.attn_gpus or tuple(k * sm.attn_hw.gpus_per_node for k in NODE_COUNTS)
     f_gpus = space.ffn_gpus or tuple(k * sm.ffn_hw.gpus_per_node for k in NODE_COUNTS)
     mbs = space.micro_batches or (1, 2, 3, 4)
     return [
-        Deployment("afd", a, f, n, 0, space.dispatch, s)
+        Deployment("afd", a, f, n, 0, space.dispatch, s, space.mtp_steps, space.accept_length)
         for a in a_gpus
         for f in f_gpus
         for n in mbs

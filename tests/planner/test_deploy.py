@@ -136,3 +136,26 @@ def test_bf16_weights_double_weight_memory_and_streaming():
     assert bf16.experts_us(64, 16) - overhead == pytest.approx(2 * (fp8.experts_us(64, 16) - overhead))
     with pytest.raises(ConfigError, match="--weight-dtype 'int2'"):
         StageModel(MODELS["step3"], H800, H800, 4096, weight_dtype="int2")
+
+
+def test_speculation_multiplies_rows_and_divides_tpot_by_the_accepted_length():
+    """MTP with N drafts: a step runs 1 + N rows per request through every layer plus the module's
+    passes, so with nothing accepted it only costs; each accepted token divides TPOT."""
+    sm = StageModel(MODELS["deepseek-v3"], HARDWARE["H800"], HARDWARE["H800"], 4096)
+    base = Deployment("afd", 32, 16, 3, 96)
+    off = estimate(sm, base)
+    wasted = estimate(sm, dataclasses.replace(base, mtp_steps=1, accept_length=1.0))
+    kept = estimate(sm, dataclasses.replace(base, mtp_steps=1, accept_length=1.8))
+    assert wasted.ffn_tokens_per_layer == 2 * off.ffn_tokens_per_layer == 2 * 32 * 96
+    assert wasted.step_ms > off.step_ms and wasted.tpot_ms == wasted.step_ms
+    assert kept.step_ms == wasted.step_ms and kept.tpot_ms == pytest.approx(kept.step_ms / 1.8)
+    assert kept.tokens_per_s == pytest.approx(1.8 * wasted.tokens_per_s)
+    chained = estimate(sm, dataclasses.replace(base, mtp_steps=2, accept_length=1.8))
+    assert chained.step_ms > kept.step_ms and chained.ffn_tokens_per_layer == 3 * off.ffn_tokens_per_layer
+    with pytest.raises(ConfigError, match=r"accepted length 2.5 must be between 1 and drafts \+ 1 \(2\)"):
+        estimate(sm, dataclasses.replace(base, mtp_steps=1, accept_length=2.5))
+    # under a tight SLO, speculation serves far more per GPU
+    space = SearchSpace(attn_gpus=(32,), ffn_gpus=(16,), micro_batches=(3,))
+    plain = search(sm, "afd", 50, space)
+    spec = search(sm, "afd", 50, dataclasses.replace(space, mtp_steps=1, accept_length=1.81))
+    assert spec and spec[0].tokens_per_gpu_s > 2 * (plain[0].tokens_per_gpu_s if plain else 0.0) > 0

@@ -170,3 +170,11 @@ def test_calibrate_then_deploy_with_measured_stages(tmp_path, capsys):
     assert roofline["stage_times"] == "roofline (H800 efficiency factors)"
     b = measured["deployment"]["seqs_per_gpu"] / measured["deployment"]["micro_batches"]
     assert measured["attention_us"] == pytest.approx(100 + 5 * b)  # the fitted line, nothing else
+
+
+def test_deploy_takes_speculation_with_the_published_accepted_length(capsys):
+    out = plan_json(capsys, "deploy", "--mode", "afd", "--mtp-steps", "1")
+    assert (out["deployment"]["mtp_steps"], out["deployment"]["accept_length"]) == (1, 1.81)
+    assert out["step_ms"] == pytest.approx(1.81 * out["tpot_ms"])
+    res = plan("deploy", "--mode", "afd", "--mtp-steps", "3")
+    assert res.returncode == 2 and "--mtp-steps 3 has no published accepted length" in res.stderr
