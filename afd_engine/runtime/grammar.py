@@ -135,6 +135,28 @@ class Matcher:
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def advance_drafts(self, drafts: list[int], bitmask: torch.Tensor, rows: list[int]) -> int:
+        """Speculative decoding: advances past the drafts while the grammar takes them, filling
+        bitmask row rows[j] with the next-token mask after drafts[: j + 1]; stops before a draft it
+        refuses or one that would end the grammar. Returns how many it advanced past (`rollback`
+        undoes them)."""
+        taken = 0
+        if self.ended:
+            return 0
+        for token, row in zip(drafts, rows):
+            if not self._matcher.accept_token(token):
+                break
+            if self._matcher.is_terminated():
+                self._matcher.rollback(1)
+                break
+            taken += 1
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+        return taken
+
+    def rollback(self, tokens: int) -> None:
+        if tokens:
+            self._matcher.rollback(tokens)
+
     def accept(self, token: int) -> bool:
         """Advances past `token`; True when the output is complete (a stop token ended the grammar)
         or the token was refused (which the bitmask rules out; the request then ends)."""

@@ -149,14 +149,15 @@ class LogitControls:
         logits = logits - self.frequency[:, None] * counts
         return logits - self.presence[:, None] * generated
 
-    def accept(self, tokens: torch.Tensor) -> list[int]:
+    def accept(self, tokens: torch.Tensor, skip: frozenset[int] = frozenset()) -> list[int]:
         """After sampling: advances the grammars and counts past the sampled tokens; returns the
-        rows whose grammar ended with this token (their output is complete)."""
+        rows whose grammar ended with this token (their output is complete). Grammar rows in `skip`
+        are advanced by their owner (speculative decoding: runtime/spec_step.py)."""
         ended = []
         if self.grammar_rows:
             values = tokens.tolist()
             for row, matcher in zip(self.grammar_rows, self.matchers):
-                if matcher.accept(values[row]):
+                if row not in skip and matcher.accept(values[row]):
                     ended.append(row)
         if self.penalty_rows:
             chosen = tokens[torch.tensor(self.penalty_rows, device=tokens.device)]

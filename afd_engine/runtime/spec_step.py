@@ -24,8 +24,11 @@ pages of kept tokens (it reads `num_cached`).
 
 The drafts are the module's argmax (a deterministic draft): verification of a sampled request
 then treats the draft distribution as one-hot on the draft, which keeps sampling exact. Requests
-whose logits are processed (grammars, penalties, logit bias, min_tokens) draft nothing: they step
-one token at a time, with their controls, beside the others. Steps do not overlap scheduling.
+constrained by a grammar (JSON schema, regex, ...) draft too: the grammar's mask is computed at
+every draft position (the matcher advanced past the drafts before it), and after verification the
+matcher is rolled back to the kept tokens. Requests with other logit processing (penalties, logit
+bias, min_tokens) draft nothing: they step one token at a time, with their controls, beside the
+others. Steps do not overlap scheduling.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd_engine.models.forward_batch import SeqChunk
+from afd_engine.runtime.grammar import apply_bitmask, new_bitmask
 from afd_engine.runtime.kv_cache import pages_for
 from afd_engine.runtime.model_runner import PreparedStep
 from afd_engine.runtime.request import Request
@@ -78,7 +82,7 @@ class _Result:
     proposed: list[int]  # per sampler, the drafts it verified
     tokens: list[list[int]]  # per sampler, the tokens it keeps (kept drafts, then the target's)
     drafts: list[list[int]]  # per sampler, its next drafts
-    ended: list[int]  # samplers whose grammar ended with their token
+    ended: dict[int, int]  # sampler -> index among its kept tokens of the one that ended its grammar
 
 
 class SpecStepper(Stepper):
@@ -107,7 +111,7 @@ class SpecStepper(Stepper):
         inputs = prepared.inputs
         if not inputs.samplers:
             self._draft(prepared, hidden, None, None)  # the module's cache of the chunks' positions
-            return _Result(logits, logits[:0, None], [], [], [], [])
+            return _Result(logits, logits[:0, None], [], [], [], {})
         device = logits.device
         proposed = [n - 1 for n in inputs.sample_counts] if inputs.sample_counts else [0] * len(inputs.samplers)
         counts = torch.tensor(proposed, device=device) + 1
@@ -115,10 +119,11 @@ class SpecStepper(Stepper):
         first = torch.tensor(inputs.sample_rows, device=device)
         offsets = torch.arange(width, device=device)
         target = logits[first[:, None] + torch.minimum(offsets[None, :], counts[:, None] - 1)]  # [B, K + 1, V]
-        scored = target
-        if step.controls is not None:  # (only requests that draft nothing have controls)
+        scored, constrained = target, {}
+        if step.controls is not None:  # (of the drafting requests, only grammars have controls)
             scored = target.clone()
             scored[:, 0] = step.controls.apply(target[:, 0])
+            constrained = _draft_masks(scored, inputs.samplers, proposed)
         drafts = torch.tensor(
             [(r.draft_ids[:p] + [0] * width)[: width - 1] for r, p in zip(inputs.samplers, proposed)],
             dtype=torch.int64,
@@ -126,8 +131,13 @@ class SpecStepper(Stepper):
         ).view(len(inputs.samplers), width - 1)
         batch = step.sampling if step.sampling is not None else SamplingBatch.greedy(device)
         verified = verify(scored, drafts, counts - 1, batch)
-        ended = step.controls.accept(verified.tokens[:, 0]) if step.controls is not None else []
-        tokens = [row[: a + 1] for row, a in zip(verified.tokens.tolist(), verified.accepted.tolist())]
+        accepted = verified.accepted.tolist()
+        tokens = [row[: a + 1] for row, a in zip(verified.tokens.tolist(), accepted)]
+        ended = {}
+        if step.controls is not None:
+            ended = dict.fromkeys(step.controls.accept(verified.tokens[:, 0], frozenset(constrained)), 0)
+            for b, advanced in constrained.items():  # back to the kept tokens, then on past the last
+                ended.update(_settle(inputs.samplers[b].matcher, advanced, accepted[b], tokens[b], b))
         emitted = verified.tokens.gather(1, verified.accepted[:, None])[:, 0]
         next_drafts = self._draft(prepared, hidden, verified.accepted, emitted)
         return _Result(logits, target, proposed, tokens, next_drafts, ended)
@@ -158,7 +168,7 @@ class SpecStepper(Stepper):
         proposal = [logits.argmax(-1)]
         positions = torch.cat([b["fb"].positions for b in prepared.batches])
         pos = (positions[at] + 1).tolist()  # where each sampler's next token goes
-        drafting = [i for i, r in enumerate(samplers) if not r.params.processed and r.params.max_new_tokens > 0]
+        drafting = [i for i, r in enumerate(samplers) if drafts_ok(r.params) and r.params.max_new_tokens > 0]
         for k in range(1, self.num_steps):
             # rows whose pages hold the module's cache entry at position pos + k - 1
             drafting = [i for i in drafting if pool.tokens_capacity(samplers[i].row) >= pos[i] + k]
@@ -176,7 +186,7 @@ class SpecStepper(Stepper):
         table = torch.stack(proposal, dim=1).tolist()  # [B, steps]
         drafts = []
         for i, r in enumerate(samplers):
-            row = table[i] if not r.params.processed else []
+            row = table[i] if drafts_ok(r.params) else []
             drafts.append(row[: row.index(-1)] if -1 in row else row)
         return drafts
 
@@ -204,15 +214,15 @@ class SpecStepper(Stepper):
     def _append(self, reqs: list[Request], result: _Result) -> list[Request]:
         """Appends each live request's kept tokens up to the first that ends it; records their
         logprobs; counts its kept drafts as cached; keeps its next drafts."""
-        finished, ended, taken = [], set(result.ended), []
+        finished, ended, taken = [], result.ended, []
         for row, (req, tokens) in enumerate(zip(reqs, result.tokens)):
             mine = []
             if req.finish_reason is None:  # (one that ended or was aborted meanwhile takes nothing)
-                for token in tokens:
+                for j, token in enumerate(tokens):
                     req.output_ids.append(token)
                     mine.append(token)
                     reason, req.text_trim = self.stop_checker.check(req.output_ids, req.params)
-                    if reason is None and row in ended:
+                    if reason is None and ended.get(row) == j:
                         reason = "stop"
                     if reason is None and req.known_len >= self.context_len:
                         reason = "length"
@@ -256,6 +266,43 @@ def _token_offsets(prepared: PreparedStep) -> list[int]:
     """Each micro-batch's first token in the step's flat token order."""
     sizes = [b["fb"].num_tokens for b in prepared.batches]
     return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def drafts_ok(params) -> bool:
+    """Whether a request drafts: unless its logits are processed by more than a grammar (penalties,
+    logit bias and min_tokens would need the drafts' effect at every position)."""
+    return not params.processed or not (params.penalized or params.logit_bias or params.min_tokens)
+
+
+def _draft_masks(scored: torch.Tensor, samplers: list[Request], proposed: list[int]) -> dict[int, int]:
+    """The grammar masks at the draft positions of constrained drafting requests, applied in place
+    to `scored` [B, K + 1, V]; returns, per such sampler, the drafts its matcher advanced past."""
+    rows = [b for b, (r, p) in enumerate(zip(samplers, proposed)) if p and r.matcher is not None]
+    if not rows:
+        return {}
+    width, vocab = scored.shape[1], scored.shape[2]
+    bitmask = new_bitmask(len(rows) * width, vocab)
+    flat, advanced = [], {}
+    for i, b in enumerate(rows):
+        positions = [i * width + j for j in range(1, proposed[b] + 1)]
+        advanced[b] = samplers[b].matcher.advance_drafts(samplers[b].draft_ids[: proposed[b]], bitmask, positions)
+        flat += positions[: advanced[b]]
+    if flat:
+        view = scored[rows].view(len(rows) * width, vocab)
+        apply_bitmask(view, bitmask, flat)
+        scored[rows] = view.view(len(rows), width, vocab)
+    return advanced
+
+
+def _settle(matcher, advanced: int, accepted: int, kept: list[int], row: int) -> dict[int, int]:
+    """A constrained request's matcher after verification: rolled back to its kept drafts, then
+    past the rest of its kept tokens; {row: index of the kept token that ended the grammar} where
+    one did."""
+    matcher.rollback(max(0, advanced - accepted))
+    for j, token in enumerate(kept[min(advanced, accepted) :], start=min(advanced, accepted)):
+        if matcher.accept(token):
+            return {row: j}
+    return {}
 
 
 def _spans(plan) -> list[tuple[Request, int]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -177,26 +178,34 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(mtp_model):
     assert both[1].token_ids == alone[0].token_ids and len(both[0].token_ids) == 12
 
 
-def test_constrained_requests_decode_beside_speculating_ones(mtp_model, oracle):
-    """A JSON-schema request drafts nothing (its grammar steps token by token) while the others
-    speculate; it gives the output it gives without speculation."""
+@pytest.mark.parametrize("steps", [1, 3])
+def test_constrained_requests_speculate_within_their_grammar(mtp_model, oracle, steps):
+    """A JSON-schema request drafts too: the grammar's mask at every draft position, the matcher
+    rolled back past rejected drafts (the oracle corrupts some into tokens the grammar refuses). Its
+    output equals the one without speculation; a penalized request beside it drafts nothing and
+    equals too; a sampled regex request stays within its regex."""
     schema = {
         "type": "object",
         "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
         "required": ["n"],
     }
     params = [
-        SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_new_tokens=40, temperature=0.0, guide=("json_schema", json.dumps(schema))),
+        SamplingParams(max_new_tokens=40, temperature=0.0, guide=("json_schema", json.dumps(schema)), logprobs=1),
+        SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True, frequency_penalty=1.0),
+        SamplingParams(max_new_tokens=30, temperature=1.0, seed=5, guide=("regex", "[a-z]{3,8}-[0-9]{2,5}")),
     ]
     with Engine(model_path=mtp_model, **FLAGS) as off:
-        ref = off.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)
-    oracle.want = {tuple(PROMPTS[0]): ref[0].token_ids}
-    with Engine(model_path=mtp_model, speculative_algorithm="NEXTN", speculative_num_steps=2, **FLAGS) as eng:
-        outs = eng.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)
-        assert eng.stepper.counters.accepted > 0
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    assert 0 <= json.loads(outs[1].text)["n"] <= 99 and outs[1].finish_reason == "stop"
+        ref = off.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params)
+    oracle.want = {tuple(p): o.token_ids for p, o in zip(PROMPTS[:2], ref)}
+    with Engine(model_path=mtp_model, speculative_algorithm="NEXTN", speculative_num_steps=steps, **FLAGS) as eng:
+        alone = eng.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params[:1])[0]
+        assert eng.stepper.counters.accepted > 0  # the constrained request kept drafts
+        outs = eng.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params)
+    assert alone.token_ids == ref[0].token_ids
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in ref[:2]]
+    assert [a.top_ids for a in outs[0].logprobs] == [b.top_ids for b in ref[0].logprobs]
+    assert 0 <= json.loads(outs[0].text)["n"] <= 99 and outs[0].finish_reason == "stop"
+    assert re.fullmatch("[a-z]{3,8}-[0-9]{2,5}", outs[2].text) and outs[2].finish_reason == "stop"
 
 
 def test_streamed_updates_carry_every_kept_token(mtp_model, oracle):
