@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from afd_engine import Engine, SamplingParams, make_engine
 from afd_engine.default_model import default_model_path
@@ -60,15 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def prompts(tokenizer, model_path, n: int, length: int) -> list[list[int]]:
-    """n prompts of `length` tokens, consecutive windows of the held-out text (the model's own
-    held-out prose; a checkpoint without one gets windows of its tokenizer's decoded vocabulary)."""
-    from pathlib import Path
-
+    """n prompts of `length` tokens: the openings of the model's held-out paragraphs that are long
+    enough, in order (repeated when there are fewer than n); a checkpoint without held-out text
+    gets windows of its tokenizer's decoded vocabulary."""
     heldout = Path(model_path) / "heldout.txt"
-    text = heldout.read_text() if heldout.exists() else " ".join(tokenizer.decode([i]) for i in range(5, 2000))
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    stride = max(length, len(ids) // max(n, 1) - 1)
-    return [ids[i * stride : i * stride + length] for i in range(n)]
+    if heldout.exists():
+        encoded = (tokenizer.encode(p, add_special_tokens=False) for p in heldout.read_text().split("\n\n"))
+        openings = [ids[:length] for ids in encoded if len(ids) >= length]
+    else:
+        ids = tokenizer.encode(" ".join(tokenizer.decode([i]) for i in range(5, 400)), add_special_tokens=False)
+        openings = [ids[i : i + length] for i in range(0, len(ids) - length, length)]
+    return [openings[i % len(openings)] for i in range(n)]
 
 
 def run_setting(args, model_path: str, mode: str, steps: int, concurrency: int, batch: list[list[int]]) -> dict:
