@@ -309,3 +309,18 @@ def test_afd_serve_refuses_a_checkpoint_without_the_module_in_one_line(tmp_path,
         assert "lacks weights the model needs: model.layers.4.self_attn" in lines[0]
     else:
         assert "num_nextn_predict_layers=0: it has no multi-token prediction module to draft with" in lines[0]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_the_context_length_ends_a_speculating_request_where_it_ends_a_plain_one(mtp_model, oracle, steps):
+    p = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    with Engine(model_path=mtp_model, context_length=41, **FLAGS) as off:
+        ref = off.generate(prompt_token_ids=PROMPTS[4:5], sampling_params=p)[0]
+    assert ref.finish_reason == "length" and len(PROMPTS[4]) + len(ref.token_ids) == 41
+    oracle.want, oracle.perfect = {tuple(PROMPTS[4]): ref.token_ids + [7] * 8}, {tuple(PROMPTS[4])}
+    with Engine(
+        model_path=mtp_model, context_length=41, speculative_algorithm="NEXTN", speculative_num_steps=steps, **FLAGS
+    ) as eng:
+        out = eng.generate(prompt_token_ids=PROMPTS[4:5], sampling_params=p)[0]
+        assert eng.stepper.counters.accepted > 0
+    assert (out.token_ids, out.finish_reason) == (ref.token_ids, "length")
