@@ -1,4 +1,5 @@
-"""Trains the small default model: a DeepSeek-V3-shaped checkpoint that writes English-like text.
+"""Trains the small default model: a DeepSeek-V3-shaped checkpoint that writes English-like text,
+with a multi-token prediction (MTP) head for speculative decoding.
 
 The text is CPython's own documentation, `pydoc_data.topics.topics` (about 80 topics, ~465k
 characters, shipped with every CPython under the PSF License Version 2), so training needs no
@@ -13,7 +14,24 @@ shared and routed experts with sigmoid group-limited routing). The router's
 token stream drawn from a seeded generator, so the same seed and step count give the same weights.
 The checkpoint is written in DeepSeek's layout (one tensor per expert) with bfloat16 weights.
 
-Command line: ``afd train-tiny OUT_DIR [--seed 0] [--minutes M] [--steps N] [--threads T]``.
+Then, with the main weights frozen as written (bfloat16), one MTP module is trained with
+DeepSeek-V3's objective: the cross-entropy of token i+2 from the main model's last hidden state at
+position i (before its final norm) and the embedding of token i+1 (afd_engine/models/mtp.py has
+the equations). DeepSeek trains the module together with the main model; trained after it, on
+the true tokens alone it learns to predict the text but drifts from the main model's own guesses,
+which a draft has to match. So the cross-entropy against the main model's distribution of the same
+token (its logits at position i+1) is mixed in, with weight ``--mtp-distill`` (0: DeepSeek's
+objective alone). The module is plain torch around transformers' ``DeepseekV3DecoderLayer``; the
+embedding and ``shared_head.head`` are frozen copies of the main model's embedding and lm_head. It
+is saved as layer ``num_hidden_layers`` (``num_nextn_predict_layers: 1``), and the README gains its
+held-out top-1 accuracy for token i+2 and its greedy acceptance proxy: how often its argmax equals
+the main model's own argmax at the next position, the true text as context.
+
+Command line: ``afd train-tiny OUT_DIR [--seed 0] [--minutes M] [--steps N] [--mtp-steps K]
+[--mtp-distill W] [--threads T]`` trains both (``--mtp-steps 0``: the main model alone).
+``afd train-tiny OUT_DIR --mtp-only [--from DIR]`` trains only a head, on the checkpoint in DIR
+(default: OUT_DIR itself, updated in place): its main tensors are copied into OUT_DIR bit for bit,
+a head it had is replaced.
 """
 
 from __future__ import annotations
@@ -70,13 +88,20 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     weight_decay: float = 0.1
+    mtp_steps: int = 1000  # the MTP head's optimizer steps after the main model's; 0: no head
+    mtp_lr: float = 2e-3
+    # weight of the MTP head's second target, the main model's own distribution of the same token
+    # (one position later); 0 leaves DeepSeek-V3's objective alone
+    mtp_distill: float = 0.5
 
-    def lr_at(self, step: int) -> float:
-        """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    def lr_at(self, step: int, mtp: bool = False) -> float:
+        """Linear warmup, then cosine decay to min_lr_ratio of the peak at the last step (of the
+        main training, or with `mtp` of the head's)."""
+        lr, steps = (self.mtp_lr, self.mtp_steps) if mtp else (self.lr, self.steps)
         if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+            return lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, steps - self.warmup_steps)
+        return lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def load_topics() -> tuple[dict[str, str], dict[str, str]]:
@@ -86,6 +111,11 @@ def load_topics() -> tuple[dict[str, str], dict[str, str]]:
     names = sorted(topics)
     heldout = {n: topics[n] for i, n in enumerate(names) if i % HELDOUT_EVERY == 0}
     return {n: topics[n] for n in names if n not in heldout}, heldout
+
+
+def heldout_text(heldout_topics: dict[str, str]) -> str:
+    """The held-out topics as one text: what heldout.txt holds."""
+    return "\n\n".join(text.strip() for text in heldout_topics.values()) + "\n"
 
 
 def passages(text: str, max_chars: int = 1200) -> list[str]:
@@ -138,25 +168,18 @@ def train(out_dir: str | pathlib.Path, cfg: TrainConfig) -> dict:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train_topics, heldout_topics = load_topics()
-    heldout_text = "\n\n".join(heldout_topics[n].strip() for n in heldout_topics) + "\n"
-    (out / "heldout.txt").write_text(heldout_text, encoding="utf-8")
+    (out / "heldout.txt").write_text(heldout_text(heldout_topics), encoding="utf-8")
 
     samples = training_samples(train_topics)
     tokenizer = build_bpe_tokenizer(samples, cfg.vocab_size)
     info = write_tokenizer_files(out, tokenizer)
     config = build_tiny_config("deepseek_v3", info, overrides=MODEL_OVERRIDES, dtype="bfloat16")
     stream = token_stream(tokenizer, samples)  # [tokens]
-    heldout = torch.tensor(tokenizer.encode(heldout_text).ids, dtype=torch.long)
+    heldout = torch.tensor(tokenizer.encode(heldout_text(heldout_topics)).ids, dtype=torch.long)
 
     model = build_model(config, cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
+    opt = adamw(params, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     start, step, loss_ema = time.monotonic(), 0, None
     bar = tqdm(total=cfg.steps, desc="train-tiny", unit="step")
@@ -189,7 +212,20 @@ def train(out_dir: str | pathlib.Path, cfg: TrainConfig) -> dict:
     }
     save_checkpoint(model, config, out)
     write_readme(out, cfg, result, sorted(heldout_topics))
+    if cfg.mtp_steps:
+        result["mtp"] = train_mtp(out, out, cfg, mtp_command(cfg))
     return result
+
+
+def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
 
 
 @torch.inference_mode()
@@ -210,24 +246,7 @@ def save_checkpoint(model, config: dict, out: pathlib.Path) -> None:
     """Write model.safetensors with DeepSeek's names (one tensor per expert), config and generation config."""
     from safetensors.torch import save_file
 
-    tensors = {}
-    for name, t in model.state_dict().items():
-        t = t.detach()
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
-            prefix = name[: -len("gate_up_proj")]
-            gates, ups = t.chunk(2, dim=1)  # [E, I, H] each
-            for e, (gate, up) in enumerate(zip(gates, ups)):
-                tensors[f"{prefix}{e}.gate_proj.weight"] = gate.to(torch.bfloat16).contiguous()
-                tensors[f"{prefix}{e}.up_proj.weight"] = up.to(torch.bfloat16).contiguous()
-        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
-            prefix = name[: -len("down_proj")]
-            for e, down in enumerate(t.unbind(0)):
-                tensors[f"{prefix}{e}.down_proj.weight"] = down.to(torch.bfloat16).contiguous()
-        elif name.endswith("e_score_correction_bias"):
-            tensors[name] = t.float().contiguous()  # real checkpoints keep the router bias in float32
-        else:
-            tensors[name] = t.to(torch.bfloat16).contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(checkpoint_tensors(model.state_dict()), str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
@@ -240,6 +259,48 @@ def save_checkpoint(model, config: dict, out: pathlib.Path) -> None:
             "top_p": 0.9,
         },
     )
+
+
+def checkpoint_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' state dict -> DeepSeek's checkpoint tensors: one per expert, bfloat16, the
+    router bias in float32 as real checkpoints keep it."""
+    tensors = {}
+    for name, t in state.items():
+        t = t.detach()
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            prefix = name[: -len("gate_up_proj")]
+            gates, ups = t.chunk(2, dim=1)  # [E, I, H] each
+            for e, (gate, up) in enumerate(zip(gates, ups)):
+                tensors[f"{prefix}{e}.gate_proj.weight"] = gate.to(torch.bfloat16).contiguous()
+                tensors[f"{prefix}{e}.up_proj.weight"] = up.to(torch.bfloat16).contiguous()
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
+            prefix = name[: -len("down_proj")]
+            for e, down in enumerate(t.unbind(0)):
+                tensors[f"{prefix}{e}.down_proj.weight"] = down.to(torch.bfloat16).contiguous()
+        elif name.endswith("e_score_correction_bias"):
+            tensors[name] = t.float().contiguous()
+        else:
+            tensors[name] = t.to(torch.bfloat16).contiguous()
+    return tensors
+
+
+def state_dict_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of checkpoint_tensors, in float32: each layer's experts stacked back into
+    transformers' [E, 2I, H] gate_up_proj and [E, H, I] down_proj."""
+    state, experts = {}, {}
+    for name, t in tensors.items():
+        prefix, sep, rest = name.partition("mlp.experts.")
+        if sep:  # rest: "{e}.gate_proj.weight"
+            e, proj = rest.split(".")[:2]
+            experts.setdefault(prefix + sep, {})[(int(e), proj)] = t.float()
+        else:
+            state[name] = t.float()
+    for prefix, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        gate_up = [torch.cat((parts[(e, "gate_proj")], parts[(e, "up_proj")])) for e in range(n)]
+        state[prefix + "gate_up_proj"] = torch.stack(gate_up)
+        state[prefix + "down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+    return state
 
 
 def write_readme(out: pathlib.Path, cfg: TrainConfig, result: dict, heldout_names: list[str]) -> None:
@@ -269,22 +330,351 @@ Python's documentation. It writes English-like text about Python, not correct an
     (out / "README.md").write_text(text, encoding="utf-8")
 
 
+# -- the multi-token prediction head ---------------------------------------------------------------
+
+MTP_README_HEADING = "## Multi-token prediction head"
+_BLOCK_NAMES = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
+
+
+class MTPModule(torch.nn.Module):
+    """DeepSeek-V3's MTP module in training form (equations: afd_engine/models/mtp.py). Its tensors
+    are the checkpoint's `model.layers.{num_hidden_layers}.*`, the decoder block's held under
+    `block.`; the embedding and `shared_head.head` are frozen copies of the main model's, and
+    `shared_head.norm` starts as the main model's final norm."""
+
+    def __init__(self, config: dict, main) -> None:
+        import copy
+
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+        super().__init__()
+        hf_config = hf_deepseek_config(config)
+        # the same attention and experts code as the main model's layers
+        hf_config._attn_implementation = main.config._attn_implementation
+        hf_config._experts_implementation = main.config._experts_implementation
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.layer_id = hf_config.num_hidden_layers
+        self.init_std = hf_config.initializer_range
+        self.embed_tokens = copy.deepcopy(main.model.embed_tokens).requires_grad_(False)
+        self.enorm = hf.DeepseekV3RMSNorm(hidden, eps)
+        self.hnorm = hf.DeepseekV3RMSNorm(hidden, eps)
+        self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        # its layer id decides dense or MoE as for the engine's MTP layer
+        self.block = hf.DeepseekV3DecoderLayer(hf_config, self.layer_id)
+        self.shared_head = torch.nn.Module()
+        self.shared_head.norm = copy.deepcopy(main.model.norm)
+        self.shared_head.head = copy.deepcopy(main.lm_head).requires_grad_(False)
+        self.rotary = hf.DeepseekV3RotaryEmbedding(hf_config)  # buffers only, none of them saved
+
+    def reset_parameters(self, seed: int) -> None:
+        """Draw the glue and the block from `seed` as transformers initialises a model: matrices
+        normal(0, initializer_range), norms one, the router bias zero."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for module in (self.enorm, self.hnorm, self.eh_proj, self.block):
+                for p in module.parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0.0, self.init_std, generator=gen)
+                    else:
+                        p.fill_(1.0)
+            if hasattr(self.block.mlp, "gate"):
+                self.block.mlp.gate.e_score_correction_bias.zero_()
+
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H]: the main model's last hidden state at positions 0..T-1, before its
+        final norm; next_ids [B, T]: the token after each position. Returns logits [B, T, V] of
+        the token after that."""
+        x = self.eh_proj(torch.cat((self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)), dim=-1))
+        positions = torch.arange(x.shape[1])[None]
+        x = self.block(
+            x,
+            attention_mask=None,
+            position_ids=positions,
+            position_embeddings=self.rotary(x, positions),
+            is_causal=True,
+        )
+        return self.shared_head.head(self.shared_head.norm(x))
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The state dict under the checkpoint's names, transformers' expert layout."""
+        prefix = f"model.layers.{self.layer_id}."
+        return {prefix + name.removeprefix("block."): t for name, t in self.state_dict().items()}
+
+    def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load this layer's tensors from a checkpoint's (DeepSeek's layout)."""
+        prefix = f"model.layers.{self.layer_id}."
+        own = {n.removeprefix(prefix): t for n, t in state_dict_tensors(tensors).items() if n.startswith(prefix)}
+        self.load_state_dict({("block." + n if n.startswith(_BLOCK_NAMES) else n): t for n, t in own.items()})
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to (None: the embedding, final norm, lm_head)."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] else None
+
+
+def hf_deepseek_config(config: dict):
+    """transformers' DeepseekV3Config of a config.json dict, which it leaves as it was (the config
+    class fills in the nested rope settings it is handed)."""
+    import copy
+
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**copy.deepcopy(config))
+
+
+def load_checkpoint(path: str | pathlib.Path):
+    """(config, every tensor as stored, the main model in float32 with its weights frozen) of a
+    checkpoint directory; an MTP module it holds is left out of the model."""
+    from safetensors.torch import load_file
+    from transformers import DeepseekV3ForCausalLM
+
+    path = pathlib.Path(path)
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    tensors = load_file(str(path / "model.safetensors"))
+    n = config["num_hidden_layers"]
+    main_tensors = {k: t for k, t in tensors.items() if (layer_of(k) or 0) < n}
+    model = DeepseekV3ForCausalLM(hf_deepseek_config(config))
+    model.load_state_dict(state_dict_tensors(main_tensors))
+    return config, tensors, model.requires_grad_(False).eval()
+
+
+def main_forward(main, ids: torch.Tensor, logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The main model's last hidden state before its final norm [B, T, H] (what the MTP module
+    reads), and with `logits` its logits [B, T, V]."""
+    seen = []
+    hook = main.model.norm.register_forward_hook(lambda _module, args, _out: seen.append(args[0]))
+    try:
+        if logits:
+            out = main(input_ids=ids).logits
+        else:  # the model without its lm_head
+            main.model(input_ids=ids)
+            out = None
+    finally:
+        hook.remove()
+    return seen[0], out
+
+
+def train_mtp(src_dir: str | pathlib.Path, out_dir: str | pathlib.Path, cfg: TrainConfig, command: str) -> dict:
+    """Train an MTP head on the checkpoint in src_dir (its main weights frozen) for cfg.mtp_steps
+    steps, write the checkpoint with the head into out_dir (src_dir itself is fine; the main tensors
+    copied bit for bit, a head src_dir had replaced) and return the run's numbers. `command` is
+    what the README says produced it."""
+    from tokenizers import Tokenizer
+    from tqdm import tqdm
+
+    torch.set_num_threads(cfg.threads)
+    src, out = pathlib.Path(src_dir), pathlib.Path(out_dir)
+    config, tensors, main = load_checkpoint(src)
+    tokenizer = Tokenizer.from_file(str(src / "tokenizer.json"))
+    train_topics, heldout_topics = load_topics()
+    stream = token_stream(tokenizer, training_samples(train_topics))  # [tokens]
+    heldout = torch.tensor(tokenizer.encode(heldout_text(heldout_topics)).ids, dtype=torch.long)
+
+    mtp = MTPModule(config, main)
+    mtp.reset_parameters(cfg.seed)
+    params = [p for p in mtp.parameters() if p.requires_grad]
+    opt = adamw(params, cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    start, step, loss_ema, T = time.monotonic(), 0, None, cfg.seq_len
+    bar = tqdm(total=cfg.mtp_steps, desc="train-tiny mtp", unit="step")
+    while step < cfg.mtp_steps and time.monotonic() - start < cfg.minutes * 60:
+        starts = torch.randint(0, len(stream) - T - 1, (cfg.batch_size,), generator=gen)
+        batch = torch.stack([stream[s : s + T + 2] for s in starts.tolist()])  # [B, T+2]
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step, mtp=True)
+        with torch.no_grad():  # positions 0 .. T: the hidden states of 0 .. T-1, the logits of 1 .. T
+            hidden, main_logits = main_forward(main, batch[:, : T + 1], logits=cfg.mtp_distill > 0)
+        logits = mtp(hidden[:, :T], batch[:, 1 : T + 1]).flatten(0, 1)  # [B*T, V]: token i+2 from h_i, token i+1
+        loss = torch.nn.functional.cross_entropy(logits, batch[:, 2:].flatten())
+        if cfg.mtp_distill > 0:
+            main_probs = main_logits[:, 1:].flatten(0, 1).softmax(-1)
+            distill = torch.nn.functional.cross_entropy(logits, main_probs)
+            loss = (1 - cfg.mtp_distill) * loss + cfg.mtp_distill * distill
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", ema=f"{loss_ema:.3f}")
+    bar.close()
+    minutes = (time.monotonic() - start) / 60
+    with torch.no_grad():  # measure what the checkpoint will hold
+        for p in params:
+            p.copy_(p.to(torch.bfloat16))
+    mtp.eval()
+    result = {
+        "steps": step,
+        "minutes": round(minutes, 1),
+        "train_loss": round(loss_ema, 3) if loss_ema is not None else None,
+        **mtp_metrics(main, mtp, heldout, T),
+        "command": command,
+    }
+    save_mtp_checkpoint(src, out, config, tensors, mtp)
+    readme = src / "README.md"
+    base = readme.read_text(encoding="utf-8") if readme.exists() else ""
+    write_mtp_readme(out, base, cfg, result, mtp.layer_id)
+    return result
+
+
+@torch.inference_mode()
+def mtp_metrics(main, mtp: MTPModule, ids: torch.Tensor, seq_len: int, batch_size: int = 8) -> dict:
+    """On consecutive windows of the held-out stream, the true text as context: `mtp_top1`, how
+    often the head's argmax is token i+2; `acceptance`, how often it is the main model's own argmax
+    at position i+1 (the greedy acceptance of a one-token draft); `main_top1`, the main model's
+    accuracy on the same tokens one position later; `predictions`."""
+    starts = range(0, len(ids) - 2, seq_len - 1)  # each window predicts tokens s+2 .. s+seq_len
+    by_length: dict[int, list[torch.Tensor]] = {}  # all windows full but the last
+    for s in starts:
+        window = ids[s : s + seq_len + 1]
+        if len(window) >= 3:
+            by_length.setdefault(len(window), []).append(window)
+    hits = agree = main_hits = count = 0
+    for same in by_length.values():
+        for i in range(0, len(same), batch_size):
+            window = torch.stack(same[i : i + batch_size])  # [B, L]
+            hidden, logits = main_forward(main, window[:, :-1], logits=True)  # positions 0 .. L-2
+            draft = mtp(hidden[:, :-1], window[:, 1:-1]).argmax(-1)  # [B, L-2]: token i+2 at position i
+            main_next = logits[:, 1:].argmax(-1)  # the main model's token i+2, from position i+1
+            hits += (draft == window[:, 2:]).sum().item()
+            agree += (draft == main_next).sum().item()
+            main_hits += (main_next == window[:, 2:]).sum().item()
+            count += draft.numel()
+    return {
+        "mtp_top1": round(hits / count, 4),
+        "acceptance": round(agree / count, 4),
+        "main_top1": round(main_hits / count, 4),
+        "predictions": count,
+    }
+
+
+def save_mtp_checkpoint(
+    src: pathlib.Path, out: pathlib.Path, config: dict, tensors: dict[str, torch.Tensor], mtp: MTPModule
+) -> None:
+    """Write src's checkpoint with `mtp` as its one MTP module into out: the main tensors as read,
+    the module's in DeepSeek's layout, config.json declaring it; src's other files copied."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() != src.resolve():
+        for f in src.iterdir():
+            if f.is_file() and f.name not in ("model.safetensors", "config.json", "README.md"):
+                shutil.copyfile(f, out / f.name)
+    main_tensors = {k: t for k, t in tensors.items() if (layer_of(k) or 0) < mtp.layer_id}
+    tmp = out / "model.safetensors.tmp"  # src's file may be this one, still mapped
+    save_file({**main_tensors, **checkpoint_tensors(mtp.checkpoint_state())}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    _write_json(out / "config.json", {**config, "num_nextn_predict_layers": 1})
+
+
+def write_mtp_readme(out: pathlib.Path, base: str, cfg: TrainConfig, result: dict, layer_id: int) -> None:
+    """The main model's README (without an older MTP section) and a section on the head."""
+    base = base.split(MTP_README_HEADING)[0].strip()
+    text = f"""{base + chr(10) * 2 if base else ""}{MTP_README_HEADING}
+
+`model.layers.{layer_id}.*` (`num_nextn_predict_layers: 1`) is a DeepSeek-V3 multi-token
+prediction module, the draft of speculative decoding: an MLA + MoE decoder block and its glue that
+predict token i+2 from the main model's last hidden state at position i and the embedding of token
+i+1. It was trained after the main model, whose weights stay bit for bit as above, for
+{result["minutes"]} minutes on the CPU on the same text: DeepSeek-V3's objective (the cross-entropy of
+token i+2) mixed, with weight {cfg.mtp_distill}, with the cross-entropy against the main model's own
+distribution of that token (at position i+1), which a draft has to match. Its embedding and
+`shared_head.head` are frozen copies of the main model's.
+
+- Command: `{result["command"]}`:
+  seed {cfg.seed}, {result["steps"]} steps of {cfg.batch_size} x {cfg.seq_len} tokens, AdamW, lr {cfg.mtp_lr} with
+  warmup and cosine decay. `afd train-tiny` without `--mtp-only` trains the head this way after
+  the main model.
+- Final train loss (moving average): {result["train_loss"]}.
+- On heldout.txt ({result["predictions"]} predictions, the true text as context): top-1 accuracy
+  for token i+2: {result["mtp_top1"]} (the main model's on the same tokens, one position later:
+  {result["main_top1"]}). Greedy acceptance proxy (how often the head's argmax is the main model's
+  own argmax at the next position): {result["acceptance"]}.
+- Weights in bfloat16 (the router bias in float32, zero). Date: 2026-11-28.
+"""
+    (out / "README.md").write_text(text, encoding="utf-8")
+
+
+def mtp_command(cfg: TrainConfig) -> str:
+    """The command that trains cfg's MTP head on the main checkpoint in OUT_DIR."""
+    return (
+        f"afd train-tiny OUT_DIR --mtp-only --seed {cfg.seed} --mtp-steps {cfg.mtp_steps} "
+        f"--mtp-distill {cfg.mtp_distill} --threads {cfg.threads}"
+    )
+
+
 def build_train_tiny_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(prog="afd train-tiny", description="Train the small default model on CPU.")
+    parser = argparse.ArgumentParser(
+        prog="afd train-tiny",
+        description="Train the small default model on CPU, then its multi-token prediction (MTP) head.",
+    )
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the init and of the batches")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (the lr schedule's length)")
-    parser.add_argument("--minutes", type=float, default=defaults.minutes, help="stop earlier after this long")
+    parser.add_argument(
+        "--mtp-steps",
+        type=int,
+        default=defaults.mtp_steps,
+        help="optimizer steps of the MTP head, trained after the main model (0: no head)",
+    )
+    parser.add_argument(
+        "--mtp-distill",
+        type=float,
+        default=defaults.mtp_distill,
+        help="weight of the MTP head's second target, the main model's own distribution of the same token "
+        "(0: DeepSeek-V3's cross-entropy alone)",
+    )
+    parser.add_argument(
+        "--mtp-only",
+        action="store_true",
+        help="train only the MTP head, on the checkpoint in --from: its main tensors are copied into OUT_DIR "
+        "bit for bit, a head it had is replaced",
+    )
+    parser.add_argument(
+        "--from",
+        dest="from_dir",
+        metavar="DIR",
+        help="with --mtp-only: the checkpoint to add the head to (default: OUT_DIR, updated in place)",
+    )
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=defaults.minutes,
+        help="stop each training (main, head) earlier after this long",
+    )
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads")
     return parser
 
 
 def main_train_tiny(argv: list[str]) -> int:
     """Command-line entry: train into OUT_DIR and print the run's numbers as JSON."""
-    args = build_train_tiny_parser().parse_args(argv)
-    cfg = TrainConfig(seed=args.seed, steps=args.steps, minutes=args.minutes, threads=args.threads)
-    print(json.dumps(train(args.out_dir, cfg)))
+    parser = build_train_tiny_parser()
+    args = parser.parse_args(argv)
+    if args.from_dir and not args.mtp_only:
+        parser.error("--from reads the checkpoint that --mtp-only adds a head to: give --mtp-only too")
+    if args.mtp_only and args.mtp_steps < 1:
+        parser.error("--mtp-only trains the MTP head: --mtp-steps must be at least 1")
+    if not 0 <= args.mtp_distill <= 1:
+        parser.error(f"--mtp-distill is a weight between 0 and 1, not {args.mtp_distill}")
+    cfg = TrainConfig(
+        seed=args.seed,
+        steps=args.steps,
+        mtp_steps=args.mtp_steps,
+        mtp_distill=args.mtp_distill,
+        minutes=args.minutes,
+        threads=args.threads,
+    )
+    if args.mtp_only:
+        result = train_mtp(args.from_dir or args.out_dir, args.out_dir, cfg, mtp_command(cfg))
+    else:
+        result = train(args.out_dir, cfg)
+    print(json.dumps(result))
     return 0
 
 

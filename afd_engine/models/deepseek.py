@@ -281,9 +281,11 @@ class DeepseekForCausalLM(nn.Module):
         layers = tuple(layer.operations(executor, server) for layer in self.served_layers)
         return ModelOps((Operation("embed", self._embed),), layers, (Operation("logits", self._logits),))
 
-    def routed_experts(self) -> dict[int, RoutedExperts]:
-        """layer id -> the routed experts held here, per MoE layer."""
-        return {layer.layer_id: layer.mlp.experts for layer in self.served_layers if layer.is_moe}
+    def routed_experts(self, with_mtp: bool = False) -> dict[int, RoutedExperts]:
+        """layer id -> the routed experts held here, per MoE layer (`with_mtp`: the MTP draft
+        module's too, where it is held: models/mtp.py)."""
+        layers = list(self.served_layers) + (list(getattr(self, "mtp", ())) if with_mtp else [])
+        return {layer.layer_id: layer.mlp.experts for layer in layers if layer.is_moe}
 
     @property
     def served_layers(self):

@@ -90,10 +90,7 @@ class PipelineRunner(StepRunner):
         self.rebalancer = Rebalancer(spec.initial_map(), model.load_recorder, every, transport, ffn, stager)
         # fault tolerance: the FFN ranks in use, their recoveries and replacements
         self.recovery = RecoveryCoordinator(spec, rank, transport, self.rebalancer, ffn, store, self._use_topology)
-        held = model.routed_experts()
-        for layer in getattr(model, "mtp", ()):  # the draft module's experts held here (colocated)
-            if layer.is_moe:
-                held[layer.layer_id] = layer.mlp.experts
+        held = model.routed_experts(with_mtp=True)  # (with the MTP draft module's, colocated)
         own = (held, self.server.endpoint.to_local) if self.server is not None else (None, None)
         self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder, *own)
         self.executor.skip_empty = not topo.colocated  # AFD: the FFN ranks know each micro-batch's count
