@@ -100,3 +100,26 @@ def test_the_copy_drafter_proposes_the_last_token(copy_drafter):
                 assert req.draft_ids == [req.output_ids[-1]] * len(req.draft_ids)
                 seen += 1
     assert seen > 0
+
+
+@pytest.mark.timeout(300)
+def test_the_trained_head_drafts_on_the_ffn_ranks_what_it_drafts_in_one_process():
+    """The embedded model's trained MTP head (its block's experts on the FFN ranks): the AFD
+    deployment accepts exactly the drafts the single engine accepts, so its draft passes computed
+    the same module (a wrong expert result would change drafts and acceptances)."""
+    from afd_engine.default_model import default_model_path
+
+    path = str(default_model_path())
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    spec = dict(model_path=path, dtype="float32", speculative_algorithm="NEXTN", speculative_num_steps=2)
+    with Engine(num_threads=1, **spec) as single:
+        prompts = [single.tokenizer.encode(t) for t in ("Tell me about lists.", "The for statement", "Explain yield.")]
+        ref = [o.token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=params)]
+        counters = single.stepper.counters
+    assert counters.accepted > counters.verifies // 4  # the head's drafts are often right
+    with make_engine(comm_timeout=30, dispatch_dtype="fp32", **DEPLOYMENTS["afd 2A 2x2 mb3"], **spec) as engine:
+        outs = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, sampling_params=params)]
+        stats = engine.stats
+    assert outs == ref
+    assert (stats.spec_verifies, stats.spec_accepted) == (counters.verifies, counters.accepted)
+    assert list(stats.spec_accepted_histogram) == counters.histogram
