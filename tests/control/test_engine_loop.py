@@ -129,6 +129,7 @@ class IdleLockstepEngine:
         self.scheduler = SimpleNamespace(running=[], waiting=[], cache_hit_tokens=0, prompt_tokens=0)
         self.pool = SimpleNamespace(used_pages=0, num_pages=1)
         self.cache = SimpleNamespace(num_pages=0, evicted_pages=0)
+        self.args = SimpleNamespace(spec_steps=0)
 
     def has_unfinished(self) -> bool:
         return False
@@ -145,6 +146,12 @@ class IdleLockstepEngine:
 
     def ffn_fault_counters(self) -> tuple:
         return 0, 0, 0
+
+    def static_decode_batches(self) -> int:
+        return 0
+
+    def spec_counters(self) -> tuple:
+        return 0, 0, 0, ()
 
     def close(self) -> None:
         """Nothing to release."""
@@ -199,3 +206,31 @@ def test_a_single_rank_gets_no_wake_up(tmp_path):
         sub.close(linger=0)
         socks.close()
     ctx.term()
+
+
+def test_the_speculation_line_reports_each_interval_and_since_start(caplog, monkeypatch):
+    """Every SPEC_LOG_S with verifications since the last line: their mean accepted length, and
+    the mean since start; nothing in an interval without verifications."""
+    loop_mod = loop_module
+    counters = [(0, 0, 0, ())]
+    engine = SimpleNamespace(spec_counters=lambda: counters[-1])
+    lp = loop_mod.EngineLoop.__new__(loop_mod.EngineLoop)
+    lp.engine, clock = engine, [100.0]
+    monkeypatch.setattr(loop_mod.time, "monotonic", lambda: clock[0])
+    lp._spec_logged = (100.0, 0, 0)
+    caplog.set_level("INFO", logger="afd.engine")
+    counters.append((10, 12, 6, (4, 6)))
+    clock[0] = 105.0
+    lp._log_speculation()  # before the interval ends: nothing
+    clock[0] = 111.0
+    lp._log_speculation()
+    counters.append((30, 40, 26, (8, 22)))
+    clock[0] = 122.0
+    lp._log_speculation()
+    clock[0] = 133.0
+    lp._log_speculation()  # no verification since: nothing
+    lines = [r.getMessage() for r in caplog.records if "speculative" in r.getMessage()]
+    assert lines == [
+        "speculative decoding: 10 verifications, mean accepted length 1.60 (1.60 since start)",
+        "speculative decoding: 20 verifications, mean accepted length 2.00 (1.87 since start)",
+    ]
