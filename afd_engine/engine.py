@@ -148,6 +148,9 @@ class Engine(OfflineEngine):
         graphs' padded static path eagerly."""
         args = self.args
         capture = self.device.type == "cuda" and not args.disable_cuda_graph
+        if capture and args.spec_steps:  # speculative steps (verify and draft passes) run eagerly
+            log.info("CUDA graphs off: speculative decoding's steps run eagerly")
+            capture = False
         if capture and not graph_safe_moe(args.moe_backend):
             log.info("CUDA graphs off: the %s MoE backend reads the host during a step", args.moe_backend)
             capture = False
