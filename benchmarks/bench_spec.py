@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--device", default=None, help="the engine's --device (default: its own default)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="single mode, steps 0 and 1, concurrency 1 and 2, short")
     args = p.parse_args(argv)
@@ -75,7 +77,9 @@ def prompts(tokenizer, model_path, n: int, length: int) -> list[list[int]]:
 
 
 def run_setting(args, model_path: str, mode: str, steps: int, concurrency: int, batch: list[list[int]]) -> dict:
-    flags = dict(model_path=model_path, dtype="float32", num_threads=args.num_threads, **MODES[mode])
+    flags = dict(model_path=model_path, dtype=args.dtype, num_threads=args.num_threads, **MODES[mode])
+    if getattr(args, "device", None):
+        flags["device"] = args.device
     if steps:
         flags.update(speculative_algorithm="NEXTN", speculative_num_steps=steps)
     full = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)

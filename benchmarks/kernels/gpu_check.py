@@ -28,11 +28,14 @@ leaves all it measured: {"header": {device, driver, versions, SMs, memory...}, "
     moe_layer_staging   one MoE layer's payloads at DeepSeek-V3's width (8, 64, 512 tokens, top-8):
                         through the host (.cpu(), .to(device): the data path now) against device copies
     nccl_self           NCCL as a world of one rank: send/recv to itself (else all_gather) captured in a
-                        CUDA graph and replayed, values checked (last: a hang there costs no other part)
+                        CUDA graph and replayed, values checked (a hang there costs only spec_tpot)
+    spec_tpot           speculative decoding with the embedded model's MTP head, single mode, at
+                        concurrency 1: TPOT with 0, 1 and 3 draft steps, accepted length, outputs equal
 
-The timed parts are in gpu_timings.py, the AFD ones in gpu_afd.py; correctness first, so that
-should the time run out, what is left undone is speed. The limits add up to 7 minutes, the default
---deadline-s (the dry run's are three times theirs: the CPU's cores are few and slower).
+The timed parts are in gpu_timings.py, the AFD ones in gpu_afd.py, speculation in gpu_spec.py;
+correctness first, so that should the time run out, what is left undone is speed. The limits add up
+to 7 minutes, the default --deadline-s (the dry run's are three times theirs: the CPU's cores are
+few and slower).
 
     python -m benchmarks.kernels.gpu_check --json gpu_check.json          # on a GPU (no venv needed; from the root)
     python -m benchmarks.kernels.gpu_check --json check.json --dry-run    # the same on the CPU, tiny shapes
@@ -63,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kernels import gpu_afd, gpu_timings
+from benchmarks.kernels import gpu_afd, gpu_spec, gpu_timings
 from benchmarks.part_runner import PartTimeout, died, error_record, run_parts, summary, time_limit, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,14 +75,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # Triton compiling its kernels, and each AFD deployment starts two rank processes
 PART_LIMITS_S = {
     "ceilings": 10,
-    "gpu_tests": 135,
+    "gpu_tests": 125,
     "afd_one_gpu": 80,
     "fp8_checkpoint": 55,
     "kernels_timing": 30,
-    "decode_step_time": 25,
-    "afd_tpot": 60,
+    "decode_step_time": 20,
+    "afd_tpot": 55,
     "moe_layer_staging": 10,
     "nccl_self": 15,
+    "spec_tpot": 20,
 }
 # the dry run: the Triton interpreter and every rank process share the few cores of a CPU machine
 DRY_RUN_SLACK = 3
@@ -324,6 +328,7 @@ PARTS = {
     "afd_tpot": gpu_afd.afd_tpot,
     "moe_layer_staging": gpu_timings.moe_layer_staging,
     "nccl_self": gpu_afd.nccl_self,
+    "spec_tpot": gpu_spec.spec_tpot,
 }
 
 

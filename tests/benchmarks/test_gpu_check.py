@@ -171,6 +171,14 @@ def test_nccl_self_stands_in_with_gloo_and_says_what_it_skipped(dry_run):
     assert part["unusable"]["send_recv"].startswith("eager: ")  # gloo pairs no rank with itself
 
 
+def test_spec_tpot_times_speculation_against_none_with_equal_outputs(dry_run):
+    part = dry_run[1]["parts"]["spec_tpot"]
+    assert part["ok"] and part["all_exact"] is True and part["target"] == 0.7
+    assert [(r["mode"], r["steps"], r["concurrency"]) for r in part["rows"]] == [("single", 0, 1), ("single", 1, 1)]
+    assert part["rows"][0]["accepted_length"] is None and 1.0 <= part["rows"][1]["accepted_length"] <= 2.0
+    assert part["headline"] == f"spec TPOT / off at concurrency 1: 1 drafts {part['rows'][1]['tpot_vs_off']:.2f}x"
+
+
 def test_part_limits_fit_the_default_deadline_of_7_minutes():
     assert list(gpu_check.PART_LIMITS_S) == PARTS
     assert gpu_check.parse_args(["--json", "x.json"]).deadline_s == sum(gpu_check.PART_LIMITS_S.values()) <= 7 * 60
