@@ -120,26 +120,18 @@ class Engine(OfflineEngine):
 
     def _make_stepper(self, eos: set[int]) -> Stepper:
         args = self.args
-        if args.spec_steps:
-            return SpecStepper(
-                self.scheduler,
-                self.runner,
-                StopChecker(self.tokenizer, eos),
-                self.load_recorder,
-                self.context_len,
-                self.config.vocab_size,
-                num_steps=args.spec_steps,
-            )
-        return Stepper(
+        parts = (
             self.scheduler,
             self.runner,
             StopChecker(self.tokenizer, eos),
             self.load_recorder,
             self.context_len,
             self.config.vocab_size,
-            # a prefill instance sends each step's pages right after it: no step may be under way then
-            overlap=args.overlap_on(self.device) and args.disaggregation_mode != "prefill",
         )
+        if args.spec_steps:  # (speculative steps never overlap)
+            return SpecStepper(*parts, num_steps=args.spec_steps)
+        # a prefill instance sends each step's pages right after it: no step may be under way then
+        return Stepper(*parts, overlap=args.overlap_on(self.device) and args.disaggregation_mode != "prefill")
 
     def _capture_graphs(self) -> float | None:
         """Single mode on a GPU: captures the decode CUDA graphs (runtime/cuda_graph.py); returns the

@@ -190,14 +190,8 @@ def train(out_dir: str | pathlib.Path, cfg: TrainConfig) -> dict:
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
         loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss_ema = _optimizer_step(opt, params, loss, loss_ema, bar)
         step += 1
-        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", ema=f"{loss_ema:.3f}")
     bar.close()
     minutes = (time.monotonic() - start) / 60
     model.eval()
@@ -229,6 +223,19 @@ def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Ada
 
 
 @torch.inference_mode()
+def _optimizer_step(opt, params, loss: torch.Tensor, loss_ema: float | None, bar) -> float:
+    """One AdamW step on `loss` (gradients clipped to norm 1); returns the loss's moving average
+    and shows it on the progress bar."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+    bar.update(1)
+    bar.set_postfix(loss=f"{loss.item():.3f}", ema=f"{loss_ema:.3f}")
+    return loss_ema
+
+
 def perplexity(model, ids: torch.Tensor, seq_len: int) -> float:
     """exp(mean next-token loss) over consecutive windows of the held-out stream."""
     total, count = 0.0, 0
@@ -491,14 +498,8 @@ def train_mtp(src_dir: str | pathlib.Path, out_dir: str | pathlib.Path, cfg: Tra
             main_probs = main_logits[:, 1:].flatten(0, 1).softmax(-1)
             distill = torch.nn.functional.cross_entropy(logits, main_probs)
             loss = (1 - cfg.mtp_distill) * loss + cfg.mtp_distill * distill
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss_ema = _optimizer_step(opt, params, loss, loss_ema, bar)
         step += 1
-        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", ema=f"{loss_ema:.3f}")
     bar.close()
     minutes = (time.monotonic() - start) / 60
     with torch.no_grad():  # measure what the checkpoint will hold

@@ -201,15 +201,7 @@ class SpecStepper(Stepper):
             _record_prompt_logprobs(inputs.scored, result.logits)
         if inputs.samplers:
             done += self._append(inputs.samplers, result)
-        for req in inputs.scoring_done:
-            if req.finish_reason is None:
-                req.finish_reason = "length"
-                done.append(req)
-        for req in done:
-            self.scheduler.remove(req)
-        self.scheduler.step_done(plan)
-        live = [r for r in inputs.samplers if r.finish_reason is None or r in done]
-        return live, done
+        return self._close(plan, inputs, done)
 
     def _append(self, reqs: list[Request], result: _Result) -> list[Request]:
         """Appends each live request's kept tokens up to the first that ends it; records their

@@ -162,6 +162,11 @@ class Stepper:
         if inputs.samplers:
             sample_logits = logits[inputs.sample_rows] if inputs.scored else logits
             done += self._append_tokens(inputs.samplers, sample_logits, tokens, ended)
+        return self._close(plan, inputs, done)
+
+    def _close(self, plan, inputs, done: list[Request]) -> tuple[list[Request], list[Request]]:
+        """The end of a step's finish: requests that only scored their prompt end, the finished
+        ones leave the scheduler, prefilled pages go to the prefix cache; (sampled, finished)."""
         for req in inputs.scoring_done:  # scored its prompt, generates nothing
             if req.finish_reason is None:
                 req.finish_reason = "length"
