@@ -211,15 +211,8 @@ class SpecStepper(Stepper):
             mine = []
             if req.finish_reason is None:  # (one that ended or was aborted meanwhile takes nothing)
                 for j, token in enumerate(tokens):
-                    req.output_ids.append(token)
                     mine.append(token)
-                    reason, req.text_trim = self.stop_checker.check(req.output_ids, req.params)
-                    if reason is None and ended.get(row) == j:
-                        reason = "stop"
-                    if reason is None and req.known_len >= self.context_len:
-                        reason = "length"
-                    if reason is not None:
-                        req.finish_reason = reason
+                    if self._take(req, token, ended.get(row) == j):
                         finished.append(req)
                         break
             taken.append(mine)

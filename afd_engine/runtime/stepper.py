@@ -187,18 +187,21 @@ class Stepper:
         finished = []
         ended = set(grammar_ended)
         for row, (req, token) in enumerate(zip(reqs, tokens.tolist())):
-            if req.finish_reason is not None:
-                continue
-            req.output_ids.append(token)
-            reason, req.text_trim = self.stop_checker.check(req.output_ids, req.params)
-            if reason is None and row in ended:
-                reason = "stop"
-            if reason is None and req.known_len >= self.context_len:
-                reason = "length"
-            if reason is not None:
-                req.finish_reason = reason
+            if req.finish_reason is None and self._take(req, token, row in ended):
                 finished.append(req)
         return finished
+
+    def _take(self, req: Request, token: int, grammar_ended: bool) -> bool:
+        """Appends one token to a live request; True when it ends the request (a stop condition,
+        its grammar's end, the context length), whose finish reason is then set."""
+        req.output_ids.append(token)
+        reason, req.text_trim = self.stop_checker.check(req.output_ids, req.params)
+        if reason is None and grammar_ended:
+            reason = "stop"
+        if reason is None and req.known_len >= self.context_len:
+            reason = "length"
+        req.finish_reason = reason
+        return reason is not None
 
 
 def _record_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> None:
