@@ -19,6 +19,7 @@ SERVED = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(SERVED.values())
 
@@ -129,7 +130,7 @@ def _check_features(raw: dict, arch: str) -> None:
         if raw.get(key) is not None:
             refuse(key, "a sparse-attention indexer")
     for key, what in (("attention_bias", "attention biases"), ("mlp_bias", "MLP biases")):
-        if raw.get(key):
+        if raw.get(key) and not (key == "attention_bias" and arch == "Glm4MoeForCausalLM"):  # (GLM's are served)
             refuse(key, what)
     if raw.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "an activation other than silu")
@@ -150,6 +151,8 @@ def _check_features(raw: dict, arch: str) -> None:
 
 
 def _supported_shape(arch: str) -> str:
+    if arch == "Glm4MoeForCausalLM":
+        return "supported: full causal attention with grouped KV heads and q/k/v biases, silu experts"
     if arch == "Qwen3MoeForCausalLM":
         return "supported: full causal attention with grouped KV heads, no biases, silu experts"
     return "supported: MLA with full causal attention, no biases, silu experts"

@@ -66,6 +66,9 @@ class ModelConfig:
     attention: str = "mla"
     num_kv_heads: int = 0  # gqa
     head_dim: int = 0  # gqa
+    attention_bias: bool = False  # gqa (GLM-4.5): biases on the q, k and v projections
+    qk_norm: bool = True  # gqa: per-head RMSNorm of queries and keys (Qwen3-MoE always; GLM-4.5 optional)
+    partial_rotary_factor: float = 1.0  # gqa (GLM-4.5): rope over this share of each head, the rest unrotated
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among sparse ones
     decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
     mtp_layers: int = 0  # DeepSeek: multi-token prediction modules stored after the last layer
@@ -85,8 +88,9 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions rope rotates per head: MLA's rope part, or GQA's whole head."""
-        return self.head_dim if self.attention == "gqa" else self.qk_rope_head_dim
+        """Dimensions rope rotates per head: MLA's rope part, or GQA's head (its first
+        `partial_rotary_factor` share)."""
+        return int(self.head_dim * self.partial_rotary_factor) if self.attention == "gqa" else self.qk_rope_head_dim
 
     @property
     def uses_bias_correction(self) -> bool:
@@ -126,6 +130,8 @@ class ModelConfig:
         arch = check_supported(raw)
         if arch == "Qwen3MoeForCausalLM":
             return _qwen3_moe(raw)
+        if arch == "Glm4MoeForCausalLM":
+            return _glm4_moe(raw)
         is_v3 = arch == "DeepseekV3ForCausalLM"
         n_group = raw.get("n_group") or 1
         topk_method = raw.get("topk_method") or ("noaux_tc" if is_v3 else "greedy")
@@ -211,6 +217,62 @@ def _rope(raw: dict) -> RopeConfig:
         truncate=bool(params.get("truncate", True)),
         interleave=interleave,
     )
+
+
+def _glm4_moe(raw: dict) -> ModelConfig:
+    """GLM-4.5/4.6-MoE: GQA with q/k/v biases, optional per-head q/k norm and rope over part of each
+    head (non-interleaved), DeepSeek-V3's routing (sigmoid, correction bias, groups, scaling) and
+    shared expert, leading dense layers."""
+    heads = require(raw, "num_attention_heads")
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ModelLoadError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    params = rope_settings(raw)
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    n_group = raw.get("n_group") or 1
+    quant = raw.get("quantization_config") or {}
+    eos = raw.get("eos_token_id")
+    cfg = ModelConfig(
+        architecture="Glm4MoeForCausalLM",
+        vocab_size=require(raw, "vocab_size"),
+        hidden_size=require(raw, "hidden_size"),
+        intermediate_size=require(raw, "intermediate_size"),
+        moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+        num_layers=require(raw, "num_hidden_layers"),
+        num_heads=heads,
+        q_lora_rank=None,
+        kv_lora_rank=0,
+        qk_nope_head_dim=0,
+        qk_rope_head_dim=0,
+        v_head_dim=0,
+        n_routed_experts=raw.get("n_routed_experts") or 0,
+        n_shared_experts=raw.get("n_shared_experts") or 0,
+        num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
+        n_group=n_group,
+        topk_group=raw.get("topk_group") or n_group,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        first_k_dense_replace=raw.get("first_k_dense_replace") or 0,
+        moe_layer_freq=1,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        rope=dataclasses.replace(_rope(raw), interleave=False),  # GLM rotates halves, not pairs
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        bos_token_id=raw.get("bos_token_id"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        fp8_block=tuple(quant.get("weight_block_size", (128, 128))) if quant.get("quant_method") == "fp8" else None,
+        attention="gqa",
+        num_kv_heads=kv_heads,
+        head_dim=raw.get("head_dim") or require(raw, "hidden_size") // heads,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=bool(raw.get("use_qk_norm", False)),
+        partial_rotary_factor=float(partial),
+        raw=raw,
+    )
+    cfg.validate()
+    return cfg
 
 
 def _qwen3_moe(raw: dict) -> ModelConfig:

@@ -31,7 +31,7 @@ from afd_engine.errors import ConfigError
 from afd_engine.tiny_tokenizer import CHAT_TEMPLATE, QWEN_CHAT_TEMPLATE, TokenizerInfo, write_tiny_tokenizer
 from configs import load_json
 
-SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe")
+SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 FP8_BLOCK = (128, 128)
@@ -71,8 +71,10 @@ def make_tiny_model(
     Args:
         out_dir: directory to write (created if missing). Previous weight files in it are removed.
         arch: "deepseek_v3" (MLA with q_lora, sigmoid noaux_tc routing, YaRN), "deepseek_v2"
-            (V2-Lite-like: no q_lora, softmax greedy routing, no rope scaling) or "qwen3_moe" (GQA
-            with q/k norm, softmax top-k routing, no shared expert, layer 0 dense).
+            (V2-Lite-like: no q_lora, softmax greedy routing, no rope scaling), "qwen3_moe" (GQA
+            with q/k norm, softmax top-k routing, no shared expert, layer 0 dense) or "glm4_moe"
+            (GLM-4.5: GQA with q/k/v biases, q/k norm and rope over half of each head, DeepSeek-V3's
+            routing and shared expert, layer 0 dense).
         seed: seed of the random weights; the same seed gives byte-identical safetensors files.
         shards: number of safetensors files; more than 1 also writes model.safetensors.index.json.
         overrides: config.json keys merged last into the preset (any key). A "rope_parameters"
@@ -90,7 +92,9 @@ def make_tiny_model(
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer_info = write_tiny_tokenizer(out, QWEN_CHAT_TEMPLATE if arch == "qwen3_moe" else CHAT_TEMPLATE)
+    tokenizer_info = write_tiny_tokenizer(
+        out, QWEN_CHAT_TEMPLATE if arch in ("qwen3_moe", "glm4_moe") else CHAT_TEMPLATE
+    )
     config = build_tiny_config(arch, tokenizer_info, overrides=overrides, fp8=fp8, dtype=dtype)
 
     weights = init_tiny_weights(config, seed)
@@ -134,8 +138,10 @@ def build_tiny_config(
         raise ConfigError(
             f"vocab_size {config['vocab_size']} is smaller than the tiny tokenizer's {tokenizer_info.vocab_size}"
         )
-    if config.get("attention_bias"):
-        raise ConfigError("the tiny model maker writes no attention biases; attention_bias must be false")
+    if config.get("attention_bias") and config.get("model_type") != "glm4_moe":
+        raise ConfigError(
+            "the tiny model maker writes attention biases for glm4_moe only; attention_bias must be false"
+        )
     return config
 
 
@@ -147,6 +153,8 @@ def tiny_weight_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """
     if config.get("model_type") == "qwen3_moe":
         return _qwen3_specs(config)
+    if config.get("model_type") == "glm4_moe":
+        return _glm4_specs(config)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
     for layer in range(config["num_hidden_layers"]):
@@ -173,7 +181,6 @@ def _deepseek_layer_specs(config: dict, layer: int) -> list[tuple[str, tuple[int
     heads = config["num_attention_heads"]
     nope, rope, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
     q_lora, kv_lora = config.get("q_lora_rank"), config["kv_lora_rank"]
-    moe_inter = config["moe_intermediate_size"]
     specs: list[tuple[str, tuple[int, ...], str]] = []
     p = f"model.layers.{layer}."
     specs.append((p + "input_layernorm.weight", (hidden,), "norm"))
@@ -194,17 +201,47 @@ def _deepseek_layer_specs(config: dict, layer: int) -> list[tuple[str, tuple[int
         (p + "self_attn.o_proj.weight", (hidden, heads * v_dim), "linear"),
         (p + "post_attention_layernorm.weight", (hidden,), "norm"),
     ]
-    if _is_moe_layer(config, layer):
-        n_experts = config["n_routed_experts"]
-        specs.append((p + "mlp.gate.weight", (n_experts, hidden), "router"))
-        if config.get("topk_method") == "noaux_tc":
-            specs.append((p + "mlp.gate.e_score_correction_bias", (n_experts,), "bias"))
-        for e in range(n_experts):
-            specs += _mlp_specs(f"{p}mlp.experts.{e}.", hidden, moe_inter)
-        if config.get("n_shared_experts"):
-            specs += _mlp_specs(p + "mlp.shared_experts.", hidden, moe_inter * config["n_shared_experts"])
-    else:
-        specs += _mlp_specs(p + "mlp.", hidden, config["intermediate_size"])
+    return specs + _deepseek_mlp_specs(config, layer, config.get("topk_method") == "noaux_tc")
+
+
+def _deepseek_mlp_specs(config: dict, layer: int, correction_bias: bool) -> list[tuple[str, tuple[int, ...], str]]:
+    """One layer's MLP as DeepSeek (and GLM-4.5) name it: a dense MLP, or router, experts and
+    shared experts."""
+    hidden, moe_inter, p = config["hidden_size"], config["moe_intermediate_size"], f"model.layers.{layer}."
+    if not _is_moe_layer(config, layer):
+        return _mlp_specs(p + "mlp.", hidden, config["intermediate_size"])
+    n_experts = config["n_routed_experts"]
+    specs = [(p + "mlp.gate.weight", (n_experts, hidden), "router")]
+    if correction_bias:
+        specs.append((p + "mlp.gate.e_score_correction_bias", (n_experts,), "bias"))
+    for e in range(n_experts):
+        specs += _mlp_specs(f"{p}mlp.experts.{e}.", hidden, moe_inter)
+    if config.get("n_shared_experts"):
+        specs += _mlp_specs(p + "mlp.shared_experts.", hidden, moe_inter * config["n_shared_experts"])
+    return specs
+
+
+def _glm4_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """GLM-4.5-MoE's tensors: GQA with q/k/v biases and optional per-head q/k norms, then DeepSeek's
+    MoE layout (router with its correction bias, experts one tensor each, shared experts)."""
+    hidden, vocab, head_dim = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    bias = "bias" if config.get("attention_bias") else None
+    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}.self_attn."
+        specs += [(f"model.layers.{layer}.input_layernorm.weight", (hidden,), "norm")]
+        for proj, rows in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+            specs.append((p + proj + ".weight", (rows * head_dim, hidden), "linear"))
+            specs += [(p + proj + ".bias", (rows * head_dim,), bias)] if bias else []
+        specs.append((p + "o_proj.weight", (hidden, heads * head_dim), "linear"))
+        if config.get("use_qk_norm"):
+            specs += [(p + "q_norm.weight", (head_dim,), "norm"), (p + "k_norm.weight", (head_dim,), "norm")]
+        specs.append((f"model.layers.{layer}.post_attention_layernorm.weight", (hidden,), "norm"))
+        specs += _deepseek_mlp_specs(config, layer, correction_bias=True)
+    specs.append(("model.norm.weight", (hidden,), "norm"))
+    if not config.get("tie_word_embeddings"):
+        specs.append(("lm_head.weight", (vocab, hidden), "lm_head"))
     return specs
 
 

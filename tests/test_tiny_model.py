@@ -66,6 +66,7 @@ def test_hf_loads_without_missing_or_unexpected_keys(arch, ckpts, hf_models):
         "deepseek_v3": "DeepseekV3ForCausalLM",
         "deepseek_v2": "DeepseekV2ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
+        "glm4_moe": "Glm4MoeForCausalLM",
     }[arch]
     assert type(model).__name__ == expected_cls
 
@@ -79,19 +80,21 @@ def test_hf_loads_without_missing_or_unexpected_keys(arch, ckpts, hf_models):
         assert torch.equal(loaded[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e], fused)
         assert torch.equal(loaded[f"model.layers.{layer}.mlp.experts.down_proj"][e], stored[p + "down_proj.weight"])
     # Unfused tensors arrive unchanged.
-    per_arch = (
-        ["model.layers.0.self_attn.k_norm.weight", "model.layers.0.self_attn.v_proj.weight"]
-        if arch == "qwen3_moe"
-        else ["model.layers.0.self_attn.kv_b_proj.weight", f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"]
+    per_arch = {
+        "qwen3_moe": ["model.layers.0.self_attn.k_norm.weight", "model.layers.0.self_attn.v_proj.weight"],
+        "glm4_moe": ["model.layers.0.self_attn.k_proj.bias", f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"],
+    }.get(
+        arch, ["model.layers.0.self_attn.kv_b_proj.weight", f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"]
     )
     for name in ["model.embed_tokens.weight", "lm_head.weight", f"model.layers.{layer}.mlp.gate.weight", *per_arch]:
         assert torch.equal(loaded[name], stored[name]), name
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "glm4_moe"):
         bias = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
         assert stored[bias].dtype == torch.float32
         assert stored[bias].abs().max() > 0  # the bias path is exercised
         assert torch.equal(loaded[bias], stored[bias])
-        assert f"model.layers.{layer}.self_attn.q_a_proj.weight" in stored
+        q = "q_proj" if arch == "glm4_moe" else "q_a_proj"
+        assert f"model.layers.{layer}.self_attn.{q}.weight" in stored
     else:
         assert "model.layers.0.self_attn.q_proj.weight" in stored
         assert not any(k.endswith("e_score_correction_bias") for k in stored)

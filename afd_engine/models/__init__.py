@@ -23,6 +23,7 @@ MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "Qwen3MoeForCausalLM": DeepseekForCausalLM,  # the same stack with GQA attention (cfg.attention)
+    "Glm4MoeForCausalLM": DeepseekForCausalLM,  # GQA attention, DeepSeek-V3's MoE
 }
 
 

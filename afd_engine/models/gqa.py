@@ -1,4 +1,5 @@
-"""Grouped-query attention (Qwen3-MoE): per-head q/k RMSNorm, rope over the whole head, K and V of
+"""Grouped-query attention (Qwen3-MoE, GLM-4.5): per-head q/k RMSNorm (optional in GLM), q/k/v
+biases (GLM), rope over the whole head or its first `partial_rotary_factor` share (GLM), K and V of
 every KV head cached per token (`2 * num_kv_heads * head_dim` values) in the paged pool."""
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ class GQAttention(nn.Module):
         super().__init__()
         self.cfg, self.rotary, self.kernels = cfg, rotary, kernels
         h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj, self.k_proj, self.v_proj = linear(h, nh * d), linear(h, nkv * d), linear(h, nkv * d)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, nh * d, bias=bias)
+        self.k_proj, self.v_proj = nn.Linear(h, nkv * d, bias=bias), nn.Linear(h, nkv * d, bias=bias)
         self.o_proj = linear(nh * d, h)
-        self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        self.rot = cfg.rope_dim  # dims of each head rope rotates (the first ones)
         self.scale = d**-0.5
 
     def prepare(self) -> None:
@@ -29,9 +34,8 @@ class GQAttention(nn.Module):
         """x [T, H] -> [T, H]; writes this step's keys and values into `cache` [slots, 2 * KVH * D]."""
         cfg = self.cfg
         T, nkv = x.shape[0], cfg.num_kv_heads
-        cos, sin = cos_sin
-        q = self.rotary.apply(self.q_norm(self.q_proj(x).view(T, cfg.num_heads, cfg.head_dim)), cos, sin)
-        k = self.rotary.apply(self.k_norm(self.k_proj(x).view(T, nkv, cfg.head_dim)), cos, sin)
+        q = self._rope(self.q_proj(x).view(T, cfg.num_heads, cfg.head_dim), "q_norm", cos_sin)
+        k = self._rope(self.k_proj(x).view(T, nkv, cfg.head_dim), "k_norm", cos_sin)
         cache[fb.out_slots] = torch.cat((k.flatten(1), self.v_proj(x)), dim=-1)
         n_ext = fb.num_extend_tokens
         out = torch.empty_like(q)  # [T, heads, D]
@@ -43,3 +47,13 @@ class GQAttention(nn.Module):
         if T > n_ext:
             out[n_ext:] = self.kernels.decode(q[n_ext:], cache, fb.paged_decode(), nkv, self.scale)
         return self.o_proj(out.flatten(1))  # T may be 0 (an empty micro-batch)
+
+    def _rope(self, x: torch.Tensor, norm: str, cos_sin) -> torch.Tensor:
+        """[T, heads, D]: normed (where the model norms queries and keys), rope over the first
+        `self.rot` dims of each head."""
+        if self.cfg.qk_norm:
+            x = getattr(self, norm)(x)
+        cos, sin = cos_sin
+        if self.rot == x.shape[-1]:
+            return self.rotary.apply(x, cos, sin)
+        return torch.cat((self.rotary.apply(x[..., : self.rot].contiguous(), cos, sin), x[..., self.rot :]), dim=-1)

@@ -14,7 +14,9 @@ from afd_engine import Engine
 from afd_engine.errors import ModelLoadError
 from afd_engine.model_config import ModelConfig
 
-SUPPORTED = "supported architectures: DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, Qwen3MoeForCausalLM"
+SUPPORTED = (
+    "supported architectures: DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM"
+)
 
 
 def tiny_config(path: str) -> dict:

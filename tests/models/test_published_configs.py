@@ -119,7 +119,7 @@ def test_deepseek_v32_is_refused_before_any_weight_is_read(tmp_path):
     message = (
         "DeepseekV32ForCausalLM is not supported: the engine does not implement DeepSeek-V3.2's sparse "
         "attention (a lightning indexer picks index_topk keys per query); supported architectures: "
-        "DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, Qwen3MoeForCausalLM"
+        "DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM"
     )
     with pytest.raises(ModelLoadError) as err:
         Engine(model_path=str(tmp_path))
