@@ -219,21 +219,17 @@ def _rope(raw: dict) -> RopeConfig:
     )
 
 
-def _glm4_moe(raw: dict) -> ModelConfig:
-    """GLM-4.5/4.6-MoE: GQA with q/k/v biases, optional per-head q/k norm and rope over part of each
-    head (non-interleaved), DeepSeek-V3's routing (sigmoid, correction bias, groups, scaling) and
-    shared expert, leading dense layers."""
+def _gqa(raw: dict, architecture: str, **routing) -> ModelConfig:
+    """A GQA model's config (Qwen3-MoE, GLM-4.5): the fields they share read alike, its routing and
+    family fields given as `routing`."""
     heads = require(raw, "num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise ModelLoadError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    params = rope_settings(raw)
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    n_group = raw.get("n_group") or 1
     quant = raw.get("quantization_config") or {}
     eos = raw.get("eos_token_id")
     cfg = ModelConfig(
-        architecture="Glm4MoeForCausalLM",
+        architecture=architecture,
         vocab_size=require(raw, "vocab_size"),
         hidden_size=require(raw, "hidden_size"),
         intermediate_size=require(raw, "intermediate_size"),
@@ -245,9 +241,35 @@ def _glm4_moe(raw: dict) -> ModelConfig:
         qk_nope_head_dim=0,
         qk_rope_head_dim=0,
         v_head_dim=0,
+        num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
+        moe_layer_freq=1,
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        rope=dataclasses.replace(_rope(raw), interleave=False),  # both rotate halves, not pairs
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        bos_token_id=raw.get("bos_token_id"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        fp8_block=tuple(quant.get("weight_block_size", (128, 128))) if quant.get("quant_method") == "fp8" else None,
+        attention="gqa",
+        num_kv_heads=kv_heads,
+        head_dim=raw.get("head_dim") or require(raw, "hidden_size") // heads,
+        raw=raw,
+        **routing,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _glm4_moe(raw: dict) -> ModelConfig:
+    """GLM-4.5/4.6-MoE: GQA with q/k/v biases, optional per-head q/k norm and rope over part of each
+    head (non-interleaved), DeepSeek-V3's routing (sigmoid, correction bias, groups, scaling) and
+    shared expert, leading dense layers."""
+    n_group = raw.get("n_group") or 1
+    partial = rope_settings(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    return _gqa(
+        raw,
+        "Glm4MoeForCausalLM",
         n_routed_experts=raw.get("n_routed_experts") or 0,
         n_shared_experts=raw.get("n_shared_experts") or 0,
-        num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
         n_group=n_group,
         topk_group=raw.get("topk_group") or n_group,
         topk_method="noaux_tc",
@@ -255,50 +277,20 @@ def _glm4_moe(raw: dict) -> ModelConfig:
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         first_k_dense_replace=raw.get("first_k_dense_replace") or 0,
-        moe_layer_freq=1,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        rope=dataclasses.replace(_rope(raw), interleave=False),  # GLM rotates halves, not pairs
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-        bos_token_id=raw.get("bos_token_id"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        fp8_block=tuple(quant.get("weight_block_size", (128, 128))) if quant.get("quant_method") == "fp8" else None,
-        attention="gqa",
-        num_kv_heads=kv_heads,
-        head_dim=raw.get("head_dim") or require(raw, "hidden_size") // heads,
         attention_bias=bool(raw.get("attention_bias", False)),
         qk_norm=bool(raw.get("use_qk_norm", False)),
         partial_rotary_factor=float(partial),
-        raw=raw,
     )
-    cfg.validate()
-    return cfg
 
 
 def _qwen3_moe(raw: dict) -> ModelConfig:
     """Qwen3-MoE: GQA with per-head q/k norm, softmax top-k routing, no shared expert."""
-    heads = require(raw, "num_attention_heads")
-    kv_heads = raw.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise ModelLoadError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    quant = raw.get("quantization_config") or {}
-    eos = raw.get("eos_token_id")
-    cfg = ModelConfig(
-        architecture="Qwen3MoeForCausalLM",
-        vocab_size=require(raw, "vocab_size"),
-        hidden_size=require(raw, "hidden_size"),
-        intermediate_size=require(raw, "intermediate_size"),
-        moe_intermediate_size=raw.get("moe_intermediate_size", 0),
-        num_layers=require(raw, "num_hidden_layers"),
-        num_heads=heads,
-        q_lora_rank=None,
-        kv_lora_rank=0,
-        qk_nope_head_dim=0,
-        qk_rope_head_dim=0,
-        v_head_dim=0,
+    return _gqa(
+        raw,
+        "Qwen3MoeForCausalLM",
         n_routed_experts=pick(raw, SPELLINGS["qwen3_experts"], 0),
         n_shared_experts=0,
-        num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
         n_group=1,
         topk_group=1,
         topk_method="greedy",
@@ -306,20 +298,7 @@ def _qwen3_moe(raw: dict) -> ModelConfig:
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         routed_scaling_factor=1.0,
         first_k_dense_replace=0,
-        moe_layer_freq=1,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        rope=dataclasses.replace(_rope(raw), interleave=False),  # Qwen rotates halves, not pairs
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-        bos_token_id=raw.get("bos_token_id"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        fp8_block=tuple(quant.get("weight_block_size", (128, 128))) if quant.get("quant_method") == "fp8" else None,
-        attention="gqa",
-        num_kv_heads=kv_heads,
-        head_dim=raw.get("head_dim") or require(raw, "hidden_size") // heads,
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
         decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
-        raw=raw,
     )
-    cfg.validate()
-    return cfg
