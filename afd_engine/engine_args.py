@@ -395,8 +395,8 @@ class EngineArgs:
                 need(False, f, "needs --speculative-algorithm NEXTN")
             return
         steps = self.spec_steps
-        need(1 <= steps <= 8, "speculative_num_steps" if "speculative_num_steps" in given else
-             "speculative_num_draft_tokens", "draft steps must be between 1 and 8")  # fmt: skip
+        named = "speculative_num_steps" if "speculative_num_steps" in given else "speculative_num_draft_tokens"
+        need(1 <= steps <= 8, named, "draft steps must be between 1 and 8")
         need(
             self.speculative_num_draft_tokens is None or self.speculative_num_draft_tokens == steps + 1,
             "speculative_num_draft_tokens",

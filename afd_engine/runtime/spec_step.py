@@ -33,6 +33,7 @@ others. Steps do not overlap scheduling.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -180,7 +181,6 @@ class SpecStepper(Stepper):
             step_logits, step_out = runner.draft_chain(chain, fed, out[idx])
             nxt = torch.full_like(proposal[-1], -1)  # -1: a row that stopped drafting
             nxt[idx] = step_logits.argmax(-1)
-            out = out.clone()
             out[idx] = step_out
             proposal.append(nxt)
         table = torch.stack(proposal, dim=1).tolist()  # [B, steps]
@@ -249,14 +249,13 @@ class SpecStepper(Stepper):
 
 def _token_offsets(prepared: PreparedStep) -> list[int]:
     """Each micro-batch's first token in the step's flat token order."""
-    sizes = [b["fb"].num_tokens for b in prepared.batches]
-    return [sum(sizes[:i]) for i in range(len(sizes))]
+    return list(itertools.accumulate((b["fb"].num_tokens for b in prepared.batches[:-1]), initial=0))
 
 
 def drafts_ok(params) -> bool:
     """Whether a request drafts: unless its logits are processed by more than a grammar (penalties,
     logit bias and min_tokens would need the drafts' effect at every position)."""
-    return not params.processed or not (params.penalized or params.logit_bias or params.min_tokens)
+    return not (params.penalized or params.logit_bias or params.min_tokens)
 
 
 def _draft_masks(scored: torch.Tensor, samplers: list[Request], proposed: list[int]) -> dict[int, int]:
@@ -301,7 +300,4 @@ def _following(req: Request) -> int:
     an output token a resumed request computes again), else 0 (a sampler's: the step fills it in).
     `req.num_cached` counts the step already."""
     end = req.num_cached
-    if end < len(req.prompt_ids):
-        return req.prompt_ids[end]
-    end -= len(req.prompt_ids)
-    return req.output_ids[end] if end < len(req.output_ids) else 0
+    return req.tokens(end, end + 1)[0] if end < req.known_len else 0
