@@ -20,13 +20,12 @@ SERVED = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(SERVED.values())
 
 # Architectures near the served ones that a user may try, and what the engine lacks for each.
 NOT_SERVED = {
-    "deepseek_v32": "DeepSeek-V3.2's sparse attention (a lightning indexer picks index_topk keys per query)",
-    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (a lightning indexer picks index_topk keys per query)",
     "deepseek_v4": "DeepSeek-V4's compressed sparse attention and hyper-connections",
     "DeepseekV4ForCausalLM": "DeepSeek-V4's compressed sparse attention and hyper-connections",
     "qwen3_next": "Qwen3-Next's hybrid attention (Gated DeltaNet linear-attention layers among full-attention ones)",
@@ -127,7 +126,7 @@ def _check_features(raw: dict, arch: str) -> None:
         raise ModelLoadError(f"{arch} with {what} ({key}={raw.get(key)!r}) is not supported; {_supported_shape(arch)}")
 
     for key in _SPARSE_ATTENTION_KEYS:
-        if raw.get(key) is not None:
+        if raw.get(key) is not None and arch != "DeepseekV32ForCausalLM":
             refuse(key, "a sparse-attention indexer")
     for key, what in (("attention_bias", "attention biases"), ("mlp_bias", "MLP biases")):
         if raw.get(key) and not (key == "attention_bias" and arch == "Glm4MoeForCausalLM"):  # (GLM's are served)
@@ -136,7 +135,7 @@ def _check_features(raw: dict, arch: str) -> None:
         refuse("hidden_act", "an activation other than silu")
     if raw.get("use_sliding_window"):
         refuse("use_sliding_window", "sliding-window attention")
-    layer_types = set(raw.get("layer_types") or ()) - {"full_attention"}
+    layer_types = set(raw.get("layer_types") or ()) - {"full_attention", "indexed_attention"}
     if layer_types:
         refuse("layer_types", f"{', '.join(sorted(layer_types))} layers")
     quant = raw.get("quantization_config") or {}

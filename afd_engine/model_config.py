@@ -72,6 +72,11 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among sparse ones
     decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
     mtp_layers: int = 0  # DeepSeek: multi-token prediction modules stored after the last layer
+    # DeepSeek-V3.2's sparse attention: a lightning indexer of `index_n_heads` heads of
+    # `index_head_dim` scores the cached tokens and MLA attends to the top `index_topk` (0: dense)
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -80,11 +85,22 @@ class ModelConfig:
 
     @property
     def kv_cache_dim(self) -> int:
-        """Values cached per token per layer: MLA's latent plus the shared rope key, or GQA's keys
-        and values of every KV head."""
+        """Values cached per token per layer: MLA's latent plus the shared rope key (and, with sparse
+        attention, the indexer's key after them: same pages, same prefix-cache entries, same PD
+        transfer), or GQA's keys and values of every KV head."""
         if self.attention == "gqa":
             return 2 * self.num_kv_heads * self.head_dim
+        return self.mla_cache_dim + self.index_head_dim
+
+    @property
+    def mla_cache_dim(self) -> int:
+        """MLA's share of a cached row: the latent and the shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def sparse_attention(self) -> bool:
+        """DeepSeek-V3.2: attention over the indexer's top `index_topk` tokens per query."""
+        return self.index_topk > 0
 
     @property
     def rope_dim(self) -> int:
@@ -132,7 +148,7 @@ class ModelConfig:
             return _qwen3_moe(raw)
         if arch == "Glm4MoeForCausalLM":
             return _glm4_moe(raw)
-        is_v3 = arch == "DeepseekV3ForCausalLM"
+        is_v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
         n_group = raw.get("n_group") or 1
         topk_method = raw.get("topk_method") or ("noaux_tc" if is_v3 else "greedy")
         quant = raw.get("quantization_config") or {}
@@ -171,6 +187,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             fp8_block=fp8_block,
             mtp_layers=raw.get("num_nextn_predict_layers") or 0,
+            **_indexer(raw, arch),
             raw=raw,
         )
         cfg.validate()
@@ -190,6 +207,21 @@ class ModelConfig:
                 raise ModelLoadError(f"unsupported scoring_func {self.scoring_func!r}")
         if self.rope.kind not in ("default", "yarn"):
             raise ModelLoadError(f"unsupported rope scaling type {self.rope.kind!r} (supported: default, yarn)")
+
+
+def _indexer(raw: dict, arch: str) -> dict:
+    """DeepSeek-V3.2's indexer fields (none for the dense architectures)."""
+    if arch != "DeepseekV32ForCausalLM":
+        return {}
+    fields = {k: int(require(raw, k)) for k in ("index_topk", "index_n_heads", "index_head_dim")}
+    if not raw.get("q_lora_rank"):
+        raise ModelLoadError("DeepseekV32ForCausalLM needs q_lora_rank: the indexer's queries start from q_a_proj")
+    if fields["index_head_dim"] <= raw.get("qk_rope_head_dim", 0):
+        raise ModelLoadError(
+            f"index_head_dim={fields['index_head_dim']} must exceed qk_rope_head_dim={raw.get('qk_rope_head_dim')}"
+            " (the indexer rotates its first qk_rope_head_dim dimensions)"
+        )
+    return fields
 
 
 def _rope(raw: dict) -> RopeConfig:

@@ -31,7 +31,7 @@ from afd_engine.errors import ConfigError
 from afd_engine.tiny_tokenizer import CHAT_TEMPLATE, QWEN_CHAT_TEMPLATE, TokenizerInfo, write_tiny_tokenizer
 from configs import load_json
 
-SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe")
+SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe", "deepseek_v32")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 FP8_BLOCK = (128, 128)
@@ -74,7 +74,8 @@ def make_tiny_model(
             (V2-Lite-like: no q_lora, softmax greedy routing, no rope scaling), "qwen3_moe" (GQA
             with q/k norm, softmax top-k routing, no shared expert, layer 0 dense) or "glm4_moe"
             (GLM-4.5: GQA with q/k/v biases, q/k norm and rope over half of each head, DeepSeek-V3's
-            routing and shared expert, layer 0 dense).
+            routing and shared expert, layer 0 dense) or "deepseek_v32" (DeepSeek-V3 plus the sparse
+            attention's indexer, 8 tokens chosen per query).
         seed: seed of the random weights; the same seed gives byte-identical safetensors files.
         shards: number of safetensors files; more than 1 also writes model.safetensors.index.json.
         overrides: config.json keys merged last into the preset (any key). A "rope_parameters"
@@ -201,6 +202,15 @@ def _deepseek_layer_specs(config: dict, layer: int) -> list[tuple[str, tuple[int
         (p + "self_attn.o_proj.weight", (hidden, heads * v_dim), "linear"),
         (p + "post_attention_layernorm.weight", (hidden,), "norm"),
     ]
+    if config.get("index_topk"):  # DeepSeek-V3.2's lightning indexer (models/indexer.py)
+        i_heads, i_dim, i = config["index_n_heads"], config["index_head_dim"], p + "self_attn.indexer."
+        specs += [
+            (i + "wq_b.weight", (i_heads * i_dim, q_lora), "linear"),
+            (i + "wk.weight", (i_dim, hidden), "linear"),
+            (i + "k_norm.weight", (i_dim,), "norm"),
+            (i + "k_norm.bias", (i_dim,), "bias"),
+            (i + "weights_proj.weight", (i_heads, hidden), "linear"),
+        ]
     return specs + _deepseek_mlp_specs(config, layer, config.get("topk_method") == "noaux_tc")
 
 
@@ -369,6 +379,7 @@ def _is_fp8_quantized(name: str, tensor: torch.Tensor) -> bool:
         and name.startswith("model.layers.")
         and (".self_attn." in name or ".mlp." in name)
         and ".mlp.gate.weight" not in name
+        and ".indexer.weights_proj." not in name  # DeepSeek-V3.2 keeps the indexer's head weights unquantized
         and "layernorm" not in name
     )
 

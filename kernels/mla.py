@@ -148,3 +148,10 @@ class TorchMLA:
     def decode(self, q_nope, q_pe, cache, kv: PagedKV, w_uk, w_uv, scale: float):
         """See `mla_decode_attention`: one query per sequence [B, H, *] -> [B, H, Dv]."""
         return mla_decode_attention(q_nope, q_pe, cache, kv, w_uk, w_uv, scale)
+
+    def sparse(self, q_nope, q_pe, cache, indices, w_uk, w_uv, scale: float):
+        """See `kernels.sparse_mla.sparse_mla_attention`: query tokens [T, H, *] attending to the
+        cache slots `indices` [T, K] (-1: none) -> [T, H, Dv]."""
+        from kernels.sparse_mla import sparse_mla_attention
+
+        return sparse_mla_attention(q_nope, q_pe, cache, indices, w_uk, w_uv, scale)

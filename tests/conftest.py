@@ -97,6 +97,10 @@ TINY_CONFIGS = {
         {"num_key_value_heads": 8, "decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False},
     ),
     "qwen3-tied": ("qwen3_moe", {"num_key_value_heads": 4, "mlp_only_layers": [2], "tie_word_embeddings": True}),
+    # DeepSeek-V3.2: the indexer keeps 8 tokens per query, fewer than most prompts here
+    "v32-sparse": ("deepseek_v32", {}),
+    # GLM-4.5: GQA with q/k/v biases, q/k norm, rope over half of each head, grouped sigmoid routing
+    "glm45": ("glm4_moe", {}),
     "v2-group-limited": (
         "deepseek_v2",
         {
@@ -112,7 +116,12 @@ TINY_CONFIGS = {
 
 # name -> a TINY_CONFIGS checkpoint loaded and saved again by the installed transformers, which
 # writes today's spellings (5.x: rope_parameters, Qwen3-MoE's num_local_experts)
-RESAVED_CONFIGS = {"v3-resaved": "v3-yarn-qlora", "v2-resaved": "v2-lite", "qwen3-resaved": "qwen3-gqa4"}
+RESAVED_CONFIGS = {
+    "v3-resaved": "v3-yarn-qlora",
+    "v2-resaved": "v2-lite",
+    "qwen3-resaved": "qwen3-gqa4",
+    "v32-resaved": "v32-sparse",
+}
 
 
 def resave_with_transformers(src: str, dst: Path) -> str:

@@ -24,6 +24,7 @@ MODEL_REGISTRY = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "Qwen3MoeForCausalLM": DeepseekForCausalLM,  # the same stack with GQA attention (cfg.attention)
     "Glm4MoeForCausalLM": DeepseekForCausalLM,  # GQA attention, DeepSeek-V3's MoE
+    "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # MLA over the indexer's chosen tokens (models/indexer.py)
 }
 
 
@@ -78,6 +79,9 @@ def load_model(
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "e_score_correction_bias"):
             gate.e_score_correction_bias = gate.e_score_correction_bias.float()
+        indexer = getattr(getattr(layer, "self_attn", None), "indexer", None)
+        if indexer is not None:
+            indexer.keep_fp32()
     _keep_storage_dtypes(model)
     model.to_empty(device=device)
     load_weights(model, model_path)

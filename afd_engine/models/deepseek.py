@@ -24,6 +24,7 @@ from afd_engine.model_config import ModelConfig
 from afd_engine.models.experts import ExpertExecutor, ExpertServer, LocalExpertExecutor, expert_operations
 from afd_engine.models.forward_batch import ForwardBatch
 from afd_engine.models.gqa import GQAttention
+from afd_engine.models.indexer import Indexer
 from afd_engine.models.norm import RMSNorm, linear
 from afd_engine.models.rope import RotaryEmbedding, softmax_scale
 from afd_engine.models.routed_experts import RoutedExperts, all_experts
@@ -115,13 +116,15 @@ class MLAttention(nn.Module):
             self.q_b_proj = linear(cfg.q_lora_rank, nh * cfg.qk_head_dim)
         else:
             self.q_proj = linear(h, nh * cfg.qk_head_dim)
-        self.kv_a_proj_with_mqa = linear(h, cfg.kv_cache_dim)
+        self.kv_a_proj_with_mqa = linear(h, cfg.mla_cache_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = linear(nh * cfg.v_head_dim, h)
         self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
         self.w_uk: torch.Tensor | None = None  # absorbed decode weights, set by prepare()
         self.w_uv: torch.Tensor | None = None
+        # DeepSeek-V3.2: the indexer picks the tokens each query attends to (models/indexer.py)
+        self.indexer = Indexer(cfg) if cfg.sparse_attention else None
 
     def prepare(self) -> None:
         """Derive the absorbed decode weights once the checkpoint is loaded."""
@@ -134,13 +137,19 @@ class MLAttention(nn.Module):
         """x [T, H] -> [T, H]; writes this step's latents into `cache` [slots, C + R]."""
         cfg = self.cfg
         T = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if cfg.q_lora_rank else None
+        q = self.q_b_proj(q_resid) if cfg.q_lora_rank else self.q_proj(x)
         q = q.view(T, cfg.num_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         cos, sin = cos_sin
         q_pe = self.rotary.apply(q_pe, cos, sin)
-        cache[fb.out_slots] = torch.cat((self.kv_a_layernorm(latent), self.rotary.apply(k_pe, cos, sin)), dim=-1)
+        mla = cache[:, : cfg.mla_cache_dim] if self.indexer is not None else cache
+        mla[fb.out_slots] = torch.cat((self.kv_a_layernorm(latent), self.rotary.apply(k_pe, cos, sin)), dim=-1)
+        if self.indexer is not None:  # every token, prefill or decode, attends to its chosen tokens
+            chosen = self.indexer(x, q_resid, fb, cos_sin, cache[:, cfg.mla_cache_dim :])
+            out = self.kernels.sparse(q_nope, q_pe, mla, chosen, self.w_uk, self.w_uv, self.scale)
+            return self.o_proj(out.reshape(T, cfg.num_heads * cfg.v_head_dim))
         n_ext = fb.num_extend_tokens
         out = x.new_empty(T, cfg.num_heads, cfg.v_head_dim)
         if n_ext:

@@ -83,14 +83,20 @@ class RotaryEmbedding:
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, dim] (or [T, dim]); cos/sin [T, dim/2]. fp32 CPU tensors go to the C kernel
         (kernels/cpu_rope.py), the same numbers in one pass."""
-        out = apply_rope(x, cos, sin, self.interleave)
-        if out is not None:
-            return out
-        if x.dim() == 3:
-            cos, sin = cos[:, None, :], sin[:, None, :]
-        half = x.shape[-1] // 2
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotate(x, cos, sin, self.interleave)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rope over the whole last dimension of x [T, heads, dim] (or [T, dim]): pairs (0,1), (2,3), ...
+    with `interleave` (output de-interleaved), else halves (i, i + dim/2)."""
+    out = apply_rope(x, cos, sin, interleave)
+    if out is not None:
+        return out
+    if x.dim() == 3:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
