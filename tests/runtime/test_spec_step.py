@@ -36,6 +36,16 @@ def mtp_model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("spec"), arch="deepseek_v3", seed=4, overrides=MTP))
 
 
+@pytest.fixture(scope="module")
+def sparse_mtp_model(tmp_path_factory) -> str:
+    """DeepSeek-V3.2: the module is a decoder layer with its own indexer, whose keys share its cache
+    layer; verify rows choose among the tokens up to their own positions."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("spec32"), arch="deepseek_v32", seed=6, overrides=MTP))
+
+
+BOTH = pytest.mark.parametrize("model", ["mtp_model", "sparse_mtp_model"])
+
+
 def _params() -> list[SamplingParams]:
     return [
         SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2),
@@ -80,11 +90,13 @@ def oracle(monkeypatch):
     return Oracle
 
 
+@BOTH
 @pytest.mark.parametrize("steps", [1, 3])
-def test_greedy_tokens_equal_speculation_off(mtp_model, oracle, steps):
+def test_greedy_tokens_equal_speculation_off(model, oracle, steps, request):
     """Mixed lengths, logprobs, a stop string taken from the reference output (so it lands inside
     accepted runs), chunked prefill and preemption in a small pool: the same tokens, text, finish
     reasons and logprobs as without speculation."""
+    mtp_model = request.getfixturevalue(model)
     with Engine(model_path=mtp_model, **FLAGS) as off:
         params = _params()
         ref = off.generate(prompt_token_ids=PROMPTS, sampling_params=params)
@@ -132,10 +144,12 @@ def _check_cached_after_every_step(eng: Engine) -> None:
     eng.stepper._finish = checked
 
 
-def test_drafts_equal_the_module_recomputed_from_scratch(mtp_model, oracle):
+@BOTH
+def test_drafts_equal_the_module_recomputed_from_scratch(model, oracle, request):
     """After every step, each request's drafts (the module's own) equal what the module gives over
     a fresh cache: the main model over the kept tokens, the module over every kept position, then
     its chain. Oracle drafts make steps keep several tokens, whose positions the module rewrites."""
+    mtp_model = request.getfixturevalue(model)
     with Engine(model_path=mtp_model, **FLAGS) as off:
         ref = off.generate(
             prompt_token_ids=PROMPTS[:3], sampling_params=SamplingParams(max_new_tokens=16, ignore_eos=True)
