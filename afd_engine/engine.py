@@ -77,7 +77,7 @@ class Engine(OfflineEngine):
             ModelConfig.from_pretrained(self.model_path)
             if rank
             else inspect_checkpoint(self.model_path, mtp=args.spec_steps > 0)
-        )
+        ).with_index_cache(args.index_cache_dtype, args.torch_dtype.itemsize)
         self.tokenizer = _load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
         experts = rank.expert_slots if rank else None

@@ -145,6 +145,13 @@ class EngineArgs:
         "(the checkpoint's), bf16, or fp8 (block-quantized, 128x128 blocks) while attention keeps --dtype",
         choices=("auto", "bf16", "fp8"),
     )
+    index_cache_dtype: str = opt(
+        "auto",
+        "DeepSeek-V3.2's indexer keys in the KV cache: auto (the cache's dtype) or fp8 (e4m3 bytes and one fp32 "
+        "scale per token, as the reference stores them: 132 bytes a token and layer at index_head_dim 128, "
+        "against 256 in bf16)",
+        choices=("auto", "fp8"),
+    )
     schedule_policy: str = opt(
         "lpm",
         "admission order of waiting requests: lpm (longest cached prefix first, oldest first once they have "

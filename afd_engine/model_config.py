@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd_engine.errors import ModelLoadError
+from afd_engine.errors import ConfigError, ModelLoadError
 from afd_engine.hf_config import SPELLINGS, check_supported, pick, require, rope_settings
 
 
@@ -77,6 +77,9 @@ class ModelConfig:
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    # the index key's share of a cached row when it is stored as fp8 bytes and a scale (the engine
+    # sets it from --index-cache-dtype: with_index_cache); 0: index_head_dim values of the cache dtype
+    index_cache_width: int = 0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -90,12 +93,28 @@ class ModelConfig:
         transfer), or GQA's keys and values of every KV head."""
         if self.attention == "gqa":
             return 2 * self.num_kv_heads * self.head_dim
-        return self.mla_cache_dim + self.index_head_dim
+        return self.mla_cache_dim + (self.index_cache_width or self.index_head_dim)
 
     @property
     def mla_cache_dim(self) -> int:
         """MLA's share of a cached row: the latent and the shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def index_cache_fp8(self) -> bool:
+        """The indexer's keys are cached as e4m3 bytes and one fp32 scale per token."""
+        return self.index_cache_width > 0
+
+    def with_index_cache(self, dtype: str, element_size: int) -> ModelConfig:
+        """This config with the indexer keys stored as `dtype` (--index-cache-dtype: "auto", the KV
+        cache's own dtype, or "fp8") in a cache of `element_size`-byte values."""
+        if dtype == "auto":
+            return self
+        if not self.sparse_attention:
+            raise ConfigError(
+                f"--index-cache-dtype {dtype} stores DeepSeek-V3.2's indexer keys; {self.architecture} has no indexer"
+            )
+        return dataclasses.replace(self, index_cache_width=-(-(self.index_head_dim + 4) // element_size))
 
     @property
     def sparse_attention(self) -> bool:

@@ -55,7 +55,7 @@ _NAMES = {
     "architecture": "architecture",
     "num_layers": "KV cache layers (speculative decoding adds the MTP module's: give both instances the same "
     "--speculative-algorithm)",
-    "kv_cache_dim": "KV cache row size",
+    "kv_cache_dim": "KV cache row size (with sparse attention, --index-cache-dtype changes it)",
     "page_size": "page size",
     "kv_dtype": "KV cache dtype",
 }

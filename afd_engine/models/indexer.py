@@ -12,6 +12,9 @@ products), computed in fp32 as transformers' DeepseekV32 does.
 
 The key is cached in the same row as MLA's latent (`[latent | k_pe | index key]`, see
 ModelConfig.kv_cache_dim), so pages, prefix-cache entries and PD transfers carry it unchanged.
+With --index-cache-dtype fp8 the key is stored as the reference stores it: e4m3 values scaled by
+the token's largest magnitude, followed by that fp32 scale's bytes (132 bytes at index_head_dim 128).
+
 The selection comes back as cache slots per query token, `-1` where a query has fewer causal
 tokens than `index_topk`: what the sparse MLA kernels take (kernels/sparse_mla.py).
 """
@@ -28,6 +31,7 @@ from afd_engine.models.rope import rotate
 
 # Scores computed at once (query tokens x heads x keys): bounds the indexer's working memory.
 _SCORE_BUDGET = 1 << 24
+_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value: a token's largest key value maps onto it
 
 
 class Indexer(nn.Module):
@@ -40,6 +44,7 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
         self.weights_proj = linear(cfg.hidden_size, self.heads)  # held in fp32 (keep_fp32), as the reference
         self.scale = self.dim**-0.5
+        self.fp8 = cfg.index_cache_fp8  # keys cached as e4m3 bytes and a scale (--index-cache-dtype fp8)
 
     def keep_fp32(self) -> None:
         """The head weights stay fp32 whatever the model's dtype (the reference keeps them so)."""
@@ -54,7 +59,7 @@ class Indexer(nn.Module):
         T = x.shape[0]
         cos, sin = cos_sin
         q = self._rope(self.wq_b(q_resid).view(T, self.heads, self.dim), cos, sin).float()
-        keys[fb.out_slots] = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        self._store(keys, fb.out_slots, self._rope(self.k_norm(self.wk(x)), cos, sin))
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5  # [T, h]
         n_ext = fb.num_extend_tokens
         parts = []
@@ -66,6 +71,26 @@ class Indexer(nn.Module):
             return parts[0]
         width = max(p.shape[1] for p in parts)
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
+
+    def _store(self, keys: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """k [T, d] into the cache rows `slots`: as they are, or as e4m3 values scaled by the
+        token's largest magnitude, the fp32 scale's bytes after them."""
+        if not self.fp8:
+            keys[slots] = k
+            return
+        k = k.float()
+        scale = k.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / _E4M3_MAX  # [T, 1]
+        packed = torch.cat(((k / scale).to(torch.float8_e4m3fn).view(torch.uint8), scale.view(torch.uint8)), dim=-1)
+        keys.view(torch.uint8)[slots, : packed.shape[1]] = packed
+
+    def _load(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The keys of cache rows `slots` [B, L] -> [B, L, d] (fp32 where they are stored as fp8)."""
+        rows = keys.index_select(0, slots.flatten())
+        if self.fp8:
+            raw = rows.view(torch.uint8)
+            scale = raw[:, self.dim : self.dim + 4].contiguous().view(torch.float32)  # [N, 1]
+            rows = raw[:, : self.dim].view(torch.float8_e4m3fn).float() * scale
+        return rows.view(*slots.shape, self.dim)
 
     def _rope(self, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rope by halves over the first qk_rope_head_dim dimensions of v [T, (heads,) dim]."""
@@ -90,7 +115,7 @@ class Indexer(nn.Module):
         pad_q = q.new_zeros(B, Q, self.heads, self.dim)
         pad_w = weights.new_zeros(B, Q, self.heads)
         pad_q[valid], pad_w[valid] = q, weights
-        k = keys.index_select(0, slots.flatten()).view(B, L, self.dim)
+        k = self._load(keys, slots)
         key_pos = torch.arange(L, device=slots.device)
         out = slots.new_empty(B, Q, min(self.topk, L))
         step = max(1, _SCORE_BUDGET // max(1, B * self.heads * L))  # query positions per block
@@ -104,6 +129,6 @@ class Indexer(nn.Module):
     def _decode(self, q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, keys: torch.Tensor) -> torch.Tensor:
         """One query per sequence against all its cached tokens (padding masked by dec_bias)."""
         slots = fb.dec_slots  # [Bd, L]
-        k = keys.index_select(0, slots.flatten()).view(*slots.shape, self.dim)
+        k = self._load(keys, slots)
         scores = self._scores(q[:, None], weights[:, None], k) + fb.dec_bias  # [Bd, 1, L]
         return self._select(scores, slots)[:, 0]

@@ -57,7 +57,9 @@ class Deployment:
         path = resolve_model_path(args.model_path)
         # a broken checkpoint (or one without the MTP module speculation needs) stops here, before any
         # process starts
-        cfg = inspect_checkpoint(path, mtp=args.spec_steps > 0)
+        cfg = inspect_checkpoint(path, mtp=args.spec_steps > 0).with_index_cache(
+            args.index_cache_dtype, args.torch_dtype.itemsize
+        )
         ranks, cores = self._local_processes(args), usable_cpus()
         _check_nccl_placement(args, ranks)
         threads = args.num_threads or max(1, cores // ranks)

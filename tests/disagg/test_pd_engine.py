@@ -172,6 +172,31 @@ def test_mismatched_instances_are_refused_at_the_handshake(tiny_v3):
         pd.close()
 
 
+def test_fp8_index_keys_travel_in_the_rows_and_must_match(tiny_model_factory):
+    """DeepSeek-V3.2 with --index-cache-dtype fp8 on both sides: the single engine's tokens (its
+    packed keys cross as they are); on one side only: refused naming the row size."""
+    path = tiny_model_factory("v32-sparse")
+    fp8 = {"index_cache_dtype": "fp8"}
+    prompts = random_prompts(512, (40, 9, 70), seed=4, low=5)
+    with Engine(model_path=path, **COMMON, **fp8) as single:
+        want = [o.token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    pd = pair(path, prefill=fp8, decode=fp8)
+    try:
+        assert [o.token_ids for o in pd.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == want
+    finally:
+        pd.close()
+    pd = pair(path, prefill=fp8)
+    try:
+        pd.add_request(prompt_token_ids=prompts[0], params=GREEDY)
+        (out,) = pd.run_until(lambda: not pd.decode.has_unfinished())
+        assert out.error == (
+            "the prefill and decode instances do not match: KV cache row size (with sparse attention, "
+            "--index-cache-dtype changes it): prefill 49, decode 72"
+        )
+    finally:
+        pd.close()
+
+
 def test_a_prefill_side_that_never_gets_the_request_times_out_on_the_decode_side(tiny_v3):
     pd = pair(tiny_v3, decode={"disaggregation_timeout": 0.5})
     try:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from afd_engine import Engine
-from afd_engine.errors import ModelLoadError
+from afd_engine.errors import ConfigError, ModelLoadError
 from afd_engine.model_config import ModelConfig
 from afd_engine.tiny_model import make_tiny_model
 from tests.engine_helpers import engine_logits, random_prompts
@@ -67,3 +68,38 @@ def test_a_config_the_indexer_cannot_run_is_named(tiny_model_factory, change, me
     with pytest.raises(ModelLoadError) as err:
         ModelConfig.from_dict(raw)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("dtype,row", [("float32", 40 + 9), ("bfloat16", 40 + 18)])
+def test_fp8_index_keys_take_bytes_and_a_scale_per_token(tiny_model_factory, dtype, row):
+    """--index-cache-dtype fp8: 32 e4m3 bytes and a 4-byte scale instead of 32 values per token; a
+    stored key reads back as its fp8 rounding, and the selection mostly agrees with full precision."""
+    path = tiny_model_factory("v32-sparse")
+    with Engine(model_path=path, dtype=dtype, num_threads=1, index_cache_dtype="fp8") as eng:
+        assert (eng.config.kv_cache_dim, eng.pool.cache.shape[-1]) == (row, row)
+        indexer = eng.model.model.layers[0].self_attn.indexer
+        keys = torch.zeros(6, row, dtype=eng.pool.cache.dtype)[:, 40:]
+        k = torch.randn(3, 32) * torch.tensor([[0.01], [1.0], [300.0]])
+        indexer._store(keys, torch.tensor([4, 1, 2]), k)
+        scale = k.abs().amax(-1, keepdim=True) / 448.0
+        want = (k / scale).to(torch.float8_e4m3fn).float() * scale
+        assert torch.equal(indexer._load(keys, torch.tensor([[4, 1, 2]]))[0], want)
+        assert keys[[0, 3, 5]].abs().sum() == 0  # other rows untouched
+    prompt = random_prompts(eng.config.vocab_size, (90,), seed=3, low=5)[0]
+    chosen = {}
+    for storage in ("auto", "fp8"):
+        with Engine(model_path=path, dtype="float32", num_threads=1, index_cache_dtype=storage) as eng:
+            eng.model.model.layers[0].self_attn.indexer.register_forward_hook(
+                lambda m, i, o, storage=storage: chosen.setdefault(storage, o)
+            )
+            engine_logits(eng, prompt)
+    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(chosen["auto"], chosen["fp8"]))
+    assert 0.9 < same / chosen["auto"].ge(0).sum() < 1.0  # fp8 moves a few choices, not most
+
+
+def test_fp8_index_keys_need_a_sparse_model(tiny_v3):
+    with pytest.raises(ConfigError) as err:
+        Engine(model_path=tiny_v3, index_cache_dtype="fp8")
+    assert str(err.value) == (
+        "--index-cache-dtype fp8 stores DeepSeek-V3.2's indexer keys; DeepseekV3ForCausalLM has no indexer"
+    )
