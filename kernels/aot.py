@@ -6,7 +6,8 @@ machine without one, with the resources each uses and the budgets they must hold
 What is compiled, per model of MODELS (DeepSeek-V3, DeepSeek-V2-Lite, Qwen3-30B-A3B shapes):
 attention decode (MLA or GQA split-KV and the merge of the splits) at page sizes 1/16/64 in fp32 and
 bf16, for every merge tile (1..16 splits); routed experts (gate_up and down) in fp32 and bf16, and
-with fp8 weights after the fp8 quantization of activations (and its inverse, dequantize). Where a
+with fp8 weights after the fp8 quantization of activations (and its inverse, dequantize); and per
+model of SPARSE_MODELS (DeepSeek-V3.2), sparse MLA at every split count in fp32 and bf16. Where a
 wrapper's tiles depend on the GPU (MLA decode, fused MoE: kernels/triton/configs/), every tile it
 may take at the model's shape is compiled, its default and each tuned file's, named by its tile. The
 launches come from the wrappers' own builders (`decode_launches`, `expert_launches`,
@@ -48,6 +49,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from itertools import product
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,7 +64,7 @@ from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from kernels.mla import PagedKV  # noqa: E402
-from kernels.triton import fp8, gqa, mla, moe  # noqa: E402
+from kernels.triton import fp8, gqa, mla, moe, sparse_mla  # noqa: E402
 from kernels.triton.launch import Launch, is_interpreted  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -110,6 +112,10 @@ MODELS = {
     "deepseek-v2-lite": (MLAShape(16, 512, 64), MoEShape(2048, 1408, 64, 6)),
     "qwen3-30b-a3b": (GQAShape(32, 4, 128), MoEShape(2048, 768, 128, 8)),
 }
+
+# Sparse MLA models: (MLA shape, index_head_dim: the indexer key cached after each row's C + R,
+# index_topk: the slots each query token attends to).
+SPARSE_MODELS = {"deepseek-v3.2": (MLAShape(128, 512, 64), 128, 2048)}
 
 
 class Case(NamedTuple):
@@ -163,6 +169,22 @@ def attention_cases(model: str, shape, dtype: str, page_size: int, splits: int) 
     ]
 
 
+def sparse_cases(model: str, shape: MLAShape, index_dim: int, topk: int, dtype: str, splits: int) -> list[Case]:
+    """Sparse MLA launches of DECODE_TOKENS query tokens, `topk` slots each, `splits` splits (one:
+    the kernel writes the output itself, as a prefill chunk does; more: then the merge), over the
+    MLA share of cache rows that also hold the indexer's key."""
+    T, dt = DECODE_TOKENS, DTYPES[dtype]
+    H, C, R = shape
+    q_latent, q_pe = meta(T, H, C, dtype=dt), meta(T, H, R, dtype=dt)
+    cache = meta(T * MAX_CONTEXT, C + R + index_dim, dtype=dt)[:, : C + R]
+    indices = meta(T, topk, dtype=torch.int64)
+    tiles = sparse_mla.default_tiles(H, dt)
+    _, launches = sparse_mla.sparse_launches(q_latent, q_pe, cache, indices, C**-0.5, splits, False, tiles)
+    where = f"{model}/{dtype}"
+    cases = [Case(f"sparse_mla/{where}/{tile_tag(tiles)}/splits{splits}", dtype, launches[0])]
+    return cases + [Case(f"sparse_mla_merge/{where}/splits{splits}", dtype, merge) for merge in launches[1:]]
+
+
 def expert_cases(model: str, shape: MoEShape, dtype: str) -> list[Case]:
     """gate_up and down launches of one step's routed experts for each tile `moe.moe_blocks` may
     give at this shape (named by its tile): `dtype` fp32 or bf16 (weights and activations), or fp8
@@ -212,6 +234,8 @@ def all_cases() -> list[Case]:
                     cases += attention_cases(model, attention, dtype, page_size, splits)
             cases += expert_cases(model, experts, dtype) + fp8_cases(model, experts, dtype)
         cases += expert_cases(model, experts, "fp8")
+    for (model, (attention, index_dim, topk)), dtype, splits in product(SPARSE_MODELS.items(), DTYPES, SPLITS):
+        cases += sparse_cases(model, attention, index_dim, topk, dtype, splits)
     return list({case.name: case for case in cases}.values())
 
 

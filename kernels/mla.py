@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels.sparse_mla import sparse_mla_core
+
 
 class PagedKV(NamedTuple):
     """Where each decode sequence's cached tokens live, in two equivalent forms: per-token slot
@@ -115,6 +117,22 @@ def unabsorb_output(out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tenso
     return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
+def sparse_mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's sparse attention in the absorbed form: each query token attends to its own
+    chosen cache slots. q_nope [T, H, Dn], q_pe [T, H, R]; cache [S, C + R] (rows may be strided);
+    indices [T, K] (-1: unused; see kernels.sparse_mla.sparse_mla_core); w_uk [H, Dn, C],
+    w_uv [H, Dv, C]. Returns [T, H, Dv]."""
+    return unabsorb_output(sparse_mla_core(absorb_query(q_nope, w_uk), q_pe, cache, indices, scale), w_uv)
+
+
 def mla_decode_core(
     q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv: PagedKV, scale: float
 ) -> torch.Tensor:
@@ -150,8 +168,6 @@ class TorchMLA:
         return mla_decode_attention(q_nope, q_pe, cache, kv, w_uk, w_uv, scale)
 
     def sparse(self, q_nope, q_pe, cache, indices, w_uk, w_uv, scale: float):
-        """See `kernels.sparse_mla.sparse_mla_attention`: query tokens [T, H, *] attending to the
-        cache slots `indices` [T, K] (-1: none) -> [T, H, Dv]."""
-        from kernels.sparse_mla import sparse_mla_attention
-
+        """See `sparse_mla_attention`: query tokens [T, H, *] attending to the cache slots
+        `indices` [T, K] (-1: none) -> [T, H, Dv]."""
         return sparse_mla_attention(q_nope, q_pe, cache, indices, w_uk, w_uv, scale)

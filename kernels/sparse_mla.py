@@ -1,6 +1,7 @@
 """Sparse MLA (DeepSeek-V3.2): each query token attends only to the cached tokens its indexer chose.
 
-The same absorbed form as MLA decode (kernels/mla.py), with a per-query list of cache slots in
+The core of the absorbed form of MLA decode (kernels/mla.py: `sparse_mla_attention` absorbs the
+query and unabsorbs the output around it), with a per-query list of cache slots in
 place of a per-sequence slot table: query token t attends to the slots `indices[t, :]`, entries
 of -1 being unused. Prefill (chunked too) and decode run through it alike: a prefill token
 attends to at most `index_topk` tokens, so the expanded per-head form buys nothing.
@@ -12,8 +13,6 @@ strided view of the wider rows that also hold the indexer's key (models/indexer.
 from __future__ import annotations
 
 import torch
-
-from kernels.mla import absorb_query, unabsorb_output
 
 # Query tokens gathered at once by the torch reference: bounds its [tokens, K, C + R] gather.
 _TOKENS_PER_BLOCK = 256
@@ -40,17 +39,3 @@ def sparse_mla_core(
         probs = torch.softmax(scores.float() * scale + bias[:, None, :], dim=-1).to(latent.dtype)
         out[lo:hi] = torch.bmm(probs, latent)
     return out
-
-
-def sparse_mla_attention(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache: torch.Tensor,
-    indices: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """q_nope [T, H, Dn], q_pe [T, H, R]; cache [S, C + R]; indices [T, K] (see sparse_mla_core);
-    w_uk [H, Dn, C], w_uv [H, Dv, C]. Returns [T, H, Dv]."""
-    return unabsorb_output(sparse_mla_core(absorb_query(q_nope, w_uk), q_pe, cache, indices, scale), w_uv)

@@ -31,6 +31,7 @@ from kernels.mla import (
 )
 from kernels.triton import split_kv, tuned
 from kernels.triton.launch import Launch, is_interpreted
+from kernels.triton.sparse_mla import sparse_mla_core_triton
 from kernels.triton.split_kv import MAX_SPLITS, SplitKVTiles, num_splits_for  # noqa: F401 (MAX_SPLITS: this backend's API)
 
 KERNEL = "mla_decode"  # the kernel's name in tuned config files (kernels/triton/tuned.py)
@@ -291,3 +292,11 @@ class TritonMLA:
         return unabsorb_output(
             mla_decode_core_triton(q_latent, q_pe.contiguous(), cache, kv, scale, self.num_splits), w_uv
         )
+
+    def sparse(self, q_nope, q_pe, cache, indices, w_uk, w_uv, scale: float):
+        """`kernels.mla.sparse_mla_attention` with the core on Triton: q_nope [T, H, Dn],
+        q_pe [T, H, R], cache [S, C + R] (rows may be strided), indices [T, K] (-1: none), w_uk
+        [H, Dn, C], w_uv [H, Dv, C] -> [T, H, Dv] (see `sparse_mla_core_triton`)."""
+        q_latent = absorb_query(q_nope, w_uk).contiguous()  # [T, H, C]
+        out = sparse_mla_core_triton(q_latent, q_pe.contiguous(), cache, indices.contiguous(), scale, self.num_splits)
+        return unabsorb_output(out, w_uv)

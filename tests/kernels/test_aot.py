@@ -23,7 +23,7 @@ import torch
 import triton
 
 from kernels import aot
-from kernels.triton import gqa, mla, moe
+from kernels.triton import gqa, mla, moe, sparse_mla
 
 ROOT = Path(__file__).resolve().parents[2]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
@@ -88,6 +88,18 @@ def expected_uses() -> set[str]:
     for model, dtype, part in product(MODELS, ("fp32", "bf16", "fp8"), ("gate_up", "down")):
         tiles = moe.every_blocks(dtype, *SHAPES[model][1])
         names |= {f"moe_{part}/{model}/{dtype}/{aot.tile_tag(blocks)}" for blocks in tiles}
+    return names | expected_sparse_uses()
+
+
+def expected_sparse_uses() -> set[str]:
+    """The sparse launches kernels.aot compiles at DeepSeek-V3.2's shape: the kernel at each split
+    count (named by its default tile) and the merge wherever there is more than one split."""
+    names = set()
+    for dtype, splits in product(("fp32", "bf16"), (1, 2, 4, 8, 16)):
+        tag = aot.tile_tag(sparse_mla.default_tiles(128, aot.DTYPES[dtype]))
+        names.add(f"sparse_mla/deepseek-v3.2/{dtype}/{tag}/splits{splits}")
+        if splits > 1:
+            names.add(f"sparse_mla_merge/deepseek-v3.2/{dtype}/splits{splits}")
     return names
 
 

@@ -1,13 +1,12 @@
-"""The torch reference of sparse MLA (kernels/sparse_mla.py): attending to every cached token of a
-sequence is MLA decode; unused entries and the order of the chosen slots change nothing; the
-cache may be the MLA share of wider rows."""
+"""The torch reference of sparse MLA (kernels/sparse_mla.py, absorbed in kernels/mla.py):
+attending to every cached token of a sequence is MLA decode; unused entries and the order of the
+chosen slots change nothing; the cache may be the MLA share of wider rows."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.mla import PagedKV, absorb_kv_b, mla_decode_attention
-from kernels.sparse_mla import sparse_mla_attention
+from kernels.mla import PagedKV, absorb_kv_b, mla_decode_attention, sparse_mla_attention
 
 H, DN, DV, C, R, EXTRA = 4, 8, 8, 16, 4, 6
 

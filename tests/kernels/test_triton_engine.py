@@ -45,3 +45,15 @@ def test_triton_backends_serve_qwen3_moe(mode, tiny_model_factory):
         outs = run_staggered(engine, batch, GREEDY, every=2)
     for ids, out in zip(batch, outs):
         assert_greedy_matches(out, *hf_greedy(path, ids, NEW), f"qwen3 {mode} prompt len {len(ids)}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["single", "afd 1A 1x2 mb2"])
+def test_triton_backends_serve_deepseek_v32(mode, tiny_model_factory):
+    """Prefill and decode tokens alike attend through the sparse MLA kernel (8 of up to 26 tokens)."""
+    path = tiny_model_factory("v32-sparse")
+    batch = random_prompts(TINY_VOCAB_SIZE, (5, 20), seed=4, low=5)
+    with make_engine(model_path=path, **TRITON, **MODES[mode]) as engine:
+        outs = run_staggered(engine, batch, GREEDY, every=2)
+    for ids, out in zip(batch, outs):
+        assert_greedy_matches(out, *hf_greedy(path, ids, NEW), f"v3.2 {mode} prompt len {len(ids)}")
