@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from afd_engine.checkpoint_tokenizer import load_tokenizer
 from afd_engine.default_model import resolve_model_path
 from afd_engine.disagg.sides import make_side
 from afd_engine.engine_args import EngineArgs
 from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
 from afd_engine.eplb.recorder import ExpertLoadRecorder
 from afd_engine.eplb.report import merge_reports, rank_report
-from afd_engine.errors import ConfigError, InvalidRequestError, ModelLoadError
+from afd_engine.errors import ConfigError, InvalidRequestError
 from afd_engine.model_config import ModelConfig
 from afd_engine.models import Kernels, load_model
 from afd_engine.models.checkpoint import inspect_checkpoint
@@ -78,7 +79,7 @@ class Engine(OfflineEngine):
             if rank
             else inspect_checkpoint(self.model_path, mtp=args.spec_steps > 0)
         ).with_index_cache(args.index_cache_dtype, args.torch_dtype.itemsize)
-        self.tokenizer = _load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         kernels = Kernels.named(args.attention_backend, args.moe_backend, self.config.attention)
         experts = rank.expert_slots if rank else None
         self.model = load_model(
@@ -463,15 +464,6 @@ def _claim_device(args: EngineArgs, rank: RankContext | None) -> torch.device:
 def _record_path(path: str, rank: RankContext | None) -> str:
     """--record-steps: a rank of a deployment writes PATH.a<rank>.jsonl beside the others."""
     return path if rank is None else f"{path}.a{rank.index}.jsonl"
-
-
-def _load_tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_path))
-    except Exception as exc:  # transformers raises many kinds; all mean "no usable tokenizer"
-        raise ModelLoadError(f"cannot load the tokenizer from {str(model_path)!r}: {exc}") from exc
 
 
 def _make_pool(cfg: ModelConfig, args: EngineArgs, context_len: int, device: torch.device) -> KVPool:

@@ -21,8 +21,10 @@ SERVED = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2: DeepSeek-V3's architecture under its own model_type
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
-SUPPORTED_ARCHITECTURES = tuple(SERVED.values())
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(SERVED.values()))
 
 # Architectures near the served ones that a user may try, and what the engine lacks for each.
 NOT_SERVED = {
@@ -34,6 +36,15 @@ NOT_SERVED = {
     "qwen3_5_moe": "Qwen3.5-MoE's hybrid linear attention and vision tower",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE's hybrid linear attention and vision tower",
     "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE's hybrid linear attention",
+    "qwen3_5_moe_text": "Qwen3.5-MoE's hybrid linear attention",
+    "qwen3_5": "Qwen3.5's hybrid linear attention and vision tower",
+    "Qwen3_5ForConditionalGeneration": "Qwen3.5's hybrid linear attention and vision tower",
+    "qwen3_5_text": "Qwen3.5's hybrid linear attention",
+    "Qwen3_5ForCausalLM": "Qwen3.5's hybrid linear attention",
+    "gpt_oss": "gpt-oss's attention sinks, sliding-window layers and MXFP4 experts",
+    "GptOssForCausalLM": "gpt-oss's attention sinks, sliding-window layers and MXFP4 experts",
+    "minimax": "MiniMax-Text-01's lightning (linear) attention layers",
+    "MiniMaxForCausalLM": "MiniMax-Text-01's lightning (linear) attention layers",
     "qwen3_vl_moe": "Qwen3-VL-MoE's vision tower",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE's vision tower",
 }
@@ -47,6 +58,7 @@ SPELLINGS = {
     "qwen3_experts": ("num_experts", "num_local_experts"),
     "deepseek_experts": ("n_routed_experts", "num_local_experts", "num_experts"),
     "mtp_layers": ("num_nextn_predict_layers", "num_mtp_layers"),
+    "minimax_experts": ("num_local_experts", "num_experts"),
 }
 
 
@@ -138,6 +150,8 @@ def _check_features(raw: dict, arch: str) -> None:
     layer_types = set(raw.get("layer_types") or ()) - {"full_attention", "indexed_attention"}
     if layer_types:
         refuse("layer_types", f"{', '.join(sorted(layer_types))} layers")
+    if arch == "MiniMaxM2ForCausalLM":
+        _check_minimax_m2(raw, refuse)
     quant = raw.get("quantization_config") or {}
     if quant:
         method = quant.get("quant_method")
@@ -149,7 +163,30 @@ def _check_features(raw: dict, arch: str) -> None:
             )
 
 
+def _check_minimax_m2(raw: dict, refuse) -> None:
+    """MiniMax-M2's own keys, as its published config spells them: what transformers' implementation
+    computes (full attention everywhere, per-layer q/k norm, sigmoid routing with the correction
+    bias, no shared expert) is served; a config asking for anything else is refused."""
+    if any(kind != 1 for kind in raw.get("attn_type_list") or ()):  # 0: a lightning attention layer
+        refuse("attn_type_list", "lightning (linear) attention layers")
+    if raw.get("use_qk_norm") is False:
+        refuse("use_qk_norm", "queries and keys not normed")
+    if raw.get("qk_norm_type", "per_layer") != "per_layer":
+        refuse("qk_norm_type", "a q/k norm other than per layer")
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        refuse("scoring_func", "routing scores other than sigmoid")
+    if raw.get("use_routing_bias") is False:
+        refuse("use_routing_bias", "routing without the correction bias")
+    if raw.get("shared_intermediate_size"):
+        refuse("shared_intermediate_size", "a shared expert")
+
+
 def _supported_shape(arch: str) -> str:
+    if arch == "MiniMaxM2ForCausalLM":
+        return (
+            "supported: full causal attention with grouped KV heads and a per-layer q/k norm, sigmoid routing "
+            "with the correction bias, silu experts"
+        )
     if arch == "Glm4MoeForCausalLM":
         return "supported: full causal attention with grouped KV heads and q/k/v biases, silu experts"
     if arch == "Qwen3MoeForCausalLM":

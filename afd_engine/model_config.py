@@ -69,6 +69,9 @@ class ModelConfig:
     attention_bias: bool = False  # gqa (GLM-4.5): biases on the q, k and v projections
     qk_norm: bool = True  # gqa: per-head RMSNorm of queries and keys (Qwen3-MoE always; GLM-4.5 optional)
     partial_rotary_factor: float = 1.0  # gqa (GLM-4.5): rope over this share of each head, the rest unrotated
+    # gqa (MiniMax-M2): the q/k RMSNorm spans the layer's whole query (heads * head_dim) and key
+    # (kv_heads * head_dim) vectors, all heads at once, rather than each head
+    qk_norm_per_layer: bool = False
     mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among sparse ones
     decoder_sparse_step: int = 1  # Qwen3-MoE: every step-th layer is sparse
     mtp_layers: int = 0  # DeepSeek: multi-token prediction modules stored after the last layer
@@ -167,6 +170,8 @@ class ModelConfig:
             return _qwen3_moe(raw)
         if arch == "Glm4MoeForCausalLM":
             return _glm4_moe(raw)
+        if arch == "MiniMaxM2ForCausalLM":
+            return _minimax_m2(raw)
         is_v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
         n_group = raw.get("n_group") or 1
         topk_method = raw.get("topk_method") or ("noaux_tc" if is_v3 else "greedy")
@@ -271,8 +276,10 @@ def _rope(raw: dict) -> RopeConfig:
 
 
 def _gqa(raw: dict, architecture: str, **routing) -> ModelConfig:
-    """A GQA model's config (Qwen3-MoE, GLM-4.5): the fields they share read alike, its routing and
-    family fields given as `routing`."""
+    """A GQA model's config (Qwen3-MoE, GLM-4.5, MiniMax-M2): the fields they share read alike, its
+    routing and family fields given as `routing` (the experts' width too, where it is not
+    `moe_intermediate_size`)."""
+    routing.setdefault("moe_intermediate_size", raw.get("moe_intermediate_size", 0))
     heads = require(raw, "num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
     if heads % kv_heads:
@@ -284,7 +291,6 @@ def _gqa(raw: dict, architecture: str, **routing) -> ModelConfig:
         vocab_size=require(raw, "vocab_size"),
         hidden_size=require(raw, "hidden_size"),
         intermediate_size=require(raw, "intermediate_size"),
-        moe_intermediate_size=raw.get("moe_intermediate_size", 0),
         num_layers=require(raw, "num_hidden_layers"),
         num_heads=heads,
         q_lora_rank=None,
@@ -332,6 +338,43 @@ def _glm4_moe(raw: dict) -> ModelConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         qk_norm=bool(raw.get("use_qk_norm", False)),
         partial_rotary_factor=float(partial),
+    )
+
+
+def _minimax_m2(raw: dict) -> ModelConfig:
+    """MiniMax-M2: GQA without biases, one RMSNorm over each layer's whole query vector and one over
+    its whole key vector (all heads at once), rope over the first `rotary_dim` dims of each head
+    (non-interleaved); every layer MoE: sigmoid scores, the correction bias in the choice only,
+    normalized top-k weights, experts `intermediate_size` wide, no groups, no shared expert. The
+    multi-token prediction modules its config declares (`use_mtp`, `num_mtp_modules`,
+    `mtp_transformer_layers`) are not read: the model is served without them."""
+    head_dim = raw.get("head_dim") or require(raw, "hidden_size") // require(raw, "num_attention_heads")
+    partial = rope_settings(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    rotary_dim = raw.get("rotary_dim")  # the published spelling; transformers 5 adds partial_rotary_factor
+    if rotary_dim is not None:
+        if partial is not None and partial != rotary_dim / head_dim:
+            raise ModelLoadError(
+                f"config.json disagrees with itself: rotary_dim={rotary_dim} (of head_dim={head_dim}), "
+                f"partial_rotary_factor={partial}"
+            )
+        partial = rotary_dim / head_dim
+    return _gqa(
+        raw,
+        "MiniMaxM2ForCausalLM",
+        moe_intermediate_size=require(raw, "intermediate_size"),
+        n_routed_experts=pick(raw, SPELLINGS["minimax_experts"], 0),
+        n_shared_experts=0,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=0,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        qk_norm=True,
+        qk_norm_per_layer=True,
+        partial_rotary_factor=float(1.0 if partial is None else partial),
     )
 
 

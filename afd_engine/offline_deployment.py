@@ -34,7 +34,7 @@ class DeploymentDied(EngineUnavailable):
 
 class DistributedEngine(OfflineEngine):
     def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
-        from transformers import AutoTokenizer
+        from afd_engine.checkpoint_tokenizer import load_tokenizer
 
         args = args.replace(**kwargs) if args is not None else EngineArgs.from_kwargs(**kwargs)
         self.deployment = Deployment(args)
@@ -57,7 +57,7 @@ class DistributedEngine(OfflineEngine):
         self._loop.call(self._start_client())
         self.model_path, self.context_len = info["model_path"], info["context_len"]
         self.info = info
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         # requests in flight: rid -> prompt, params and what has arrived (written on the loop's thread)
         self._pending: dict[str, dict] = {}
         self._finished: queue.SimpleQueue[RequestOutput | DeploymentDied] = queue.SimpleQueue()

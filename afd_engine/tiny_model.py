@@ -31,7 +31,7 @@ from afd_engine.errors import ConfigError
 from afd_engine.tiny_tokenizer import CHAT_TEMPLATE, QWEN_CHAT_TEMPLATE, TokenizerInfo, write_tiny_tokenizer
 from configs import load_json
 
-SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe", "deepseek_v32")
+SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe", "deepseek_v32", "minimax_m2")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 FP8_BLOCK = (128, 128)
@@ -75,7 +75,10 @@ def make_tiny_model(
             with q/k norm, softmax top-k routing, no shared expert, layer 0 dense) or "glm4_moe"
             (GLM-4.5: GQA with q/k/v biases, q/k norm and rope over half of each head, DeepSeek-V3's
             routing and shared expert, layer 0 dense) or "deepseek_v32" (DeepSeek-V3 plus the sparse
-            attention's indexer, 8 tokens chosen per query).
+            attention's indexer, 8 tokens chosen per query) or "minimax_m2" (MiniMax-M2: GQA with
+            one q/k norm over all heads, rope over half of each head, every layer MoE with sigmoid
+            routing and the correction bias, no shared expert; `block_sparse_moe` names, experts
+            `w1`/`w3`/`w2`).
         seed: seed of the random weights; the same seed gives byte-identical safetensors files.
         shards: number of safetensors files; more than 1 also writes model.safetensors.index.json.
         overrides: config.json keys merged last into the preset (any key). A "rope_parameters"
@@ -156,6 +159,8 @@ def tiny_weight_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
         return _qwen3_specs(config)
     if config.get("model_type") == "glm4_moe":
         return _glm4_specs(config)
+    if config.get("model_type") == "minimax_m2":
+        return _minimax_m2_specs(config)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
     for layer in range(config["num_hidden_layers"]):
@@ -249,6 +254,40 @@ def _glm4_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
             specs += [(p + "q_norm.weight", (head_dim,), "norm"), (p + "k_norm.weight", (head_dim,), "norm")]
         specs.append((f"model.layers.{layer}.post_attention_layernorm.weight", (hidden,), "norm"))
         specs += _deepseek_mlp_specs(config, layer, correction_bias=True)
+    specs.append(("model.norm.weight", (hidden,), "norm"))
+    if not config.get("tie_word_embeddings"):
+        specs.append(("lm_head.weight", (vocab, hidden), "lm_head"))
+    return specs
+
+
+def _minimax_m2_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """MiniMax-M2's tensors as its checkpoints name them: GQA with one q/k norm over all heads of a
+    layer, then the `block_sparse_moe` block of every layer (router, the block's correction bias,
+    experts `w1` gate, `w3` up, `w2` down, each `intermediate_size` wide)."""
+    hidden, vocab, head_dim = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    heads, kv_heads, experts = config["num_attention_heads"], config["num_key_value_heads"], config["num_local_experts"]
+    inter = config["intermediate_size"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
+    for layer in range(config["num_hidden_layers"]):
+        p, moe = f"model.layers.{layer}.", f"model.layers.{layer}.block_sparse_moe."
+        specs += [
+            (p + "input_layernorm.weight", (hidden,), "norm"),
+            (p + "self_attn.q_proj.weight", (heads * head_dim, hidden), "linear"),
+            (p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), "linear"),
+            (p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), "linear"),
+            (p + "self_attn.o_proj.weight", (hidden, heads * head_dim), "linear"),
+            (p + "self_attn.q_norm.weight", (heads * head_dim,), "norm"),
+            (p + "self_attn.k_norm.weight", (kv_heads * head_dim,), "norm"),
+            (p + "post_attention_layernorm.weight", (hidden,), "norm"),
+            (moe + "gate.weight", (experts, hidden), "router"),
+            (moe + "e_score_correction_bias", (experts,), "bias"),
+        ]
+        for e in range(experts):
+            specs += [
+                (f"{moe}experts.{e}.w1.weight", (inter, hidden), "linear"),
+                (f"{moe}experts.{e}.w2.weight", (hidden, inter), "linear"),
+                (f"{moe}experts.{e}.w3.weight", (inter, hidden), "linear"),
+            ]
     specs.append(("model.norm.weight", (hidden,), "norm"))
     if not config.get("tie_word_embeddings"):
         specs.append(("lm_head.weight", (vocab, hidden), "lm_head"))
@@ -377,8 +416,9 @@ def _is_fp8_quantized(name: str, tensor: torch.Tensor) -> bool:
     return (
         tensor.dim() == 2
         and name.startswith("model.layers.")
-        and (".self_attn." in name or ".mlp." in name)
+        and (".self_attn." in name or ".mlp." in name or ".block_sparse_moe." in name)
         and ".mlp.gate.weight" not in name
+        and ".block_sparse_moe.gate.weight" not in name  # MiniMax-M2's router
         and ".indexer.weights_proj." not in name  # DeepSeek-V3.2 keeps the indexer's head weights unquantized
         and "layernorm" not in name
     )

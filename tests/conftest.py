@@ -101,6 +101,8 @@ TINY_CONFIGS = {
     "v32-sparse": ("deepseek_v32", {}),
     # GLM-4.5: GQA with q/k/v biases, q/k norm, rope over half of each head, grouped sigmoid routing
     "glm45": ("glm4_moe", {}),
+    # MiniMax-M2: GQA with q/k norm over whole projections, rope over half of each head, no shared expert
+    "minimax-m2": ("minimax_m2", {}),
     "v2-group-limited": (
         "deepseek_v2",
         {

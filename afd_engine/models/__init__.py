@@ -25,6 +25,7 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": DeepseekForCausalLM,  # the same stack with GQA attention (cfg.attention)
     "Glm4MoeForCausalLM": DeepseekForCausalLM,  # GQA attention, DeepSeek-V3's MoE
     "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # MLA over the indexer's chosen tokens (models/indexer.py)
+    "MiniMaxM2ForCausalLM": DeepseekForCausalLM,  # GQA with per-layer q/k norm, sigmoid routing, no shared expert
 }
 
 

@@ -7,8 +7,8 @@ every tensor the model needs against the shape the config implies and a dtype th
 binds a port or starts a rank.
 
 The expected tensors come from the model itself, built on the meta device (no memory), with its
-stacked routed experts unstacked into the checkpoint's one tensor per expert projection: the
-layout cannot drift from what the loader fills.
+stacked routed experts unstacked into the checkpoint's one tensor per expert projection, under
+the checkpoint's names (models/weight_names.py): the layout cannot drift from what the loader fills.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import re
 import struct
 from pathlib import Path
 
+from afd_engine.checkpoint_tokenizer import check_tokenizer
 from afd_engine.errors import ModelLoadError
 from afd_engine.model_config import ModelConfig
+from afd_engine.models.weight_names import checkpoint_name
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "BF16", "F16")  # the loader converts any of these to the model's dtype
@@ -56,7 +58,7 @@ def expected_tensors(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int
                 out[f"{m.group(1)}.{expert}.{proj}.weight"] = shape
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
-    return out
+    return {checkpoint_name(cfg.architecture, name): shape for name, shape in out.items()}
 
 
 def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
@@ -66,7 +68,7 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     for name, shape in expected_tensors(cfg).items():
         n = math.prod(shape)
         total += n
-        routed += n if ".mlp.experts." in name else 0
+        routed += n if ".experts." in name else 0  # mlp.experts (block_sparse_moe.experts in MiniMax-M2)
     active = routed * cfg.num_experts_per_tok // cfg.n_routed_experts if cfg.n_routed_experts else 0
     return total, total - routed + active
 
@@ -77,6 +79,7 @@ def inspect_checkpoint(model_path: str | Path, mtp: bool = False) -> ModelConfig
     module speculative decoding drafts with is checked too (a ConfigError where there is none)."""
     path = Path(model_path)
     cfg = ModelConfig.from_pretrained(path)
+    check_tokenizer(path)  # now, not once the weights are loaded and transformers fails on it
     headers = read_headers(path)
     missing = []
     for name, shape in expected_tensors(cfg, mtp).items():

@@ -1,7 +1,8 @@
 """Loads Hugging Face safetensors checkpoints (sharded, FP8 block-quantized) into the model.
 
-Names are the checkpoint's own; the mapping table below only covers what the serving layout
-stores differently (stacked routed experts). Each process loads only the tensors its modules
+Names are the checkpoint's own (MiniMax-M2's MoE names read as DeepSeek's: models/weight_names.py);
+the mapping table below only covers what the serving layout stores differently (stacked routed
+experts). Each process loads only the tensors its modules
 own, so an expert-parallel rank reads only its experts. FP8 weights are dequantized here, except
 routed experts whose module keeps them FP8 (`w13_q`/`w2_q` with their block scales).
 
@@ -22,6 +23,7 @@ from safetensors import safe_open
 
 from afd_engine.errors import ModelLoadError
 from afd_engine.models.quant import FP8_BLOCK, dequantize_fp8, fp8_round_trip, quantize_fp8_blocks
+from afd_engine.models.weight_names import checkpoint_name, module_name
 
 # checkpoint name -> (parameter name, which stacked slot); group(1) layer, group(2) expert.
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -61,11 +63,12 @@ def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
             for name in names:
                 if name.endswith("_scale_inv") or _skip_layer(name, held):
                     continue
-                m = _EXPERT.match(name)
+                key = module_name(cfg.architecture, name)  # the module's name where the checkpoint's differs
+                m = _EXPERT.match(key)
                 if m is None:
-                    if name in params:
-                        _copy(params[name].data, _read(f, name, names, cfg.fp8_block), name)
-                        filled[name] += 1
+                    if key in params:
+                        _copy(params[key].data, _read(f, name, names, cfg.fp8_block), name)
+                        filled[key] += 1
                     continue
                 layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
                 rows = slots.get(layer, {}).get(expert)
@@ -81,7 +84,9 @@ def load_weights(model: torch.nn.Module, model_path: str | Path) -> None:
                     dests = [prefix] * _place_expert(tensor, name, proj, rows, params[prefix])
                 filled.update(dests)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # prepare() ties it to the embedding
-    missing = sorted(n for n, p in params.items() if filled[n] != _pieces(n, p) and n not in tied)
+    missing = sorted(
+        checkpoint_name(cfg.architecture, n) for n, p in params.items() if filled[n] != _pieces(n, p) and n not in tied
+    )
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ModelLoadError(f"checkpoint {str(model_path)!r} lacks weights the model needs: {shown}")

@@ -68,9 +68,9 @@ def build_app(
     (the port opens only once every rank is ready). `router` picks each request's attention rank.
     A prefill instance (`engine_args.disaggregation_mode`) also runs its bootstrap server."""
     mode = engine_args.disaggregation_mode if engine_args is not None else "null"
-    from transformers import AutoTokenizer
+    from afd_engine.checkpoint_tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     holder: dict[str, ServerState] = {}
 
     @asynccontextmanager

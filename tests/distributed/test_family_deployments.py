@@ -17,7 +17,7 @@ from tests.hf_reference import assert_greedy_matches, hf_greedy
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 LENGTHS = [5, 40, 17, 70, 33, 9, 150]
 CHUNKED = dict(max_num_batched_tokens=32)  # the 40- to 150-token prompts prefill in pieces
-FAMILIES = ("v32-sparse", "glm45")
+FAMILIES = ("v32-sparse", "glm45", "minimax-m2")
 DEPLOYMENTS = {
     "colocated dp2 mb2": dict(mode="colocated", dp_size=2, micro_batches=2),
     "afd 2A 2x2 mb3 two-stage": dict(
