@@ -108,7 +108,12 @@ def attach_mtp(model, cfg: ModelConfig, kernels, slots: list[int] | None = None)
     """Adds the checkpoint's first MTP module to a DeepSeek model (on meta, before loading): held at
     `model.layers.N` after the served layers, which the forward never runs. `slots`: its routed
     experts held here (None: all; an AFD attention rank holds none)."""
-    if cfg.attention != "mla" or not cfg.mtp_layers:
+    if cfg.attention != "mla":
+        raise ConfigError(
+            f"speculative decoding drafts with DeepSeek's multi-token prediction module; {cfg.architecture}'s "
+            "is not read (--speculative-algorithm needs a DeepSeek-V3-architecture checkpoint)"
+        )
+    if not cfg.mtp_layers:
         raise ConfigError(
             f"{cfg.architecture} checkpoint declares num_nextn_predict_layers={cfg.mtp_layers}: it has no "
             "multi-token prediction module to draft with (--speculative-algorithm needs one)"

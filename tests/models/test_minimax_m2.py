@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from afd_engine import Engine, SamplingParams, make_engine
-from afd_engine.errors import ModelLoadError
+from afd_engine.errors import ConfigError, ModelLoadError
 from afd_engine.model_config import ModelConfig
 from afd_engine.models.checkpoint import expected_tensors, inspect_checkpoint
 from afd_engine.tiny_model import make_tiny_model
@@ -208,3 +208,13 @@ def test_prefill_decode_disaggregation_gives_the_single_engines_tokens(root):
         assert idle_pages(pd.prefill) and idle_pages(pd.decode)
     finally:
         pd.close()
+
+
+def test_speculative_decoding_is_refused_naming_the_unread_module(root):
+    """MiniMax-M2 ships MTP modules of its own layout, which the engine does not read."""
+    with pytest.raises(ConfigError) as err:
+        Engine(model_path=written(root), speculative_algorithm="NEXTN")
+    assert str(err.value) == (
+        "speculative decoding drafts with DeepSeek's multi-token prediction module; MiniMaxM2ForCausalLM's is "
+        "not read (--speculative-algorithm needs a DeepSeek-V3-architecture checkpoint)"
+    )
