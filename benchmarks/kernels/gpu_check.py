@@ -21,6 +21,7 @@ leaves all it measured: {"header": {device, driver, versions, SMs, memory...}, "
                         MoE) and by AFD 1A+1F, and a bf16 one with --ffn-weight-dtype fp8: equal tokens
     kernels_timing      bench_kernels' rows at DeepSeek-V3 shapes, MLA decode over batch x context,
                         fused MoE (bf16, fp8) over tokens per expert: time, GB/s, TFLOP/s, peak fractions
+    sparse_mla          DeepSeek-V3.2's sparse MLA kernel checked, timed against dense MLA decode and the indexer
     decode_step_time    the single engine's decode step at batch 1, 8, 64: torch backend eager, triton
                         with CUDA graphs off and on (runtime/cuda_graph.py), and their ratio
     afd_tpot            time per output token of AFD 1A+1F and single mode at batch 1, 8, 64, graphs on
@@ -32,10 +33,10 @@ leaves all it measured: {"header": {device, driver, versions, SMs, memory...}, "
     spec_tpot           speculative decoding with the embedded model's MTP head, single mode, at
                         concurrency 1: TPOT with 0, 1 and 3 draft steps, accepted length, outputs equal
 
-The timed parts are in gpu_timings.py, the AFD ones in gpu_afd.py, speculation in gpu_spec.py;
-correctness first, so that should the time run out, what is left undone is speed. The limits add up
-to 7 minutes, the default --deadline-s (the dry run's are three times theirs: the CPU's cores are
-few and slower).
+The timed parts are in gpu_timings.py, the AFD ones in gpu_afd.py, speculation in gpu_spec.py,
+sparse MLA in gpu_sparse.py; correctness first, so that should the time run out, what is left undone
+is speed. The limits add up to 7 minutes 40 s, the default --deadline-s (the dry run's are three
+times theirs: the CPU's cores are few and slower).
 
     python -m benchmarks.kernels.gpu_check --json gpu_check.json          # on a GPU (no venv needed; from the root)
     python -m benchmarks.kernels.gpu_check --json check.json --dry-run    # the same on the CPU, tiny shapes
@@ -66,7 +67,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kernels import gpu_afd, gpu_spec, gpu_timings
+from benchmarks.kernels import gpu_afd, gpu_sparse, gpu_spec, gpu_timings
 from benchmarks.part_runner import PartTimeout, died, error_record, run_parts, summary, time_limit, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,6 +80,7 @@ PART_LIMITS_S = {
     "afd_one_gpu": 80,
     "fp8_checkpoint": 55,
     "kernels_timing": 30,
+    "sparse_mla": 40,
     "decode_step_time": 20,
     "afd_tpot": 55,
     "moe_layer_staging": 10,
@@ -324,6 +326,7 @@ PARTS = {
     "afd_one_gpu": gpu_afd.afd_one_gpu,
     "fp8_checkpoint": gpu_afd.fp8_checkpoint,
     "kernels_timing": gpu_timings.kernels_timing,
+    "sparse_mla": gpu_sparse.sparse_mla,
     "decode_step_time": gpu_timings.decode_step_time,
     "afd_tpot": gpu_afd.afd_tpot,
     "moe_layer_staging": gpu_timings.moe_layer_staging,
@@ -342,7 +345,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--deadline-s",
         type=float,
         default=None,
-        help="parts not started by then are not run (default: the sum of the part limits, 7 min on a GPU)",
+        help="parts not started by then are not run (default: the sum of the part limits, 7 min 40 s on a GPU)",
     )
     parser.add_argument(
         "--isolate",
