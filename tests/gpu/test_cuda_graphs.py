@@ -14,7 +14,8 @@ from tests.gpu import engines
 pytestmark = pytest.mark.gpu
 
 
-def test_graph_decode_steps_give_the_eager_tokens(checkpoint, device, tiny, record_property):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])  # V3.2: the indexer over padded decode tables
+def test_graph_decode_steps_give_the_eager_tokens(checkpoint, device, tiny, record_property, arch):
     from afd_engine.runtime.cuda_graph import GraphRunner
     from afd_engine.sampling_params import SamplingParams
     from tests.engine_helpers import run_staggered
@@ -26,7 +27,7 @@ def test_graph_decode_steps_give_the_eager_tokens(checkpoint, device, tiny, reco
     runs = {}
     for graphs in (False, True):
         settings = {"disable_cuda_graph": not graphs}
-        with engines.make_engine(checkpoint("deepseek_v3"), device, "float32", backend, settings) as engine:
+        with engines.make_engine(checkpoint(arch), device, "float32", backend, settings) as engine:
             if graphs and device.type != "cuda":
                 engine.runner.graphs = GraphRunner(
                     engine.model, engine.pool, [1, 2, 4], True, engine.load_recorder, False

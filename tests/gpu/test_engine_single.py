@@ -1,7 +1,7 @@
-"""The single-process engine on the GPU against transformers on the same GPU: tiny DeepSeek-V3 and
-Qwen3-MoE checkpoints, greedy, on the torch and triton backends (the triton runs replay their decode
-steps from CUDA graphs). fp32 must give transformers' tokens exactly; bf16 must stay within a
-sanity bound of its logprobs."""
+"""The single-process engine on the GPU against transformers on the same GPU: tiny DeepSeek-V3,
+Qwen3-MoE and DeepSeek-V3.2 (sparse attention) checkpoints, greedy, on the torch and triton
+backends (the triton runs replay their decode steps from CUDA graphs). fp32 must give transformers'
+tokens exactly; bf16 must stay within a sanity bound of its logprobs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.gpu import engines
 
 pytestmark = pytest.mark.gpu
 
-ARCHS, BACKENDS = ("deepseek_v3", "qwen3_moe"), ("torch", "triton")
+ARCHS, BACKENDS = ("deepseek_v3", "qwen3_moe", "deepseek_v32"), ("torch", "triton")
 # bf16: a sanity bound on |engine logprob - transformers logprob| of the same token in the same
 # context, not a tolerance (bf16 logits of ~10 are 1/16 apart; a broken kernel is off by nats)
 BF16_MAX_LOGPROB_DIFF = 0.5
