@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "plan",
-        help="performance model: deploy | comm | sparsity | reference | calibrate | simulate (see its --help)",
+        help="performance model: deploy | model | comm | sparsity | reference | calibrate | simulate (see its --help)",
         add_help=False,
     )
     return parser

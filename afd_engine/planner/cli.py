@@ -11,7 +11,7 @@ from afd_engine.planner.calibration import Calibration, calibrate
 from afd_engine.planner.deploy import Estimate
 from afd_engine.planner.expert_load import load_expert_imbalance
 from afd_engine.planner.hardware import get_hardware, load_hardware_file
-from afd_engine.planner.model_spec import get_model
+from afd_engine.planner.model_spec import INDEX_DTYPES, MODELS, get_model
 from afd_engine.planner.network import CommCase, comm_time
 from afd_engine.planner.search import SearchSpace, search
 from afd_engine.planner.sparsity import min_sparsity
@@ -63,7 +63,15 @@ def _stage_model(ns, model, expert_imbalance: float) -> StageModel:
     calib = Calibration.load(ns.calibration) if ns.calibration else None
     attn_dtype = ns.attn_dtype or model.default_attn_dtype
     return StageModel(
-        model, attn_hw, ffn_hw, ns.context, attn_dtype, calib, ns.weight_dtype, expert_imbalance=expert_imbalance
+        model,
+        attn_hw,
+        ffn_hw,
+        ns.context,
+        attn_dtype,
+        calib,
+        ns.weight_dtype,
+        expert_imbalance=expert_imbalance,
+        index_dtype=ns.index_cache_dtype,
     )
 
 
@@ -132,6 +140,8 @@ def _deploy(ns) -> dict:
     info = {
         "model": model.name,
         "context": ns.context,
+        "attn_dtype": sm.attn_dtype,
+        "index_cache_dtype": sm.index_dtype if model.attention.sparse else None,
         "stage_times": stages,
         "expert_imbalance": sm.expert_imbalance,
         "expert_imbalance_source": imbalance_source,
@@ -140,6 +150,24 @@ def _deploy(ns) -> dict:
         return {**out[modes[0]], **info}
     ratio = out["afd"]["tokens_per_gpu_s"] / out["colocated"]["tokens_per_gpu_s"]
     return {**out, **info, "afd_over_colocated_per_gpu": ratio}
+
+
+def _model(ns) -> dict:
+    from afd_engine.planner.footprint import footprint
+
+    hw = _hw(ns, ns.hw)
+    if ns.ffn_gpus < 1:
+        raise ConfigError(f"--ffn-gpus must be >= 1 (got {ns.ffn_gpus})")
+    if any(c < 1 for c in ns.contexts):
+        raise ConfigError(f"--contexts must be >= 1 (got {ns.contexts})")
+    rows = []
+    for name in ns.model:
+        m = get_model(name)
+        attn_dtype = ns.attn_dtype or m.default_attn_dtype
+        rows.append(
+            footprint(m, hw, ns.ffn_gpus, attn_dtype, ns.weight_dtype, ns.index_cache_dtype, tuple(ns.contexts))
+        )
+    return {"hw": hw.name, "mem_gb": hw.mem_gb, "models": rows}
 
 
 def _sparsity(ns) -> dict:
@@ -158,6 +186,13 @@ def _calibrate(ns) -> dict:
     with open(ns.out, "w") as f:
         f.write(calib.to_json() + "\n")
     return json.loads(calib.to_json())
+
+
+MODEL_HELP = f"a catalog name ({', '.join(MODELS)}), a checkpoint directory or a config.json"
+INDEX_HELP = (
+    "DeepSeek-V3.2: precision of the indexer's keys in the KV cache and of its scores: fp8 (e4m3 and an "
+    "fp32 scale per token, as the reference runs on GPUs; the engine's --index-cache-dtype fp8) or bf16"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(c)
 
     d = sub.add_parser("deploy", help="best deployments under a TPOT SLO")
-    d.add_argument("--model", default="deepseek-v3", help="deepseek-v3, qwen3-235b-a22b, step3, or a config.json")
+    d.add_argument("--model", default="deepseek-v3", help=MODEL_HELP)
     d.add_argument("--mode", choices=("afd", "colocated", "both"), default="both")
     d.add_argument("--attn-hw", default="H800", help="hardware of attention GPUs (colocated: of all GPUs)")
     d.add_argument("--ffn-hw", default=None, help="hardware of FFN GPUs (default: --attn-hw)")
@@ -211,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp8",
         help="weights of projections, experts and dense FFNs (fp8: 8-bit)",
     )
+    d.add_argument("--index-cache-dtype", choices=tuple(INDEX_DTYPES), default="fp8", help=INDEX_HELP)
     d.add_argument(
         "--attn-gpus",
         type=int,
@@ -258,6 +294,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plot", default=None, help="write the throughput-vs-TPOT frontier to this PNG")
     common(d)
 
+    o = sub.add_parser("model", help="parameters, KV bytes per token and weights per GPU role of models")
+    o.add_argument("--model", nargs="+", default=["deepseek-v3"], help=MODEL_HELP + " (several: one row each)")
+    o.add_argument("--hw", default="H800")
+    o.add_argument("--ffn-gpus", type=int, default=16, help="GPUs holding the routed experts")
+    o.add_argument("--attn-dtype", choices=("fp8", "bf16"), default=None, help="KV cache (default: the model's usual)")
+    o.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8")
+    o.add_argument("--index-cache-dtype", choices=tuple(INDEX_DTYPES), default="fp8", help=INDEX_HELP)
+    o.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="also the decode attention core's time per token and layer at these average contexts",
+    )
+    common(o)
+
     s = sub.add_parser("sparsity", help="Step-3's minimum MoE sparsity a platform can feed")
     s.add_argument("--hw", default="H800")
     s.add_argument("--hidden", type=int, default=7168)
@@ -299,9 +352,10 @@ def _simulate_parser(sub) -> None:
     v.add_argument(
         "--deployment", action="append", required=True, metavar="SPEC", help="repeat to compare (SPEC below)"
     )
-    v.add_argument("--model", default="deepseek-v3", help="deepseek-v3, qwen3-235b-a22b, step3, or a config.json")
+    v.add_argument("--model", default="deepseek-v3", help=MODEL_HELP)
     v.add_argument("--attn-dtype", choices=("fp8", "bf16"), default=None, help="default: the model's usual one")
     v.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8")
+    v.add_argument("--index-cache-dtype", choices=tuple(INDEX_DTYPES), default="fp8", help=INDEX_HELP)
     v.add_argument("--rate-scale", type=float, default=1.0, help="arrival times divided by this")
     v.add_argument("--length-scale", type=float, default=1.0, help="prompt and output lengths multiplied by this")
     v.add_argument("--ttft-slo", type=float, default=5000.0, metavar="MS", help="time to first token SLO")
@@ -345,6 +399,11 @@ def _print_human(what: str, out: dict) -> None:
 
         print_report(out)
         return
+    if what == "model":
+        from afd_engine.planner.footprint import print_footprints
+
+        print_footprints(out["models"], out["hw"], out["mem_gb"])
+        return
     if what == "reference":
         print(f"{'figure':<50} {'source':<16} {'published':>10} {'model':>10}  {'role':<9}  ok")
         for r in out["checks"]:
@@ -372,7 +431,11 @@ def _print_human(what: str, out: dict) -> None:
                 f"{e['tokens_per_gpu_s']:>10.0f} {e['bound']:>10}"
             )
     print("* best of its mode; seqs/GPU: running sequences per attention GPU")
-    print(f"{out['model']}, context {out['context']}, stage times: {out['stage_times']}")
+    index = f", indexer keys {out['index_cache_dtype']}" if out.get("index_cache_dtype") else ""
+    print(
+        f"{out['model']}, context {out['context']}, attention/KV {out['attn_dtype']}{index}, "
+        f"stage times: {out['stage_times']}"
+    )
     print(f"expert-rank imbalance (max / mean load): {out['expert_imbalance']:.2f} ({out['expert_imbalance_source']})")
     if "afd_over_colocated_per_gpu" in out:
         print(f"AFD / colocated tokens per GPU per second: {out['afd_over_colocated_per_gpu']:.3f}")
@@ -384,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {
             "comm": _comm,
             "deploy": _deploy,
+            "model": _model,
             "sparsity": _sparsity,
             "calibrate": _calibrate,
             "reference": _reference,

@@ -6,6 +6,12 @@ bf16 math on parts without fp8 units, as Step-3 assumes); the gate and the lm_he
 `attn_dtype` is the precision of the attention core and its KV cache (DeepSeek-V3 serves it in
 bf16 over fp8 projections; Step-3 in fp8).
 
+Sparse attention (DeepSeek-V3.2): per decode token and layer the lightning indexer scores every
+cached token (index_n_heads x index_head_dim multiply-adds each, reading the token's index key) and
+MLA attends to min(context, index_topk) of them, each a kernel of its own. `index_dtype` is the
+precision of the indexer's keys and score math: fp8 by default, as DeepSeek's reference runs it on
+GPUs (e4m3 keys and an fp32 scale per token), or bf16. Selecting the top index_topk is not counted.
+
 `expert_imbalance` is the measured max over mean token load of the expert ranks (expert_load.py):
 the busiest rank computes that many times the balanced straggler's rows. It scales the routed
 experts' FLOPs (or a calibration's per-row term), not their weight reads (a rank reads at most its
@@ -21,7 +27,7 @@ from afd_engine.errors import ConfigError
 from afd_engine.planner.calibration import Calibration
 from afd_engine.planner.expert_load import BALANCED, check_imbalance
 from afd_engine.planner.hardware import Hardware
-from afd_engine.planner.model_spec import ModelSpec
+from afd_engine.planner.shapes import INDEX_DTYPES, ModelSpec
 
 ATTN_DTYPES = {"fp8": 1, "bf16": 2}
 
@@ -54,10 +60,13 @@ class StageModel:
     calibration: Calibration | None = None  # measured attention and expert stages replace the roofline
     weight_dtype: str = "fp8"  # projections, experts and dense FFNs (fp8: 8-bit, or int8 where no fp8 units)
     expert_imbalance: float = BALANCED  # max / mean token load of the expert ranks, measured
+    index_dtype: str = "fp8"  # sparse attention: the indexer's cached keys and score math
 
     def __post_init__(self) -> None:
         if self.attn_dtype not in ATTN_DTYPES:
             raise ConfigError(f"--attn-dtype {self.attn_dtype!r} must be one of {', '.join(ATTN_DTYPES)}")
+        if self.index_dtype not in INDEX_DTYPES:
+            raise ConfigError(f"--index-cache-dtype {self.index_dtype!r} must be one of {', '.join(INDEX_DTYPES)}")
         if self.weight_dtype not in ATTN_DTYPES:
             raise ConfigError(f"--weight-dtype {self.weight_dtype!r} must be one of {', '.join(ATTN_DTYPES)}")
         if self.context < 1:
@@ -89,12 +98,42 @@ class StageModel:
         )
 
     def attention_core_us(self, seqs: float) -> float:
+        """The attention core of `seqs` decode tokens at `context`: the indexer over the whole
+        context (sparse attention) and the attention over the positions it attends to."""
+        a = self.model.attention
+        per_seq = self.context * self.indexed_position_us() + a.attended(self.context) * self.attended_position_us()
+        return seqs * per_seq
+
+    def attended_position_us(self) -> float:
+        """Decode attention-core time per attended cached position (one query token, one layer):
+        a roofline of its FLOPs and the KV bytes it reads."""
         a, hw = self.model.attention, self.attn_hw
         eff = hw.efficiency
-        positions = seqs * self.context
-        compute = positions * a.core_flops_per_position / (hw.tflops(self.attn_dtype) * eff.attn_compute * 1e6)
-        memory = positions * a.kv_elems_per_token * self.attn_bytes / (hw.mem_bw_tbs * eff.attn_memory * 1e6)
+        compute = a.core_flops_per_position / (hw.tflops(self.attn_dtype) * eff.attn_compute * 1e6)
+        memory = a.kv_elems_per_token * self.attn_bytes / (hw.mem_bw_tbs * eff.attn_memory * 1e6)
         return max(compute, memory)
+
+    def indexed_position_us(self) -> float:
+        """Decode indexer time per cached position it scores (one query token, one layer; 0 without
+        sparse attention): a roofline of the score FLOPs and the index key's bytes."""
+        a, hw = self.model.attention, self.attn_hw
+        if not a.sparse:
+            return 0.0
+        eff = hw.efficiency
+        compute = a.index_flops_per_position / (hw.tflops(self.index_dtype) * eff.attn_compute * 1e6)
+        memory = a.index_key_bytes(self.index_dtype) / (hw.mem_bw_tbs * eff.attn_memory * 1e6)
+        return max(compute, memory)
+
+    def prefill_pair_us(self) -> tuple[float, float]:
+        """(indexer, attention) compute time per query-key pair of a prefill chunk (one layer): the
+        indexer scores each query against every causal key, the attention core runs over the
+        pairs it attends to (all of them without sparse attention)."""
+        a, hw = self.model.attention, self.attn_hw
+        eff = hw.efficiency
+        attention = a.prefill_flops_per_pair / (hw.tflops(self.attn_dtype) * eff.attn_compute * 1e6)
+        if not a.sparse:
+            return 0.0, attention
+        return a.index_flops_per_position / (hw.tflops(self.index_dtype) * eff.attn_compute * 1e6), attention
 
     def dense_layer_us(self, seqs: float) -> float:
         """A dense (non-MoE) layer, all on the attention GPU."""
@@ -155,5 +194,9 @@ class StageModel:
         experts = -(-m.experts // ffn_gpus) * m.expert_params + (m.shared_params if shared_expert else 0)
         return m.moe_layers * experts * self.w_bytes
 
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes of one token over all layers (with sparse attention, the index key too)."""
+        return self.model.kv_bytes_per_token(self.attn_bytes, self.index_dtype)
+
     def kv_bytes_per_seq(self) -> float:
-        return self.context * self.model.kv_bytes_per_token(self.attn_bytes)
+        return self.context * self.kv_bytes_per_token()

@@ -47,10 +47,13 @@ class InstanceConfig:
     max_running: int = 256
     policy: str = "lpm"
     prefix_cache: bool = True
+    attention_topk: int = 0  # sparse attention (DeepSeek-V3.2's index_topk): positions a query attends to; 0: all
 
     def validate(self, where: str) -> None:
         if self.ranks < 1 or self.replicas < 1:
             raise ConfigError(f"{where}: ranks and replicas must be >= 1")
+        if self.attention_topk < 0:
+            raise ConfigError(f"{where}: attention top-k must be >= 0 (0: dense attention)")
         if self.kv_pages < 1 or self.page_tokens < 1:
             raise ConfigError(f"{where}: KV pages and page size must be >= 1 (got {self.kv_pages}, {self.page_tokens})")
         if self.max_batch_tokens < 1 or not 1 <= self.max_running <= self.max_batch_tokens:

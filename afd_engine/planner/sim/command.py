@@ -67,6 +67,7 @@ def run_cli(ns: argparse.Namespace) -> dict:
         calibration=Calibration.load(ns.calibration) if ns.calibration else None,
         step_calibration=StepCalibration.load(ns.step_calibration) if ns.step_calibration else None,
         expert_imbalance=ns.expert_imbalance,
+        index_dtype=ns.index_cache_dtype,
         page_tokens=ns.page_size,
         max_batch_tokens=ns.max_num_batched_tokens,
         max_running=ns.max_running_requests,

@@ -6,7 +6,8 @@ the prefix cache still holds.
 
 A step costs the simulation time in proportion to the ranks with work, not to their requests: a
 rank keeps its decoders' context-length sum, and which of them need a new KV page in which step,
-incrementally.
+incrementally. With sparse attention (`attention_topk` K) it also keeps the sum of min(context, K)
+over its decoders, the decoders still short of K, and the step at which each of them reaches K.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from afd_engine.planner.sim.step_time import Load
 # Same values as runtime/scheduler.py (not imported: that module needs torch).
 LPM_MAX_WAIT_ROUNDS = 64
 LPM_MAX_QUEUE = 128
+
+
+def attended_pairs(start: int, n: int, k: int) -> float:
+    """Query-key pairs a prefill chunk of n tokens after `start` cached ones attends to when each
+    query attends to at most k positions: the sum of min(p, k) for p = start+1 .. start+n."""
+    if start >= k:
+        return float(n * k)
+    below = min(n, k - start)  # queries at positions up to k attend to all they see
+    return below * start + below * (below + 1) / 2 + (n - below) * k
 
 
 class Host(Protocol):
@@ -63,6 +73,12 @@ class Rank(RankCache):
         self.prefilling: dict[int, Request] = {}
         self.joining: list[Request] = []  # start decoding at the next step
         self.n_dec, self.ctx = 0, 0  # decoders and the sum of their KV lengths
+        # sparse attention: the sum of min(KV length, K) over decoders, those below K, and the step
+        # at which each of those reaches K
+        self.K = cfg.attention_topk
+        self.attended, self.n_below = 0, 0
+        self.reach_k_at: dict[int, list[tuple[Request, int]]] = {}
+        self.chunk_attended = 0.0  # this step's prefill pairs attended to (sparse attention)
         self.buckets: list[set[Request]] = [set() for _ in range(self.P)]  # decoders needing a page at step % P
         self.finish_at: dict[int, list[tuple[Request, int]]] = {}
         self.chunks: list[tuple[Request, int]] = []
@@ -81,6 +97,9 @@ class Rank(RankCache):
     def _leave_decode(self, req: Request, kv: int) -> None:
         self.n_dec -= 1
         self.ctx -= kv
+        if self.K:
+            self.attended -= min(kv, self.K)
+            self.n_below -= kv < self.K
         self.buckets[req.phase].discard(req)
         req.epoch += 1
 
@@ -113,6 +132,11 @@ class Rank(RankCache):
         self.buckets[req.phase].add(req)
         self.n_dec += 1
         self.ctx += req.kv
+        if self.K:
+            self.attended += min(req.kv, self.K)
+            if req.kv < self.K:  # its KV grows by one a step from this one on: K after K - kv steps
+                self.n_below += 1
+                self.reach_k_at.setdefault(s + self.K - 1 - req.kv, []).append((req, req.epoch))
         end = s + req.output_len - req.gen - 1
         self.finish_at.setdefault(end, []).append((req, req.epoch))
 
@@ -184,9 +208,12 @@ class Rank(RankCache):
             self._decode_pages_short(bucket, s)
         n_dec = self.n_dec
         self.ctx += n_dec
+        if self.K:
+            self._grow_attended(s)
         budget = self.max_tokens - n_dec
         tokens = seqs = n_dec
         pairs = 0.0
+        self.chunk_attended = 0.0
         if self.prefilling and budget > 0:
             for req in list(self.prefilling.values()):
                 own = -(-req.priv // self.P) * self.P - req.priv
@@ -199,13 +226,27 @@ class Rank(RankCache):
                     tokens += n
                     seqs += 1
                     pairs += n * req.kv + n * (n + 1) / 2
+                    if self.K:
+                        self.chunk_attended += attended_pairs(req.kv, n, self.K)
                     if budget == 0:
                         break
         if self.waiting and budget > 0 and len(self.running) + self.reserved < self.max_running:
             budget, tokens, seqs, pairs = self._admit(s, budget, tokens, seqs, pairs)
         if not tokens:
             return None
+        if self.K:
+            return tokens, seqs, self.ctx, pairs, self.attended, self.chunk_attended
         return tokens, seqs, self.ctx, pairs
+
+    def _grow_attended(self, s: int) -> None:
+        """Step s added a position to every decoder: those below K attend to one more; those that
+        reach K with it stop growing (entries of requests that left decoding since are stale)."""
+        self.attended += self.n_below
+        reached = self.reach_k_at.pop(s, None)
+        if reached:
+            for req, epoch in reached:
+                if req.epoch == epoch and req.state == DECODE:
+                    self.n_below -= 1
 
     def _decode_pages_short(self, bucket: set[Request], s: int) -> None:
         """Pages ran out: decodes in running order take theirs, preempting the newest running
@@ -276,6 +317,8 @@ class Rank(RankCache):
             tokens += n
             seqs += 1
             pairs += n * req.kv + n * (n + 1) / 2
+            if self.K:
+                self.chunk_attended += attended_pairs(req.kv, n, self.K)
         return budget, tokens, seqs, pairs
 
     def commit(self, s: int, t: float) -> None:

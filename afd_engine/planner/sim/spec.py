@@ -138,6 +138,7 @@ class BuildOptions:
     calibration: Calibration | None = None
     step_calibration: StepCalibration | None = None  # replaces the stage model with a fit of this engine's steps
     expert_imbalance: float = 1.0
+    index_dtype: str = "fp8"  # sparse attention: the indexer's keys in the KV cache and its score math
     page_tokens: int = 16
     max_batch_tokens: int = 2048
     max_running: int = 256
@@ -163,6 +164,7 @@ def _instance(spec: DeploymentSpec, b: BuildOptions) -> tuple[InstanceConfig, Ha
         b.calibration,
         b.weight_dtype,
         expert_imbalance=o.get("imb", b.expert_imbalance),
+        index_dtype=b.index_dtype,
     )
     mb = o.get("mb", 2 if afd else 1)
     ranks = o["a"] if afd else o["gpus"]
@@ -180,7 +182,7 @@ def _instance(spec: DeploymentSpec, b: BuildOptions) -> tuple[InstanceConfig, Ha
             f"--deployment {spec.text!r}: the experts need {ffn_gb:.0f} GB per FFN GPU, more than "
             f"{ffn_hw.name}'s {ffn_hw.mem_gb:g} GB less {MEMORY_RESERVE:.0%}; use more FFN GPUs"
         )
-    kv_per_token = b.model.kv_bytes_per_token(sm.attn_bytes)
+    kv_per_token = sm.kv_bytes_per_token()
     pages = o.get("pages", b.kv_pages)
     if pages is None:
         room = (attn_hw.mem_gb * (1 - MEMORY_RESERVE) - attn_gb) * 1e9
@@ -204,6 +206,7 @@ def _instance(spec: DeploymentSpec, b: BuildOptions) -> tuple[InstanceConfig, Ha
         max_running=o.get("running", b.max_running),
         policy=o.get("policy", b.policy),
         prefix_cache=b.prefix_cache,
+        attention_topk=b.model.attention.index_topk,
     )
     cfg.validate(f"--deployment {spec.text!r}")
     return cfg, attn_hw, kv_per_token

@@ -18,8 +18,11 @@ from afd_engine.planner.network import CommCase, comm_time
 from afd_engine.planner.stages import StageModel
 
 # A load is what one rank puts into one step:
-#   (tokens, sequences, KV positions its decodes attend to, query-key pairs of its prefill chunks)
-Load = tuple[int, int, float, float]
+#   (tokens, sequences, KV positions its decodes read, query-key pairs of its prefill chunks)
+# and, with sparse attention (DeepSeek-V3.2), two more: the positions and pairs its attention
+# attends to (at most index_topk per query token) while the indexer scores all of them. A load of
+# four attends to all it reads.
+Load = tuple[float, ...]
 
 
 class StepTimeModel(Protocol):
@@ -53,11 +56,13 @@ class StageStepTime:
     Per MoE layer and micro-batch the attention stage of rank i takes its share (1/m) of the rank's
     tokens through the projections, gate and shared expert (`StageModel.attention_us` without its
     core), plus the attention core: decode positions at the roofline's per-position cost, prefill
-    query-key pairs at the compute roofline. The slowest rank sets the stage (lockstep). The expert
-    stage takes all ranks' tokens (`StageModel.experts_us`, times the expert imbalance); dispatch and
-    combine come from `network.comm_time` for the busiest rank's tokens. `deploy.pipeline_period`
-    and `moe_layers_time` turn these into the MoE layers' time; dense layers, the lm_head over the
-    sampled sequences and the fixed per-step overhead are added, as in `estimate`.
+    query-key pairs at the compute roofline (with sparse attention, the indexer over all positions
+    and pairs and the attention over those it attends to). The slowest rank sets the stage
+    (lockstep). The expert stage takes all ranks' tokens (`StageModel.experts_us`, times the expert
+    imbalance); dispatch and combine come from `network.comm_time` for the busiest rank's tokens.
+    `deploy.pipeline_period` and `moe_layers_time` turn these into the MoE layers' time; dense
+    layers, the lm_head over the sampled sequences and the fixed per-step overhead are added, as in
+    `estimate`.
 
     With a calibration the measured attention line replaces projections and core alike (it has no
     context term), and the measured expert line the grouped GEMM."""
@@ -89,13 +94,13 @@ class StageStepTime:
         self.overhead_us = hw.efficiency.step_overhead_us
         m = micro_batches
         calibrated = sm.calibration is not None
-        # attention core: linear in positions (decode) and in query-key pairs (prefill)
-        self.pos_us = 0.0 if calibrated else sm.attention_core_us(1.0) / sm.context
-        a = model.attention
-        pair_flops = 2 * a.heads * (a.qk_nope_dim + a.qk_rope_dim + a.head_dim) if a.kind == "mla" else None
-        pair_flops = pair_flops or a.core_flops_per_position  # MLA prefill runs un-absorbed
-        peak = hw.tflops(sm.attn_dtype) * hw.efficiency.attn_compute * 1e6
-        self.pair_us = 0.0 if calibrated else pair_flops / peak
+        # attention core: linear in positions (decode) and in query-key pairs (prefill), those the
+        # indexer scores and those the attention attends to
+        index_pair_us, pair_us = sm.prefill_pair_us()
+        self.index_pos_us = 0.0 if calibrated else sm.indexed_position_us()
+        self.index_pair_us = 0.0 if calibrated else index_pair_us
+        self.pos_us = 0.0 if calibrated else sm.attended_position_us()
+        self.pair_us = 0.0 if calibrated else pair_us
         # everything else on the attention GPU, per micro-batch, indexed by the rank's tokens
         n = max_tokens + 1
         core = [0.0 if calibrated else sm.attention_core_us(t / m) for t in range(n)]
@@ -127,12 +132,14 @@ class StageStepTime:
 
     def step(self, loads: Sequence[Load]) -> tuple[float, tuple[float, ...]]:
         m, attn_rest, dense_rest = self.m, self.attn_rest, self.dense_rest
-        pos_us, pair_us = self.pos_us, self.pair_us
+        pos_us, pair_us, index_pos_us, index_pair_us = self.pos_us, self.pair_us, self.index_pos_us, self.index_pair_us
         t_a = t_dense = 0.0
         t_max = total = seqs_max = 0
         a_sum = 0.0
-        for tokens, seqs, positions, pairs in loads:
-            core = (pos_us * positions + pair_us * pairs) / m
+        for ld in loads:
+            tokens, seqs = ld[0], ld[1]
+            # (the last two entries: what the attention attends to; ld[2:4] for a dense load)
+            core = (index_pos_us * ld[2] + index_pair_us * ld[3] + pos_us * ld[-2] + pair_us * ld[-1]) / m
             a = attn_rest[tokens] + core
             a_sum += a
             if a > t_a:
