@@ -270,15 +270,8 @@ def _minimax_m2_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
     for layer in range(config["num_hidden_layers"]):
         p, moe = f"model.layers.{layer}.", f"model.layers.{layer}.block_sparse_moe."
+        specs += _gqa_layer_specs(p, hidden, heads, kv_heads, head_dim, per_head_norm=False)
         specs += [
-            (p + "input_layernorm.weight", (hidden,), "norm"),
-            (p + "self_attn.q_proj.weight", (heads * head_dim, hidden), "linear"),
-            (p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), "linear"),
-            (p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), "linear"),
-            (p + "self_attn.o_proj.weight", (hidden, heads * head_dim), "linear"),
-            (p + "self_attn.q_norm.weight", (heads * head_dim,), "norm"),
-            (p + "self_attn.k_norm.weight", (kv_heads * head_dim,), "norm"),
-            (p + "post_attention_layernorm.weight", (hidden,), "norm"),
             (moe + "gate.weight", (experts, hidden), "router"),
             (moe + "e_score_correction_bias", (experts,), "bias"),
         ]
@@ -364,16 +357,7 @@ def _qwen3_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}."
-        specs += [
-            (p + "input_layernorm.weight", (hidden,), "norm"),
-            (p + "self_attn.q_proj.weight", (heads * head_dim, hidden), "linear"),
-            (p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), "linear"),
-            (p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), "linear"),
-            (p + "self_attn.o_proj.weight", (hidden, heads * head_dim), "linear"),
-            (p + "self_attn.q_norm.weight", (head_dim,), "norm"),
-            (p + "self_attn.k_norm.weight", (head_dim,), "norm"),
-            (p + "post_attention_layernorm.weight", (hidden,), "norm"),
-        ]
+        specs += _gqa_layer_specs(p, hidden, heads, kv_heads, head_dim, per_head_norm=True)
         sparse = layer not in config.get("mlp_only_layers", []) and (layer + 1) % config["decoder_sparse_step"] == 0
         if sparse and config["num_experts"] > 0:
             specs.append((p + "mlp.gate.weight", (config["num_experts"], hidden), "router"))
@@ -385,6 +369,24 @@ def _qwen3_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     if not config.get("tie_word_embeddings"):
         specs.append(("lm_head.weight", (vocab, hidden), "lm_head"))
     return specs
+
+
+def _gqa_layer_specs(
+    p: str, hidden: int, heads: int, kv_heads: int, head_dim: int, per_head_norm: bool
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """A bias-free GQA layer's norms and projections with q/k RMSNorm: per head (Qwen3-MoE) or over
+    all heads of the layer (MiniMax-M2)."""
+    q_norm, k_norm = (head_dim, head_dim) if per_head_norm else (heads * head_dim, kv_heads * head_dim)
+    return [
+        (p + "input_layernorm.weight", (hidden,), "norm"),
+        (p + "self_attn.q_proj.weight", (heads * head_dim, hidden), "linear"),
+        (p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), "linear"),
+        (p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), "linear"),
+        (p + "self_attn.o_proj.weight", (hidden, heads * head_dim), "linear"),
+        (p + "self_attn.q_norm.weight", (q_norm,), "norm"),
+        (p + "self_attn.k_norm.weight", (k_norm,), "norm"),
+        (p + "post_attention_layernorm.weight", (hidden,), "norm"),
+    ]
 
 
 def _is_moe_layer(config: dict, layer: int) -> bool:
