@@ -123,6 +123,8 @@ RESAVED_CONFIGS = {
     "v2-resaved": "v2-lite",
     "qwen3-resaved": "qwen3-gqa4",
     "v32-resaved": "v32-sparse",
+    "glm45-resaved": "glm45",
+    "minimax-resaved": "minimax-m2",
 }
 
 

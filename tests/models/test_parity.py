@@ -47,7 +47,7 @@ def test_prefill_and_decode_logits_match(case):
     if name in RESAVED_CONFIGS:  # today's spellings, as transformers wrote them
         cfg = json.loads((Path(path) / "config.json").read_text())
         assert "rope_parameters" in cfg and "rope_theta" not in cfg and "rope_scaling" not in cfg
-        assert "num_experts" not in cfg and ("num_local_experts" in cfg) == name.startswith("qwen3")
+        assert "num_experts" not in cfg and ("num_local_experts" in cfg) == name.startswith(("qwen3", "minimax"))
     for ids in batch[2:]:
         ref = hf_logits(path, ids)
         assert (engine_logits(engine, ids) - ref).abs().max() <= 1e-4, f"{name} prefill, len {len(ids)}"
