@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory-mb", type=float, default=256.0)
     p.add_argument("--port", type=int, default=18230)
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/val"))
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "afd-validate-sim")
     p.add_argument("--repeat", action="store_true", help="replay the validation slice twice (the engine's spread)")
     p.add_argument("--reuse", action="store_true", help="no serving: refit and resimulate the runs in --workdir")
     p.add_argument("--quick", action="store_true", help="single mode only, 20 s slices")
