@@ -172,11 +172,14 @@ def docs_pages(docs: Path = DOCS) -> list[Path]:
     return sorted(p for p in docs.rglob("*.md") if not any(part.startswith(".") for part in p.relative_to(docs).parts))
 
 
-def collect(docs: Path = DOCS) -> tuple[list[Block], list[str]]:
+def collect(docs: Path = DOCS, readme: Path | None = None) -> tuple[list[Block], list[str]]:
+    """The blocks and marker errors of docs/**/*.md and, when given, the README (its blocks run
+    like the pages')."""
     blocks: list[Block] = []
     errors: list[str] = []
-    for path in docs_pages(docs):
-        b, e = parse_markdown(path.read_text(encoding="utf-8"), path.relative_to(docs).as_posix())
+    pages = [(path, path.relative_to(docs).as_posix()) for path in docs_pages(docs)]
+    for path, name in pages + ([(readme, readme.name)] if readme is not None and readme.is_file() else []):
+        b, e = parse_markdown(path.read_text(encoding="utf-8"), name)
         blocks += b
         errors += e
     return blocks, errors
@@ -291,7 +294,7 @@ def docs_server():
     server.stop()
 
 
-BLOCKS, MARKER_ERRORS = collect()
+BLOCKS, MARKER_ERRORS = collect(readme=REPO / "README.md")
 
 
 def _params() -> list:
@@ -307,7 +310,7 @@ def _params() -> list:
 
 
 def test_markers_valid():
-    assert not MARKER_ERRORS, "invalid code-block markers in docs/:\n" + "\n".join(MARKER_ERRORS)
+    assert not MARKER_ERRORS, "invalid code-block markers in docs/ and README.md:\n" + "\n".join(MARKER_ERRORS)
 
 
 def bench_scripts_without_tests(blocks: list[Block], tests_dir: Path) -> list[str]:
