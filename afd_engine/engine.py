@@ -198,7 +198,11 @@ class Engine(OfflineEngine):
     ) -> str:
         """Queues one request; raises InvalidRequestError (and queues nothing) if it cannot run.
         `disaggregation` is {"room": R} on a prefill instance and {"room": R, "bootstrap":
-        "HOST:PORT"} on a decode instance (what `afd router` adds); elsewhere it must be None."""
+        "HOST:PORT"} on a decode instance (what `afd router` adds); elsewhere it must be None.
+        With "resume": [token ids] (on both instances), the request resumes one whose decode
+        instance was lost after generating those tokens: they lead its output (max_new_tokens,
+        seeded draws, penalties, stop strings and grammars count them), and it prefills the
+        prompt and them."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt, prompt_token_ids)
         rid = request_id or f"req-{next(self._ids)}"
@@ -219,6 +223,8 @@ class Engine(OfflineEngine):
         else:
             self._check_disaggregation(disaggregation)
             req.disagg_room, req.disagg_bootstrap = disaggregation["room"], disaggregation.get("bootstrap")
+            resumed = self._resumed_ids(disaggregation.get("resume"), len(ids), params)
+            req.output_ids, req.num_resumed = resumed, len(resumed)
             self.scheduler.check(req)
             admit = self.disagg.add
         if params.guide is None:
@@ -274,6 +280,23 @@ class Engine(OfflineEngine):
                 param="bootstrap_host",
             )
 
+    def _resumed_ids(self, resume, prompt_len: int, params: SamplingParams) -> list[int]:
+        """The output tokens a resumed request starts from (`afd router` failover), checked."""
+        if resume is None:
+            return []
+        vocab = self.config.vocab_size
+        if not isinstance(resume, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in resume
+        ):
+            raise InvalidRequestError(f"resume must list token ids in [0, {vocab})", param="resume")
+        if len(resume) >= params.max_new_tokens or prompt_len + len(resume) >= self.context_len:
+            raise InvalidRequestError(
+                f"resume lists {len(resume)} tokens: nothing is left to generate within max_new_tokens "
+                f"({params.max_new_tokens}) and the context length ({self.context_len})",
+                param="resume",
+            )
+        return list(resume)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.pop(request_id, None)
         if req is None:
@@ -302,7 +325,10 @@ class Engine(OfflineEngine):
         updates = [self._update(r, r.output_ids[-r.num_new :], id(r) in done) for r in sampled]
         if arrived:  # decode side: first tokens from the prefill side (and a second if a step ran)
             stepped = {id(r) for r in sampled}
-            first = [self._update(r, r.output_ids[:1], id(r) in done and id(r) not in stepped) for r in arrived]
+            first = [
+                self._update(r, r.output_ids[r.num_resumed : r.num_resumed + 1], id(r) in done and id(r) not in stepped)
+                for r in arrived
+            ]
             updates = first + updates
         told = {id(r) for r in sampled} | {id(r) for r in arrived}
         return updates + [self._update(r, [], True) for r in finished if id(r) not in told]
@@ -312,10 +338,11 @@ class Engine(OfflineEngine):
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and req.next_scored == len(req.prompt_ids):
             prompt_logprobs, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
         timeline = None  # disaggregated (decode side): sent once, with the second token or the finish
-        if req.timeline is not None and "kv_at" in req.timeline and (len(req.output_ids) > 1 or finished):
+        decoded = len(req.output_ids) > req.num_resumed + 1
+        if req.timeline is not None and "kv_at" in req.timeline and (decoded or finished):
             timeline = dict(req.timeline)
             kv_at = timeline.pop("kv_at")
-            timeline["first_decode_step_s"] = time.monotonic() - kv_at if len(req.output_ids) > 1 else 0.0
+            timeline["first_decode_step_s"] = time.monotonic() - kv_at if decoded else 0.0
             req.timeline = None
         return TokenUpdate(
             req.rid,
@@ -401,6 +428,11 @@ class Engine(OfflineEngine):
         checkpoint; zeros where the runner has no FFN ranks."""
         r = self.runner
         return getattr(r, "ffn_alive", 0), getattr(r, "recoveries", 0), getattr(r, "experts_read", 0)
+
+    def experts_loaded(self) -> tuple[int, int]:
+        """Experts (per layer) the expert ranks loaded since start for recoveries, admissions and
+        rebalances: (copied from a live peer, read from the checkpoint); zeros without expert ranks."""
+        return getattr(self.runner, "experts_loaded", (0, 0))
 
     def static_decode_batches(self) -> int:
         """Decode batches (micro-batches, on an attention rank) run on the persistent buffers CUDA

@@ -241,10 +241,18 @@ class EngineArgs:
         False,
         "afd: keep serving when an FFN rank dies (exits, or sends no heartbeat for --comm-timeout): the "
         "attention ranks mask it, move its experts to the survivors (copies first, else read from the "
-        "checkpoint into spare slots) and run the interrupted step again (default: the deployment fails fast)",
+        "checkpoint into spare slots, or into slots the survivors grow within --ffn-expert-memory-mb) and run "
+        "the interrupted step again (default: the deployment fails fast)",
     )
     ffn_recovery_timeout: float = opt(
         60.0, "with --enable-ffn-fault-tolerance: seconds serving may pause while survivors load a lost rank's experts"
+    )
+    ffn_expert_memory_mb: float | None = opt(
+        None,
+        "afd: the most memory an FFN rank's routed experts may take, in MiB, where a recovery gives a "
+        "survivor more expert slots than it started with (default: on a GPU, what the device has free once "
+        "the rank is loaded less a tenth of it, at least 2 GiB; on the CPU, twice the rank's starting expert "
+        "bytes)",
     )
     eplb_rebalance_num_iterations: int = opt(1000, "with --enable-eplb: steps between rebalances")
     init_expert_location: str | None = opt(
@@ -373,6 +381,8 @@ class EngineArgs:
             "needs the shm or zmq data plane: a torch.distributed group cannot lose a member",
         )
         need(self.ffn_recovery_timeout > 0, "ffn_recovery_timeout", "must be positive")
+        memory = self.ffn_expert_memory_mb
+        need(memory is None or memory > 0, "ffn_expert_memory_mb", "must be positive")
         need(self.eplb_rebalance_num_iterations >= 1, "eplb_rebalance_num_iterations", "must be at least 1")
         need(self.eplb_window_steps is None or self.eplb_window_steps >= 1, "eplb_window_steps", "must be >= 1")
         need(self.disaggregation_timeout > 0, "disaggregation_timeout", "must be positive")

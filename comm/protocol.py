@@ -17,7 +17,10 @@ liveness messages use negative pseudo-layers so they can never collide with a la
     eplb_ready       FFN rank -> attention ranks        (key step = placement version; see afd_engine/eplb)
     heartbeat        FFN rank -> attention ranks        - (with --enable-ffn-fault-tolerance, every HEARTBEAT_S)
     recover          attention rank -> FFN ranks        (meta: placement without the lost ranks, next step id)
-    recovered        FFN rank -> attention ranks        (meta: experts read from the checkpoint, or an error)
+    recovered        FFN rank -> attention ranks        (meta: experts copied from peers and read from the checkpoint,
+                                                         or an error)
+    expert_want      FFN rank -> FFN rank of its node   - (key: placement version, layer, expert; eplb/peer_copy.py)
+    expert_copy      FFN rank -> FFN rank of its node   the slot's weight tensors (w13 w2, or FP8 bytes and scales)
     join             attention rank -> replacement      (meta: the placement that uses it)
     start            attention rank -> replacement      (meta: the step it first serves, keepalive ids)
 

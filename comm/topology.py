@@ -31,11 +31,14 @@ class Topology:
     num_nodes: int
     ranks_per_node: int
     num_experts: int
-    # logical expert -> physical expert slot; slot p lives on FFN rank p // experts_per_rank
+    # logical expert -> physical expert slot; slot p lives on FFN rank p // experts_per_rank (or per rank_sizes)
     expert_map: tuple[int, ...] | None = None
     colocated: bool = False
     # FFN ranks lost and masked out (AFD fault tolerance): they relay nothing and hold no slot in use
     dead: frozenset[int] = frozenset()
+    # slots per FFN rank, consecutive in rank order, where a recovery grew some ranks' storage
+    # (None: num_experts / num_ffn_ranks each)
+    rank_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -48,8 +51,14 @@ class Topology:
         need(self.num_senders >= 1, "needs at least one sender (attention rank)")
         need(self.num_nodes >= 1 and self.ranks_per_node >= 1, "needs at least one FFN node with one rank")
         need(self.num_experts >= 1, "needs at least one expert")
+        if self.rank_sizes is not None:
+            need(
+                len(self.rank_sizes) == self.num_ffn_ranks and sum(self.rank_sizes) == self.num_experts,
+                f"rank_sizes {list(self.rank_sizes)} must give each of the {self.num_ffn_ranks} ranks its slots, "
+                f"{self.num_experts} in all",
+            )
         need(
-            self.num_experts % self.num_ffn_ranks == 0,
+            self.rank_sizes is not None or self.num_experts % self.num_ffn_ranks == 0,
             f"{self.num_experts} experts do not divide evenly over {self.num_ffn_ranks} ranks "
             f"({self.num_nodes} nodes x {self.ranks_per_node}); pick a rank count that divides {self.num_experts}",
         )
@@ -76,7 +85,14 @@ class Topology:
 
     @property
     def experts_per_rank(self) -> int:
+        """Slots per FFN rank while every rank holds as many (rank_sizes None)."""
         return self.num_experts // self.num_ffn_ranks
+
+    @cached_property
+    def _first_slot(self) -> torch.Tensor:
+        """[num_ffn_ranks] int64: each rank's first physical slot."""
+        sizes = self.rank_sizes or (self.experts_per_rank,) * self.num_ffn_ranks
+        return torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0)
 
     @cached_property
     def physical_slot(self) -> torch.Tensor:
@@ -87,7 +103,9 @@ class Topology:
     @cached_property
     def ffn_rank_of(self) -> torch.Tensor:
         """[E] int64: logical expert -> FFN rank."""
-        return self.physical_slot // self.experts_per_rank
+        if self.rank_sizes is None:
+            return self.physical_slot // self.experts_per_rank
+        return torch.searchsorted(self._first_slot, self.physical_slot, right=True) - 1
 
     @cached_property
     def node_of_expert(self) -> torch.Tensor:
@@ -96,7 +114,7 @@ class Topology:
 
     def local_index(self, rank: int) -> torch.Tensor:
         """[E] int64: logical expert -> index among `rank`'s experts, or -1 if another rank owns it."""
-        return torch.where(self.ffn_rank_of == rank, self.physical_slot % self.experts_per_rank, -1)
+        return torch.where(self.ffn_rank_of == rank, self.physical_slot - self._first_slot[rank], -1)
 
     def experts_of(self, rank: int) -> list[int]:
         """Logical experts owned by `rank`, in local-index order."""

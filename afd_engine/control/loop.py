@@ -162,6 +162,7 @@ class EngineLoop:
             *self.engine.ffn_fault_counters(),
             self.engine.static_decode_batches(),
             *self.engine.spec_counters(),
+            *self.engine.experts_loaded(),
         )
 
     def _expert_rank_load(self) -> tuple[float, ...]:

@@ -79,6 +79,10 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     spec_drafts: int = 0
     spec_accepted: int = 0
     spec_accepted_histogram: tuple[int, ...] = ()
+    # since start: experts (per layer) that expert ranks loaded for recoveries, admissions and
+    # rebalances, copied from a live peer or read from the checkpoint (eplb/peer_copy.py)
+    experts_loaded_peer: int = 0
+    experts_loaded_checkpoint: int = 0
 
     @staticmethod
     def total(stats) -> EngineStats:

@@ -191,9 +191,9 @@ class PrefillSide(_Side):
             t = req.timeline
             if "start" not in t and req.row is not None:
                 t["start"] = max(self._step_began, t["dest"])
-            n = len(req.prompt_ids)
+            n = len(req.prompt_ids) + req.num_resumed  # (a resumed request's tokens are prefilled too)
             try:
-                if req.output_ids:  # the prompt is done and its first token sampled
+                if len(req.output_ids) > req.num_resumed:  # the prompt is done and its first token sampled
                     t.setdefault("first_token", now)
                     del self.active[room]
                     if req.finish_reason is None:  # else it ended with its first token: no pages needed
@@ -236,7 +236,7 @@ class PrefillSide(_Side):
         header = {
             "kind": wire.DONE,
             "room": req.disagg_room,
-            "token": req.output_ids[0],
+            "token": req.output_ids[req.num_resumed],
             "finish_reason": None if req.finish_reason == "transferred" else req.finish_reason,
             "text_trim": req.text_trim,
             "seed": req.seed,
@@ -376,7 +376,7 @@ class DecodeSide(_Side):
             self.reserved[req.disagg_room] = req
             start = req.prefix.depth
             self.cached_pages += start  # pages this instance's prefix cache held: not transferred
-            end = pages_for(len(req.prompt_ids), self.page_size)
+            end = pages_for(req.known_len, self.page_size)  # (with a resumed request's tokens)
             pages = [self.pool.page_of(req.row, i) for i in range(start, end)]
             req.kv_pages = set(pages)
             self._tell_prefill(

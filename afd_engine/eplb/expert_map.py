@@ -1,10 +1,12 @@
 """Logical experts -> physical expert slots, per MoE layer, with redundant copies of hot experts.
 
 A deployment with R redundant experts holds E + R physical slots per MoE layer, (E + R) / ranks on
-each expert rank (slot s on rank s // slots_per_rank). The attention side routes with logical ids
-(the gate's) and dispatches physical slot ids: every (token, expert) pair goes to one copy of the
-expert, the expert's pairs in a batch dealt round-robin over its copies, so copies share an
-expert's load evenly and the choice is deterministic (reproducible tests).
+each expert rank (slot s on rank s // slots_per_rank) until a recovery grows some ranks' storage
+(eplb/elastic.py): then rank r holds `sizes[r]` consecutive slots, the same count in every layer.
+The attention side routes with logical ids (the gate's) and dispatches physical slot ids: every
+(token, expert) pair goes to one copy of the expert, the expert's pairs in a batch dealt
+round-robin over its copies, so copies share an expert's load evenly and the choice is
+deterministic (reproducible tests).
 
 `version` counts placements: 0 is the one a deployment starts with (`initial`), every rebalance
 installs the next. `dead`: expert ranks lost (AFD fault tolerance); their slots are never routed to.
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_engine.eplb.placement import Placement, RecoveryImpossible, place, without_ranks
+from afd_engine.eplb.elastic import grow, grown_sizes
+from afd_engine.eplb.placement import Placement, give_up_copies, place
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,15 @@ class ExpertMap:
         self.layout, self.placements, self.version, self.dead = layout, placements, version, frozenset(dead)
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._in_order: set[int] = set()  # layers whose slot s holds expert s: slots are the ids
-        spr = layout.slots_per_rank
+        self.sizes = _sizes(layout, placements)
         for layer, p in placements.items():
-            replicas = [[s for s in r if s // spr not in self.dead] for r in p.replicas(layout.num_experts)]
+            owner = p.slot_ranks()
+            replicas = [[s for s in r if owner[s] not in self.dead] for r in p.replicas(layout.num_experts)]
             missing = [e for e, r in enumerate(replicas) if not r]
-            if missing or p.num_slots != layout.num_slots:
+            if missing:
                 raise ValueError(
-                    f"layer {layer}: a placement needs {layout.num_slots} slots holding every expert; it has "
-                    f"{p.num_slots}"
-                    + (f" and expert {missing[0]} has no slot" if missing else "")
-                    + (f" on a live rank (lost: {sorted(self.dead)})" if missing and self.dead else "")
+                    f"layer {layer}: expert {missing[0]} has no slot"
+                    + (f" on a live rank (lost: {sorted(self.dead)})" if self.dead else "")
                 )
             width = max(len(r) for r in replicas)
             table = torch.tensor([r + [r[0]] * (width - len(r)) for r in replicas], dtype=torch.int64)  # [E, width]
@@ -82,27 +84,40 @@ class ExpertMap:
             if p.slot_expert == list(range(layout.num_experts)) and not self.dead:
                 self._in_order.add(layer)
 
+    @property
+    def num_slots(self) -> int:
+        """Physical slots per MoE layer (more than the layout's once a recovery grew a rank)."""
+        return sum(self.sizes)
+
+    @property
+    def grown(self) -> bool:
+        """Whether some rank holds another number of slots than the layout gives each."""
+        return any(n != self.layout.slots_per_rank for n in self.sizes)
+
     @staticmethod
     def initial(layout: ExpertLayout, moe_layers) -> ExpertMap:
         p = layout.initial()
         return ExpertMap(layout, {layer: p for layer in moe_layers})
 
-    def without_ranks(self, dead: set[int], version: int) -> ExpertMap:
-        """This placement with expert ranks `dead` lost as well (placement.without_ranks per layer);
-        RecoveryImpossible names the layer that cannot be served."""
+    def without_ranks(self, dead: set[int], version: int, caps: dict[int, int] | None = None) -> ExpertMap:
+        """This placement with expert ranks `dead` lost as well: per layer, spare copies give their
+        slots to the experts left without a live one (placement.give_up_copies); the experts still
+        without one get new slots on the survivors, each within caps[rank] slots (eplb/elastic.py;
+        a rank without a cap does not grow). RecoveryImpossible names the layer that cannot be
+        served and the cap flag."""
         dead = set(dead) | self.dead
-        placements = {}
+        shrunk, lost = {}, {}
         for layer, p in self.placements.items():
-            try:
-                placements[layer] = without_ranks(p, dead, self.layout.num_experts)
-            except RecoveryImpossible as exc:
-                raise RecoveryImpossible(f"MoE layer {layer} without expert ranks {sorted(dead)}: {exc}") from None
-        return ExpertMap(self.layout, placements, version, frozenset(dead))
+            shrunk[layer], lost[layer] = give_up_copies(p, dead, self.layout.num_experts)
+        first = min(shrunk)  # every layer lacks as many slots (eplb/elastic.py)
+        if lost[first]:
+            sizes = grown_sizes(self.sizes, dead, caps or {}, len(lost[first]), first)
+            shrunk = {layer: grow(p, sizes, lost[layer]) for layer, p in shrunk.items()}
+        return ExpertMap(self.layout, shrunk, version, frozenset(dead))
 
     def rank_slots(self, rank: int) -> dict[int, list[int]]:
         """Per MoE layer, the logical expert of each of `rank`'s slots, in slot order."""
-        spr = self.layout.slots_per_rank
-        return {layer: p.slot_expert[rank * spr : (rank + 1) * spr] for layer, p in self.placements.items()}
+        return {layer: [p.slot_expert[s] for s in p.rank_range(rank)] for layer, p in self.placements.items()}
 
     def to_physical(self, layer: int, topk_ids: torch.Tensor, salt: int = 0) -> torch.Tensor:
         """topk_ids [T, K] logical -> [T, K] physical slots. The i-th pair (in row-major order)
@@ -136,7 +151,10 @@ class ExpertMap:
     @staticmethod
     def from_description(layout: ExpertLayout, d: dict) -> ExpertMap:
         """The inverse of `describe`."""
-        placements = {int(layer): Placement(list(s), layout.slots_per_rank) for layer, s in d["slot_expert"].items()}
+        sizes = tuple(d["sizes"]) if d.get("sizes") else None
+        placements = {
+            int(layer): Placement(list(s), layout.slots_per_rank, sizes) for layer, s in d["slot_expert"].items()
+        }
         return ExpertMap(layout, placements, d["version"], frozenset(d.get("dead", ())))
 
     def describe(self) -> dict:
@@ -146,7 +164,21 @@ class ExpertMap:
             "slots_per_rank": self.layout.slots_per_rank,
             "slot_expert": {str(layer): list(p.slot_expert) for layer, p in self.placements.items()},
             "dead": sorted(self.dead),
+            "sizes": list(self.sizes) if self.grown else None,  # slots per rank, once a recovery grew some
         }
+
+
+def _sizes(layout: ExpertLayout, placements: dict[int, Placement]) -> tuple[int, ...]:
+    """The slots per rank every layer's placement agrees on (ValueError otherwise: dispatch
+    addresses one table of slots for all layers)."""
+    sizes = {p.rank_sizes for p in placements.values()} or {(layout.slots_per_rank,) * layout.num_ranks}
+    uneven = any(sum(p.rank_sizes) != p.num_slots for p in placements.values())
+    if uneven or len(sizes) > 1 or len(next(iter(sizes))) != layout.num_ranks:
+        raise ValueError(
+            f"a placement needs {layout.num_ranks} ranks with the same slots in every layer; the layers give "
+            f"{sorted(map(list, sizes))}"
+        )
+    return next(iter(sizes))
 
 
 def spread_over_copies(

@@ -30,14 +30,42 @@ import torch
 
 @dataclass(frozen=True)
 class Placement:
-    """One MoE layer's placement. Physical slot s lives on rank s // slots_per_rank."""
+    """One MoE layer's placement. Rank r holds `sizes[r]` consecutive physical slots: the same
+    number each (`slots_per_rank`, slot s on rank s // slots_per_rank) unless a recovery grew some
+    ranks' storage (eplb/elastic.py); `sizes` is None while every rank holds `slots_per_rank`."""
 
     slot_expert: list[int]  # [num_slots]: the logical expert of each physical slot
-    slots_per_rank: int
+    slots_per_rank: int  # what each rank starts with
+    sizes: tuple[int, ...] | None = None  # slots per rank, where they differ from slots_per_rank
+
+    def __post_init__(self) -> None:
+        if self.sizes is not None:
+            sizes = tuple(self.sizes)
+            if sum(sizes) != len(self.slot_expert):
+                raise ValueError(f"ranks of {list(sizes)} slots hold {sum(sizes)} slots, not {len(self.slot_expert)}")
+            uniform = all(n == self.slots_per_rank for n in sizes)
+            object.__setattr__(self, "sizes", None if uniform else sizes)  # one spelling per placement
 
     @property
     def num_slots(self) -> int:
         return len(self.slot_expert)
+
+    @property
+    def rank_sizes(self) -> tuple[int, ...]:
+        """How many slots each rank holds."""
+        if self.sizes is not None:
+            return self.sizes
+        return (self.slots_per_rank,) * (self.num_slots // self.slots_per_rank)
+
+    def rank_range(self, rank: int) -> range:
+        """Rank `rank`'s physical slots."""
+        sizes = self.rank_sizes
+        start = sum(sizes[:rank])
+        return range(start, start + sizes[rank])
+
+    def slot_ranks(self) -> list[int]:
+        """The rank of each physical slot."""
+        return [r for r, n in enumerate(self.rank_sizes) for _ in range(n)]
 
     def replicas(self, num_experts: int) -> list[list[int]]:
         """Per logical expert, its physical slots in ascending order."""
@@ -50,10 +78,12 @@ class Placement:
         """Load per rank when every expert's load is split evenly over its copies (those on the
         ranks not `dead`: lost ranks carry none)."""
         num_experts, slots = load.numel(), torch.tensor(self.slot_expert)
-        live = torch.tensor([s // self.slots_per_rank not in dead for s in range(self.num_slots)])
+        owner = torch.tensor(self.slot_ranks())
+        live = torch.tensor([r not in dead for r in self.slot_ranks()])
         copies = torch.bincount(slots[live], minlength=num_experts).to(torch.float64).clamp(min=1)
         per_slot = torch.where(live, load.to(torch.float64)[slots] / copies[slots], 0.0)
-        return per_slot.view(-1, self.slots_per_rank).sum(dim=1)
+        out = torch.zeros(len(self.rank_sizes), dtype=torch.float64)
+        return out.index_add_(0, owner, per_slot)
 
 
 class RecoveryImpossible(ValueError):
@@ -62,26 +92,38 @@ class RecoveryImpossible(ValueError):
 
 def without_ranks(p: Placement, dead: set[int], num_experts: int) -> Placement:
     """`p` with ranks `dead` lost: every expert left without a live copy takes over a live slot of
-    an expert that still has several (the one with the most, ties to the highest slot); the
-    dead ranks' slots keep their entries (nothing routes to them). RecoveryImpossible when the
-    live slots hold no spare copy left to give up."""
+    an expert that still has several (give_up_copies); RecoveryImpossible when the live slots hold
+    no spare copy left to give up."""
+    out, lost = give_up_copies(p, dead, num_experts)
+    if lost:
+        live = sum(n for r, n in enumerate(p.rank_sizes) if r not in dead)
+        raise RecoveryImpossible(
+            f"{len(lost)} experts lost their only copy and the {live} live slots hold no spare copy to "
+            f"give up (every one of the {num_experts} experts needs a slot)"
+        )
+    return out
+
+
+def give_up_copies(p: Placement, dead: set[int], num_experts: int) -> tuple[Placement, list[int]]:
+    """`p` with ranks `dead` lost, as far as spare copies go: every expert left without a live copy
+    takes over a live slot of an expert that still has several (the one with the most, ties to the
+    highest slot); the dead ranks' slots keep their entries (nothing routes to them). Returns that
+    placement and the experts still without a live slot once no spare copy is left, in order."""
     slot_expert = list(p.slot_expert)
-    live = [s for s in range(p.num_slots) if s // p.slots_per_rank not in dead]
+    owner = p.slot_ranks()
     copies: dict[int, list[int]] = {e: [] for e in range(num_experts)}
-    for s in live:
-        copies[slot_expert[s]].append(s)
-    for lost in [e for e in range(num_experts) if not copies[e]]:
+    for s in range(p.num_slots):
+        if owner[s] not in dead:
+            copies[slot_expert[s]].append(s)
+    lost = [e for e in range(num_experts) if not copies[e]]
+    for i, expert in enumerate(lost):
         donor = max(range(num_experts), key=lambda e: (len(copies[e]), max(copies[e], default=-1)))
         if len(copies[donor]) < 2:
-            missing = sum(1 for e in range(num_experts) if not copies[e])
-            raise RecoveryImpossible(
-                f"{missing} experts lost their only copy and the {len(live)} live slots hold no spare copy to "
-                f"give up (every one of the {num_experts} experts needs a slot)"
-            )
+            return Placement(slot_expert, p.slots_per_rank, p.sizes), lost[i:]
         slot = copies[donor].pop()
-        slot_expert[slot] = lost
-        copies[lost].append(slot)
-    return Placement(slot_expert, p.slots_per_rank)
+        slot_expert[slot] = expert
+        copies[expert].append(slot)
+    return Placement(slot_expert, p.slots_per_rank, p.sizes), []
 
 
 def imbalance(rank_loads: torch.Tensor) -> float:

@@ -9,7 +9,8 @@ Every attention rank runs the same decisions from the same data, so no rank lead
    round in which every rank reports it computed, it becomes the pending placement v + 1.
 2. stage: the expert ranks load their slots of the pending placement in the background, starting
    after the next step (FFN ranks learn it from that step's descriptor and answer `eplb_ready`
-   when loaded; a colocated rank stages its own share) while steps go on with placement v.
+   when loaded, saying how many experts came from a live peer and how many from the checkpoint;
+   a colocated rank stages its own share) while steps go on with placement v.
 3. switch: in the first round in which every attention rank reports that all its expert ranks are
    ready, they agree to switch; the next step dispatches with placement v + 1 and its descriptor
    tells the FFN ranks to serve v + 1 from that step on.
@@ -54,6 +55,9 @@ class Rebalancer:
         self._switch = False  # the next step switches to the pending placement
         self._stage = False  # this rank's own share of the pending placement is still to be staged
         self._acked: set[int] = set()
+        # (layer, expert) pairs the expert ranks loaded for rebalances and admissions, by source
+        # (eplb/peer_copy.py): FFN ranks say it with `eplb_ready`, a colocated rank counts its own
+        self.loaded = {"peer": 0, "checkpoint": 0}
         self.last_plan_step = 0
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="eplb-plan") if every is not None else None
         self._planning: Future | None = None  # the placements being computed
@@ -110,8 +114,10 @@ class Rebalancer:
         for ep in self.ffn:
             if ep not in self._acked:
                 with contextlib.suppress(CommTimeout):  # not staged yet
-                    self.transport.recv(ep, "eplb_ready", key, 0.0)
+                    ready = self.transport.recv(ep, "eplb_ready", key, 0.0)
                     self._acked.add(ep)
+                    for source, n in ready.meta.get("loaded", {}).items():
+                        self.loaded[source] = self.loaded.get(source, 0) + n
         return len(self._acked) == len(self.ffn)
 
     def recovered(self, new: ExpertMap, ffn_endpoints: list[int]) -> None:
@@ -168,6 +174,8 @@ class Rebalancer:
             new, self.pending, self._switch = self.pending, None, False
             if self.stager is not None:
                 self.stager.switch(new.version, timeout)
+                for source, n in self.stager.loaded.items():
+                    self.loaded[source] += n
             self.map = new
             meta["eplb_switch"] = new.version
             log.info("switched to expert placement %d", new.version)

@@ -97,17 +97,20 @@ def load_expert_shard(
     kernels: Kernels | None = None,
     device: torch.device | str = "cpu",
     ffn_weight_dtype: str = "auto",
+    read: bool = True,
 ) -> ExpertShard:
     """Only the routed experts of `expert_slots` (per MoE layer, the logical expert of each slot):
     an FFN rank's weights, or the experts a rebalance stages; held at `ffn_weight_dtype` as in
-    `load_model`, so that they equal the full model's experts."""
+    `load_model`, so that they equal the full model's experts. Without `read`, the storage only,
+    uninitialized (a replacement FFN rank gets its experts when it is admitted)."""
     with on_meta():
         shard = ExpertShard(cfg, expert_slots, kernels or Kernels.named())
     _hold_experts(shard, ffn_weight_dtype)
     shard.to(dtype)
     _keep_storage_dtypes(shard)
     shard.to_empty(device=device)
-    load_weights(shard, model_path)
+    if read:
+        load_weights(shard, model_path)
     return shard.eval().requires_grad_(False)
 
 

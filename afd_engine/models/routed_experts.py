@@ -80,7 +80,7 @@ class RoutedExperts(nn.Module):
         are copied into this module's storage, so every weight tensor keeps its address (CUDA
         graphs captured over the experts read them there). `other` must hold as many slots in the
         same layout and dtypes; nothing is copied otherwise."""
-        names = self._weight_names()
+        names = self.weight_names()
         if other.count != self.count or other.fp8 != self.fp8:
             raise ValueError(
                 f"cannot adopt {other.count} slots{' of FP8 weights' if other.fp8 else ''} into "
@@ -99,19 +99,37 @@ class RoutedExperts(nn.Module):
                 getattr(self, name).copy_(getattr(other, name))
         self.slot_expert = list(other.slot_expert)
 
-    def _weight_names(self) -> tuple[str, ...]:
+    def rebind(self, other: RoutedExperts) -> None:
+        """Serves `other`'s slots in `other`'s storage from now on: a switch that changes how many
+        slots this rank holds (a recovery that grew it, an admission that shrinks it back) cannot
+        copy into the old storage. The weight tensors move: whoever holds their addresses (CUDA
+        graphs, the static-decode guard) must take them again."""
+        if other.fp8 != self.fp8 or other.precision != self.precision:
+            raise ValueError(f"cannot serve {other.precision} experts in place of {self.precision} ones")
+        for name in self.weight_names():
+            tensor = getattr(other, name)
+            setattr(self, name, nn.Parameter(tensor, requires_grad=False) if name in ("w13", "w2") else tensor)
+        self.slot_expert, self.count = list(other.slot_expert), other.count
+
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        """The weights of one slot, one tensor per weight (what a peer copy carries)."""
+        return [getattr(self, name)[slot] for name in self.weight_names()]
+
+    def weight_names(self) -> tuple[str, ...]:
+        """The weight tensors of every slot, by attribute name."""
         return ("w13_q", "w2_q", "w13_scale", "w2_scale") if self.fp8 else ("w13", "w2")
 
     def gather(self, slot_expert: list[int], sources: list[RoutedExperts]) -> RoutedExperts:
         """A new module holding `slot_expert`, each slot's weights copied from the first of `sources`
-        that holds its expert (a rebalance's staging: experts kept here are copied, not re-read)."""
+        that holds its expert (a rebalance's staging: experts kept here are copied, not re-read).
+        A source is anything with `slot_expert` and these weights stacked per slot."""
         where = {}
         for src in sources:
             for i, e in enumerate(src.slot_expert):
                 where.setdefault(e, (src, i))
         with on_meta():
             out = RoutedExperts(self.cfg, slot_expert, self.kernels, self.precision)
-        for name in self._weight_names():
+        for name in self.weight_names():
             stacked = torch.stack([getattr(where[e][0], name)[where[e][1]] for e in slot_expert])
             setattr(out, name, nn.Parameter(stacked, requires_grad=False) if name in ("w13", "w2") else stacked)
         return out

@@ -90,7 +90,8 @@ def run_ffn_worker(args: EngineArgs, ready, rank: int, comm_addresses, local_ind
         device = args.device_for(local_index)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        shard = load_shard(args, cfg, device, spec.expert_slots(rank))
+        # a replacement gets its experts when admitted: from live peers of its node where they hold them
+        shard = load_shard(args, cfg, device, spec.expert_slots(rank), read=not rejoin)
         store = _store(args, comm_addresses)
         endpoint = spec.topology.ffn_endpoint(rank)
         incarnation = store.incarnation(endpoint) + 1 if rejoin else 0

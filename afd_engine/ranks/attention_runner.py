@@ -24,7 +24,6 @@ one computes its own experts' share in place, without messages to itself: remote
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -153,6 +152,17 @@ class PipelineRunner(StepRunner):
     def experts_read(self) -> int:
         """By the survivors of every recovery, from the checkpoint."""
         return self.recovery.experts_read
+
+    @property
+    def experts_loaded(self) -> tuple[int, int]:
+        """(layer, expert) pairs the expert ranks loaded since start for recoveries, admissions and
+        rebalances: (copied from a live peer, read from the checkpoint). AFD: the deployment's,
+        reported by attention rank 0 only (every attention rank counts them alike); colocated:
+        this rank's own."""
+        if not self.spec.topology.colocated and self.rank != 0:
+            return 0, 0
+        r = self.rebalancer.loaded
+        return r["peer"] + self.recovery.experts_copied, r["checkpoint"] + self.recovery.experts_read
 
     @property
     def last_recovery(self) -> dict | None:
@@ -290,9 +300,10 @@ class PipelineRunner(StepRunner):
         self.step_id = self.recovery.recover(metas, since)
         self.executor.expert_map = self.rebalancer.map
 
-    def _use_topology(self, dead: frozenset[int]) -> None:
-        """A fresh sender endpoint for these dead ranks (relays move with them)."""
-        topo = dataclasses.replace(self.spec.topology, dead=dead)
+    def _use_topology(self, expert_map) -> None:
+        """A fresh sender endpoint for this placement's dead ranks (relays move with them) and its
+        slots per rank (a recovery may have grown some)."""
+        topo = self.spec.topology_of(expert_map)
         sender = attention_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
         sender.stats, sender.interrupt = self.sender.stats, self.recovery.check
         self.sender = self.executor.endpoint = sender

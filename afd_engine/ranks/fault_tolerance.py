@@ -2,16 +2,19 @@
 
 An FFN rank holds only experts, which have copies on other ranks or sit in the checkpoint, so the
 deployment can go on without it. The attention ranks watch their FFN ranks' heartbeats
-(fault_tolerance_liveness.py); once one is lost, they agree on a placement without it, and every
-surviving FFN rank loads its part of it (a recovery); a replacement started later is admitted as
-an EPLB rebalance is switched (fault_tolerance_recovery.py). This module is their vocabulary: the
+(fault_tolerance_liveness.py); once one is lost, they agree on a placement without it (survivors
+may grow to more slots than they had, within their caps: eplb/elastic.py), and every surviving FFN
+rank loads its part of it (a recovery); a replacement started later is admitted as an EPLB
+rebalance is switched (fault_tolerance_recovery.py), and copies its experts from live ranks of its
+node where they hold them (eplb/peer_copy.py). This module is their vocabulary: the
 errors, the messages and their keys, and how long each side waits for the other.
 
     kind       from -> to                        key: (step, layer, micro-batch)     meta
-    heartbeat  FFN rank -> attention ranks       (count, HEARTBEAT_LAYER, 0)         pid, space, incarnation
-    recover    attention rank -> live FFN ranks  (recovery count, RECOVER_LAYER, 0)  placement, next step
-    recovered  FFN rank -> attention ranks       (recovery count, RECOVER_LAYER, 0)  experts read, or an error
-    join       attention rank -> replacement     (incarnation, JOIN_LAYER, 0)        placement, recoveries, joiners
+    heartbeat  FFN rank -> attention ranks       (count, HEARTBEAT_LAYER, 0)         pid, space, incarnation, cap
+    recover    attention rank -> live FFN ranks  (recovery count, RECOVER_LAYER, 0)  placement, served one, next step
+    recovered  FFN rank -> attention ranks       (recovery count, RECOVER_LAYER, 0)  experts read, copied; or an error
+    join       attention rank -> replacement     (incarnation, JOIN_LAYER, 0)        placement, served one,
+                                                                                     recoveries, joiners
     start      attention rank -> replacement     (incarnation, JOIN_LAYER, 1)        first step, keepalive ids; or void
 
 The pseudo-layers are allotted with the others in comm/protocol.py.

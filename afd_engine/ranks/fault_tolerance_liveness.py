@@ -6,7 +6,8 @@ or, on the same machine, has exited (FfnLiveness).
 A heartbeat names its process: its incarnation (0 for the first process at an endpoint, 1 for
 its first replacement, ...), so that a lost process's heartbeats, arriving late or from a process
 that came back, say nothing of its replacement; and its pid and process space, so that a rank of
-the same machine sees it exit at once instead of waiting out the timeout.
+the same machine sees it exit at once instead of waiting out the timeout. It also carries the most
+expert slots the rank may hold (ranks/expert_capacity.py), which recoveries plan within.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ class HeartbeatSender:
     """An FFN rank's heartbeats to every attention rank, whatever its main thread is doing (a
     rank blocked on a lost peer is alive too)."""
 
-    def __init__(self, transport: Transport, endpoint: int, senders: list[int], incarnation: int, rank: int) -> None:
+    def __init__(
+        self, transport: Transport, endpoint: int, senders: list[int], incarnation: int, rank: int, cap: int | None
+    ) -> None:
+        """`cap`: the most expert slots per MoE layer this rank may hold (None: it never grows)."""
         self.transport, self.endpoint, self.senders = transport, endpoint, senders
-        self.incarnation, self.rank = incarnation, rank
+        self.incarnation, self.rank, self.cap = incarnation, rank, cap
         self._stopped = threading.Event()
 
     def start(self) -> None:
@@ -59,7 +63,7 @@ class HeartbeatSender:
         self._stopped.set()
 
     def _run(self) -> None:
-        who = {"pid": os.getpid(), "space": process_space(), "incarnation": self.incarnation}
+        who = {"pid": os.getpid(), "space": process_space(), "incarnation": self.incarnation, "cap": self.cap}
         count = 0
         while not self._stopped.wait(HEARTBEAT_S):
             try:
@@ -81,6 +85,7 @@ class FfnLiveness:
         self.heard = dict.fromkeys(endpoints, time.monotonic())  # when each last sent one
         self.beating: set[int] = set()  # FFN endpoints whose current process has sent a heartbeat
         self.pids: dict[int, int] = {}  # FFN endpoint -> its pid, where this rank can look it up
+        self.caps: dict[int, int] = {}  # FFN rank -> the most expert slots it may hold, as its heartbeats say
         self.space = process_space()
         self.checked = 0.0  # when lost() last looked
 
@@ -120,6 +125,8 @@ class FfnLiveness:
             self.expected[ep] += 1
             self.heard[ep] = now
             self.beating.add(ep)
+            if beat.meta.get("cap") is not None:
+                self.caps[ffn_rank(self.topology, ep)] = beat.meta["cap"]
             if self.space and beat.meta.get("space") == self.space:
                 self.pids[ep] = beat.meta["pid"]
 
@@ -127,6 +134,7 @@ class FfnLiveness:
         """Watches ep's new process (a replacement just linked to) from its first heartbeat on."""
         self.expected[ep], self.heard[ep] = 0, now
         self.pids.pop(ep, None)
+        self.caps.pop(ffn_rank(self.topology, ep), None)
         self.beating.discard(ep)
 
     def keep_only(self, endpoints: list[int]) -> None:

@@ -46,18 +46,20 @@ class RecoveryMember:
         store,
         incarnation: int,
         use_topology: Callable[..., None],
+        cap: int | None = None,
     ) -> None:
         """`store` (rendezvous.DeploymentStore): where a deployment of roles tells where
         replacement ranks are; `incarnation` > 0: this rank replaces a lost one and joins a running
-        deployment. `use_topology(dead, abandon)`: the owner's endpoint made again for these dead
-        ranks (with `abandon`, the old one's waits given up)."""
+        deployment. `use_topology(expert_map, abandon)`: the owner's endpoint made again for that
+        placement's dead ranks and slots (with `abandon`, the old one's waits given up). `cap`: the
+        most expert slots it may hold (ranks/expert_capacity.py), sent with its heartbeats."""
         topo = spec.topology
         self.spec, self.rank, self.transport, self.store = spec, rank, transport, store
         self.incarnation, self.enabled = incarnation, spec.args.enable_ffn_fault_tolerance
         self.endpoint = topo.ffn_endpoint(rank)
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.recoveries = 0
-        self.heartbeats = HeartbeatSender(transport, self.endpoint, self.senders, incarnation, rank)
+        self.heartbeats = HeartbeatSender(transport, self.endpoint, self.senders, incarnation, rank, cap)
         self._use_topology = use_topology
         if self.enabled and not incarnation:  # a replacement starts once admitted (join)
             self.heartbeats.start()
@@ -85,6 +87,7 @@ class RecoveryMember:
         plans = {ep: self.transport.recv(ep, JOIN, join_key(self.incarnation), wait).meta for ep in self.senders}
         plan = agreed(plans, f"FFN rank {self.rank}: the attention ranks disagree on its placement")
         placement = ExpertMap.from_description(self.spec.layout, plan["plan"])
+        stager.current = ExpertMap.from_description(self.spec.layout, plan["serving"])  # who holds what now
         self.recoveries = plan["recoveries"]  # the next recovery's key follows theirs
         self.link({ep: n for ep, n in plan["joiners"].items() if int(ep) != self.endpoint})  # this node's, together
         self.heartbeats.start()
@@ -98,40 +101,46 @@ class RecoveryMember:
         self.transport.drop_stale(dict.fromkeys(STEP_KINDS, step))
         return placement, step, {ep: m["keepalive"] for ep, m in starts.items()}
 
-    def recover(self, stager: ExpertStager) -> int:
+    def recover(self, stager: ExpertStager) -> tuple[int, bool]:
         """Takes its part in a recovery: the new placement from every attention rank (they must
-        agree), the experts it now holds loaded (copied, or read from the checkpoint), a fresh
-        endpoint over the live ranks, then "recovered" to every attention rank. Returns the id of
-        the step that runs next."""
+        agree), the experts it now holds loaded (copied here or from a live peer of its node, or
+        read from the checkpoint), a fresh endpoint over the live ranks, then "recovered" to every
+        attention rank. Returns the id of the step that runs next, and whether its expert weights
+        moved (its storage grew or shrank)."""
         args, start = self.spec.args, time.monotonic()
         self.recoveries += 1
         key = recover_key(self.recoveries)
         plans = {ep: self.transport.recv(ep, RECOVER, key, recover_wait(args)).meta for ep in self.senders}
         plan = agreed(plans, f"recovery {self.recoveries}: the attention ranks disagree on the placement")
         new_map = ExpertMap.from_description(self.spec.layout, plan["placement"])
-        self._use_topology(new_map.dead, abandon=True)
+        self._use_topology(new_map, abandon=True)
         self.transport.drop_stale(dict.fromkeys(STEP_KINDS, plan["next_step"]))
-        error, read = None, 0
+        error, loaded, moved = None, {"peer": 0, "checkpoint": 0}, False
         try:
             stager.cancel()  # a rebalance under way is void: its placement had the lost rank in it
+            stager.current = ExpertMap.from_description(self.spec.layout, plan["serving"])
             stager.stage(new_map)
-            stager.switch(new_map.version, args.ffn_recovery_timeout)
-            read = stager.experts_read
+            moved = stager.switch(new_map.version, args.ffn_recovery_timeout)
+            loaded = stager.loaded
         except Exception as exc:  # noqa: BLE001 - reported to the attention ranks, which fail fast with it
             error = f"FFN rank {self.rank} could not load its experts of placement {new_map.version}: {exc}"
+        answer = {"read": loaded["checkpoint"], "peer": loaded["peer"], "error": error}
         for ep in self.senders:
-            self.transport.send(ep, Message(RECOVERED, key, self.endpoint, meta={"read": read, "error": error}))
+            self.transport.send(ep, Message(RECOVERED, key, self.endpoint, meta=answer))
         if error is not None:
             raise RecoveryFailed(error)
         log.info(
-            "FFN rank %d: recovery %d without FFN ranks %s done in %.2f s (%d experts read from the checkpoint)",
+            "FFN rank %d: recovery %d without FFN ranks %s done in %.2f s (%d slots per layer; %d experts copied "
+            "from peers, %d read from the checkpoint)",
             self.rank,
             self.recoveries,
             sorted(new_map.dead),
             time.monotonic() - start,
-            read,
+            new_map.sizes[self.rank],
+            loaded["peer"],
+            loaded["checkpoint"],
         )
-        return plan["next_step"]
+        return plan["next_step"], moved
 
     def stop(self) -> None:
         self.heartbeats.stop()

@@ -5,7 +5,10 @@ A recovery: an attention rank that finds an FFN rank lost (fault_tolerance_liven
 in the next agreement round, or fails its step and starts a round of its own; from the same round
 every attention rank computes the same placement without the lost ranks (no leader), sends it to
 the survivors, which load the experts they now hold and answer, and the interrupted step runs
-again under a new step id (RecoveryCoordinator.recover, RecoveryMember.recover).
+again under a new step id (RecoveryCoordinator.recover, RecoveryMember.recover). Where spare
+copies cannot hold every expert, survivors get more slots than they had, each within the cap its
+heartbeats announce (eplb/elastic.py, ranks/expert_capacity.py): the rounds that report a loss
+carry the caps each attention rank has heard, so that all plan with the same ones.
 
 An admission: a replacement registers at the rendezvous with the next incarnation of the lost
 rank's endpoint; once every attention rank has seen it, they link to it and send it a placement
@@ -20,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from afd_engine.eplb.expert_map import ExpertMap
-from afd_engine.eplb.placement import RecoveryImpossible
+from afd_engine.eplb.placement import Placement, RecoveryImpossible
 from afd_engine.eplb.rebalancer import Rebalancer
 from afd_engine.ranks.fault_tolerance import (
     JOIN,
@@ -61,11 +64,11 @@ class RecoveryCoordinator:
         rebalancer: Rebalancer,
         ffn: list[int],
         store,
-        use_topology: Callable[[frozenset[int]], None],
+        use_topology: Callable[[ExpertMap], None],
     ) -> None:
         """`store` (rendezvous.DeploymentStore, in a deployment of roles): where lost ranks are
-        recorded and replacements announce themselves. `use_topology(dead)`: the owner's sender
-        endpoint, made again whenever the FFN ranks in use change."""
+        recorded and replacements announce themselves. `use_topology(expert_map)`: the owner's
+        sender endpoint, made again whenever the FFN ranks in use or their slots change."""
         topo = spec.topology
         self.spec, self.rank, self.transport, self.rebalancer, self.store = spec, rank, transport, rebalancer, store
         self.enabled = spec.args.enable_ffn_fault_tolerance and not topo.colocated
@@ -73,6 +76,8 @@ class RecoveryCoordinator:
         self.ffn = ffn  # the FFN endpoints serving, in rank order
         self.recoveries = 0
         self.experts_read = 0  # by the survivors of every recovery, from the checkpoint
+        self.experts_copied = 0  # by the survivors of every recovery, from a live peer
+        self._caps: dict[int, int] = {}  # FFN rank -> the most expert slots it may hold, as agreed in recoveries
         self.last_recovery: dict | None = None
         self.liveness = FfnLiveness(transport, topo, spec.args.comm_timeout, ffn)
         self._use_topology = use_topology
@@ -93,13 +98,18 @@ class RecoveryCoordinator:
         if not self.enabled:
             return {}
         lost = self._lost() if time.monotonic() - self.liveness.checked >= INTERRUPT_CHECK_S else []
-        return {"lost": lost, "failed": False, "step_id": step_id, "joining": self._joining()}
+        meta = {"lost": lost, "failed": False, "step_id": step_id, "joining": self._joining()}
+        return {**meta, "caps": self._heard_caps()} if lost else meta
 
-    @staticmethod
-    def failure_meta(lost: list[int], step_id: int) -> dict:
+    def failure_meta(self, lost: list[int], step_id: int) -> dict:
         """The round of a rank whose step failed on lost FFN ranks: its peers recover with it, and
         run their own step again."""
-        return {"tokens": 0, "stop": False, "lost": lost, "failed": True, "step_id": step_id}
+        meta = {"tokens": 0, "stop": False, "lost": lost, "failed": True, "step_id": step_id}
+        return {**meta, "caps": self._heard_caps()}
+
+    def _heard_caps(self) -> dict[str, int]:
+        """The expert slot caps this rank has heard from the FFN ranks' heartbeats (JSON keys)."""
+        return {str(rank): cap for rank, cap in sorted(self.liveness.caps.items())}
 
     def anyone_lost(self, metas: list[dict]) -> bool:
         return self.enabled and any(m["lost"] for m in metas)
@@ -134,21 +144,24 @@ class RecoveryCoordinator:
         args, topo, start = self.spec.args, self.spec.topology, time.monotonic()
         lost = sorted({r for m in metas for r in m["lost"]})
         old = self.rebalancer.map
+        for m in metas:  # every rank's caps, the same from every rank that heard them: merged alike
+            for rank, cap in m.get("caps", {}).items():
+                self._caps[int(rank)] = min(cap, self._caps.get(int(rank), cap))
         try:
-            new = old.without_ranks(set(lost), self.rebalancer.next_version)
+            new = old.without_ranks(set(lost), self.rebalancer.next_version, self._caps)
         except RecoveryImpossible as exc:
             raise RecoveryFailed(
-                f"cannot serve without FFN rank(s) {lost}: {exc}; start with more --ep-num-redundant-experts "
-                "or more FFN ranks"
+                f"cannot serve without FFN rank(s) {lost}: {exc}; start with a larger --ffn-expert-memory-mb, "
+                "more --ep-num-redundant-experts or more FFN ranks"
             ) from None
         self.recoveries += 1
         key = recover_key(self.recoveries)
         next_step = max(m["step_id"] for m in metas) + 1
         live = live_ffn_endpoints(topo, new.dead)
-        plan = {"placement": new.describe(), "next_step": next_step}
+        plan = {"placement": new.describe(), "serving": old.describe(), "next_step": next_step}
         for ep in live:
             self.transport.send(ep, Message(RECOVER, key, self.endpoint, meta=plan))
-        read, deadline = 0, start + recovery_deadline(args)
+        read, copied, deadline = 0, 0, start + recovery_deadline(args)
         for ep in live:
             try:
                 answer = self.transport.recv(ep, RECOVERED, key, max(deadline - time.monotonic(), 0.0)).meta
@@ -162,28 +175,39 @@ class RecoveryCoordinator:
             if answer["error"] is not None:
                 raise RecoveryFailed(answer["error"])
             read += answer["read"]
+            copied += answer.get("peer", 0)
         self.experts_read += read
+        self.experts_copied += copied
         self._void_admission(f"FFN rank(s) {lost} were lost while it staged")
         self.rebalancer.recovered(new, live)
         if self.store is not None and self.rank == 0:
             self.store.set_lost(new.dead)
         self.ffn = live
         self.liveness.keep_only(live)
-        self._use_topology(new.dead)
+        self._use_topology(new)
         self.transport.drop_stale({**dict.fromkeys(STEP_KINDS, next_step), "eplb_ready": new.version})
-        moved = {layer: _moved(old.placements[layer].slot_expert, p.slot_expert) for layer, p in new.placements.items()}
+        moved = {layer: _moved(old.placements[layer], p) for layer, p in new.placements.items()}
         log.warning(
             "attention rank %d: serving without FFN rank(s) %s after %.2f s of recovery (serving paused %.2f s): "
-            "%d FFN ranks left; experts given new slots: %s; %d read from the checkpoint",
+            "%d FFN ranks left%s; experts given new slots: %s; %d copied from a live peer, %d read from the checkpoint",
             self.rank,
             sorted(new.dead),
             time.monotonic() - start,
             time.monotonic() - since,
             len(live),
+            f", their slots grown to {_grown(old, new)}" if new.sizes != old.sizes else "",
             "; ".join(f"layer {layer}: {m}" for layer, m in moved.items() if m) or "none (copies took over)",
+            copied,
             read,
         )
-        self.last_recovery = {"lost": lost, "dead": sorted(new.dead), "experts_read": read, "moved": moved}
+        self.last_recovery = {
+            "lost": lost,
+            "dead": sorted(new.dead),
+            "experts_read": read,
+            "experts_copied": copied,
+            "slots": list(new.sizes),
+            "moved": moved,
+        }
         return next_step
 
     # -- admission of replacements --------------------------------------------------------------
@@ -233,11 +257,12 @@ class RecoveryCoordinator:
         version = self.rebalancer.next_version
         still = self.rebalancer.map.dead - {ffn_rank(topo, ep) for ep in agreed_on}
         full = ExpertMap(self.spec.layout, self.spec.initial_map().placements, version)
-        new = full.without_ranks(still, version) if still else full
+        new = full.without_ranks(still, version, self._caps) if still else full
         self.rebalancer.admit(new, self.ffn + sorted(agreed_on))
         for ep, incarnation in agreed_on.items():
             meta = {
                 "plan": new.describe(),
+                "serving": self.rebalancer.map.describe(),  # who holds what: its experts may come from them
                 "recoveries": self.recoveries,  # the recovery count keys its messages
                 "joiners": {str(e): n for e, n in agreed_on.items()},  # replacements of its node link to each other
             }
@@ -267,7 +292,7 @@ class RecoveryCoordinator:
             self.transport.send(ep, Message(START, start_key(incarnation), self.endpoint, meta=meta))
         live = live_ffn_endpoints(topo, new.dead)
         self.ffn = self.rebalancer.ffn = live
-        self._use_topology(new.dead)
+        self._use_topology(new)
         log.warning(
             "attention rank %d: FFN rank(s) %s serve again from step %d (placement %d, %d FFN ranks)",
             self.rank,
@@ -291,6 +316,18 @@ class RecoveryCoordinator:
         self._void_admission("the deployment shut down")
 
 
-def _moved(before: list[int], after: list[int]) -> str:
-    """The slots a recovery gave another expert: "expert 4 -> slot 7, ..."."""
-    return ", ".join(f"expert {e} -> slot {s}" for s, (b, e) in enumerate(zip(before, after)) if b != e)
+def _moved(before: Placement, after: Placement) -> str:
+    """The slots a recovery gave another expert: "expert 4 -> slot 7, ..." (slots of `after`; a
+    rank's slots added by the recovery count, and a grown rank shifts the later ranks' slots)."""
+    out = []
+    for rank in range(len(after.rank_sizes)):
+        was = [before.slot_expert[s] for s in before.rank_range(rank)]
+        for i, slot in enumerate(after.rank_range(rank)):
+            if i >= len(was) or was[i] != after.slot_expert[slot]:
+                out.append(f"expert {after.slot_expert[slot]} -> slot {slot}")
+    return ", ".join(out)
+
+
+def _grown(old: ExpertMap, new: ExpertMap) -> str:
+    """The slots per layer of the FFN ranks a recovery grew: "rank 0: 8 -> 16, ..."."""
+    return ", ".join(f"rank {r}: {a} -> {b}" for r, (a, b) in enumerate(zip(old.sizes, new.sizes)) if a != b)

@@ -24,9 +24,11 @@ from collections.abc import Callable
 import torch
 
 from afd_engine.eplb.expert_map import ExpertMap
+from afd_engine.eplb.peer_copy import PeerCopies
 from afd_engine.eplb.stager import ExpertStager
 from afd_engine.operations import run_micro_batches
 from afd_engine.operations.strategy import AFD_FFN
+from afd_engine.ranks.expert_capacity import expert_capacity
 from afd_engine.ranks.fault_tolerance import (
     READMIT,
     DescriptorMismatchError,
@@ -109,7 +111,12 @@ class FfnWorker:
         self.shard, self.spec, self.rank, self.transport = shard, spec, rank, transport
         self._plan: ExpertMap | None = None  # the placement staged last (its dead ranks too)
         topo = spec.topology
-        self.stager = ExpertStager(load_shard, rank, shard.routed_experts()) if load_shard is not None else None
+        self.stager = None
+        if load_shard is not None:  # experts a live peer of this node holds come from it (eplb/peer_copy.py)
+            wait = spec.args.ffn_recovery_timeout + spec.args.comm_timeout
+            peers = PeerCopies(transport, rank, topo.ffn_endpoint, topo.ranks_per_node, wait)
+            held = shard.routed_experts()
+            self.stager = ExpertStager(load_shard, rank, held, spec.initial_map(), peers, empty=incarnation > 0)
         self._to_stage: ExpertMap | None = None  # a placement announced in this step's descriptor
         endpoint = ffn_endpoint(topo, rank, transport, spec.comm_config())
         static = static_received(spec.args, shard.config, torch.device(device))
@@ -117,10 +124,8 @@ class FfnWorker:
         experts = shard.routed_experts()
         addresses = lambda: static.addresses() + expert_addresses(experts)  # noqa: E731
         self.guard = AddressGuard(addresses, f"FFN rank {rank}") if static is not None else None
-        self.server.graphs = expert_graphs(spec.args, shard.config, experts, static, torch.device(device))
-        if self.server.graphs is not None and self.server.graphs.capture:
-            seconds = self.server.graphs.capture_all()
-            log.info("FFN rank %d: captured %d expert graphs in %.1f s", rank, len(self.server.graphs.graphs), seconds)
+        self.device = torch.device(device)
+        self._capture_graphs()
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.n = spec.args.num_micro_batches
         self.step_id = 0
@@ -146,7 +151,9 @@ class FfnWorker:
         self._arranged: dict[tuple[int, bool], list[object]] = {}  # (micro-batches, draft) -> the operations
         # fault tolerance: heartbeats (the attention ranks tell a lost FFN rank by their absence),
         # admission as a replacement, recoveries
-        self.recovery = RecoveryMember(spec, rank, transport, store, incarnation, self._use_topology)
+        ft = spec.args.enable_ffn_fault_tolerance
+        cap = expert_capacity(spec.args.ffn_expert_memory_mb, experts, self.device, rank) if ft else None
+        self.recovery = RecoveryMember(spec, rank, transport, store, incarnation, self._use_topology, cap)
         self.ft = self.recovery.enabled
         if self.ft:
             self.server.endpoint.interrupt = self._interrupt
@@ -189,11 +196,33 @@ class FfnWorker:
 
     # -- fault tolerance (the protocol: fault_tolerance_recovery.py) --------------------------
 
+    def _capture_graphs(self) -> None:
+        """The expert graphs over the weights as they are now (at start, and after they moved)."""
+        experts = self.shard.routed_experts()
+        static = self.server.static
+        self.server.graphs = expert_graphs(self.spec.args, self.shard.config, experts, static, self.device)
+        if self.server.graphs is not None and self.server.graphs.capture:
+            seconds = self.server.graphs.capture_all()
+            log.info(
+                "FFN rank %d: captured %d expert graphs in %.1f s", self.rank, len(self.server.graphs.graphs), seconds
+            )
+
+    def _switched(self, moved: bool) -> None:
+        """After a switch: where the expert weights moved (the slot count changed), the graphs are
+        captured again over them and the static-decode guard watches their new addresses."""
+        if not moved:
+            return
+        self._capture_graphs()
+        if self.guard is not None:
+            self.guard.expected = self.guard.addresses()
+        slots = self.stager.current.sizes[self.rank]
+        log.warning("FFN rank %d: holds %d expert slots per MoE layer from now on", self.rank, slots)
+
     def _join(self) -> None:
         """A replacement's way in (RecoveryMember.join): it serves from the step the attention
         ranks name, over the endpoint of the placement that uses it."""
         self._plan, self.step_id, self.keepalives = self.recovery.join(self.stager, self._ready)
-        self._use_topology(self._plan.dead)
+        self._use_topology(self._plan)
         log.info(
             "FFN rank %d (replacement %d) joined: it serves from step %d",
             self.rank,
@@ -204,24 +233,25 @@ class FfnWorker:
     def _recover(self) -> None:
         """Its part in a recovery (RecoveryMember.recover); then on from the step it names."""
         self._to_stage = None
-        self.step_id = self.recovery.recover(self.stager)
+        self.step_id, moved = self.recovery.recover(self.stager)
+        self._switched(moved)
         self.heard = dict.fromkeys(self.senders, time.monotonic())  # they were busy recovering, not gone
 
     def _interrupt(self) -> None:
         """Called while a receive waits: StepAborted once an attention rank calls a recovery."""
         self.recovery.check(self.step_id)
 
-    def _use_topology(self, dead: frozenset[int], abandon: bool = False) -> None:
-        """A fresh endpoint where the dead ranks differ from the current endpoint's; with
-        `abandon` (a recovery) a fresh one in any case, the old one's relay threads still waiting
-        on the lost step giving up at once."""
+    def _use_topology(self, expert_map: ExpertMap, abandon: bool = False) -> None:
+        """A fresh endpoint where the placement's dead ranks or slots per rank differ from the
+        current endpoint's; with `abandon` (a recovery) a fresh one in any case, the old one's
+        relay threads still waiting on the lost step giving up at once."""
         old = self.server.endpoint
-        if old.topo.dead == dead and not abandon:
+        topo = self.spec.topology_of(expert_map)
+        if old.topo == topo and not abandon:
             return
         if abandon:
             old.interrupt = _aborted
         old.close(drain=not abandon)
-        topo = dataclasses.replace(self.spec.topology, dead=dead)
         self.server.endpoint = ffn_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
         self.server.endpoint.interrupt = self._interrupt if self.ft else None
 
@@ -251,14 +281,15 @@ class FfnWorker:
         if "eplb_plan" in meta:  # staged once this step is served, not competing with it
             self._to_stage = self._plan = ExpertMap.from_description(self.spec.layout, meta["eplb_plan"])
         if "eplb_switch" in meta:
-            self.stager.switch(meta["eplb_switch"], self.spec.args.comm_timeout)
+            self._switched(self.stager.switch(meta["eplb_switch"], self.spec.args.comm_timeout))
             if self._plan is not None and self._plan.version == meta["eplb_switch"]:
-                self._use_topology(self._plan.dead)  # a replacement serves from this step on
+                self._use_topology(self._plan)  # a replacement serves from this step on
 
     def _ready(self, version: int) -> None:
-        me = self.spec.topology.ffn_endpoint(self.rank)
+        """Tells every attention rank that `version` is staged, and where its experts came from."""
+        me, loaded = self.spec.topology.ffn_endpoint(self.rank), dict(self.stager.loaded)
         for ep in self.senders:
-            self.transport.send(ep, Message("eplb_ready", MsgKey(version, EPLB_LAYER, 0), me))
+            self.transport.send(ep, Message("eplb_ready", MsgKey(version, EPLB_LAYER, 0), me, meta={"loaded": loaded}))
 
     def _descriptor(self, ep: int, key: MsgKey):
         """The step descriptor from attention endpoint ep, however long an idle deployment takes;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,14 @@ class DeploymentSpec:
         """Dispatch addresses physical expert slots (experts + redundant copies), not experts."""
         a, slots = self.args, self.layout.num_slots
         return Topology(a.dp_size, a.ffn_nodes, self.ranks_per_node, slots, colocated=a.mode != "afd")
+
+    def topology_of(self, expert_map: ExpertMap) -> Topology:
+        """The topology dispatch uses with `expert_map`: its lost ranks masked, and its slots per
+        rank where a recovery grew some (eplb/elastic.py)."""
+        topo = dataclasses.replace(self.topology, dead=expert_map.dead)
+        if not expert_map.grown:
+            return topo
+        return dataclasses.replace(topo, num_experts=expert_map.num_slots, rank_sizes=expert_map.sizes)
 
     def initial_map(self) -> ExpertMap:
         """Experts in order (with copies, the placement of a uniform load), or the placement that

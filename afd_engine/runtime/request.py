@@ -53,6 +53,9 @@ class Request:
     dest: dict | None = None  # prefill side: where its pages go (the decode rank's DEST message)
     sent_pages: int = 0  # prefill side: pages [0, sent_pages) are at the decode rank
     prefill_rank: str | None = None  # decode side: the prefill rank's address
+    # `afd router` failover: output tokens another decode instance generated (and streamed) before
+    # it was lost; they lead output_ids, and the request goes on from them as a preempted one would
+    num_resumed: int = 0
     kv_pages: set[int] | None = None  # decode side: the pages reserved for the prefill side to fill
     # constrained decoding and penalties (runtime/logits_process.py): the compiled grammar, and
     # the state the forward thread advances with each token

@@ -105,13 +105,14 @@ class Scheduler:
         if len(self.running) + reserved >= self.max_running or self.pool.free_rows == 0:
             return False
         prefix = self.cache.acquire(req)
-        need = pages_for(len(req.prompt_ids) + 1, self.pool.page_size) - len(prefix)
+        tokens = req.known_len + 1  # (a resumed request's output so far is filled from outside too)
+        need = pages_for(tokens, self.pool.page_size) - len(prefix)
         if need > self._available_pages() - len(self.running):
             self.cache.release(req)
             return False
         req.row = self.pool.open_row(prefix)
         req.num_cached = 0
-        if not self._grow(req.row, len(req.prompt_ids) + 1):  # (cannot fail: checked above)
+        if not self._grow(req.row, tokens):  # (cannot fail: checked above)
             self._drop_cache(req)
             return False
         return True
@@ -120,7 +121,7 @@ class Scheduler:
         """A reserved request whose prompt's pages were filled from outside (a prefill instance)
         and whose first token is in output_ids: it decodes from now on; its full pages join the
         prefix cache."""
-        req.num_cached = len(req.prompt_ids)
+        req.num_cached = req.known_len - 1
         req.admitted = True
         self.prompt_tokens += len(req.prompt_ids)
         self.running.append(req)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI). Tokenizes, forwards to the engine, detokenizes.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /generate (native, token ids),
-GET /v1/models, GET /health, GET /metrics, GET /expert_load (admin.py).
+GET /v1/models, GET /health, GET /metrics, GET /expert_load (admin.py). On SIGTERM the server
+drains (drain.py): the generation routes answer 503 and /health "draining" while those in flight end.
 
 The boundary is hardened in layers: a body over ``--max-request-bytes`` is refused before it is
 parsed; the schema (protocol.py) refuses invalid Unicode and unsupported fields; text over
@@ -36,6 +37,7 @@ from afd_engine.server import renderers as R
 from afd_engine.server.admin import admin_routes
 from afd_engine.server.auth import install_auth
 from afd_engine.server.choices import make_choices, run_choices
+from afd_engine.server.drain import Drain, DrainGate
 from afd_engine.server.errors import (
     APIError,
     error_body,
@@ -48,6 +50,7 @@ from afd_engine.server.errors import (
 )
 from afd_engine.server.metrics import ServerMetrics
 from afd_engine.server.state import ServerState
+from afd_engine.server.stream_ids import with_token_ids
 from afd_engine.server.tool_calls import default_tool_messages, template_supports_tools
 
 DISCONNECT_POLL_S = 0.25
@@ -72,6 +75,7 @@ def build_app(
 
     tokenizer = load_tokenizer(model_path)
     holder: dict[str, ServerState] = {}
+    drain = Drain(server_args.drain_timeout, log)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -83,13 +87,15 @@ def build_app(
             log.error("%s", exc)
             raise
         client.start()
+        metrics = ServerMetrics()
+        metrics.draining.set_function(lambda: float(drain.draining))
         holder["s"] = ServerState(
             client,
             tokenizer,
             model_name,
             info["context_len"],
             server_args.default_max_tokens,
-            ServerMetrics(),
+            metrics,
             P.LogprobFormatter(tokenizer),
             server_args.max_prompt_chars,
             P.generation_defaults(model_path),
@@ -109,6 +115,9 @@ def build_app(
     app.add_middleware(BodyLimit, max_bytes=server_args.max_request_bytes)
     # added last, so it runs first: no body is read for a request without the key
     install_auth(app, server_args.api_keys(), server_args.metrics_require_key, invalid_api_key)
+    # outermost: during the drain a generation request is refused before anything reads it
+    app.add_middleware(DrainGate, drain=drain)
+    app.state.drain = drain  # (the HTTP server starts it on SIGTERM: serve.py)
     schema = app.openapi
     app.openapi = lambda: without_422(schema())
 
@@ -116,7 +125,7 @@ def build_app(
     async def _engine_down(_request, exc):
         return server_error(f"the engine is unavailable: {exc}", status=503)
 
-    _routes(app, lambda: holder["s"])
+    _routes(app, lambda: holder["s"], drain)
     admin_routes(app, lambda: holder["s"])
     return app
 
@@ -202,13 +211,15 @@ _SSE = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 _GENERATION_ERRORS = error_responses(400, 404, 413, 503)
 
 
-def _routes(app: FastAPI, state: Callable[[], ServerState]) -> None:
+def _routes(app: FastAPI, state: Callable[[], ServerState], drain: Drain) -> None:
     @app.get(
         "/health",
         response_model=P.HealthStatus,
-        responses={503: {"model": P.HealthStatus, "description": "The engine is not running"}},
+        responses={503: {"model": P.HealthStatus, "description": "The engine is not running, or the server drains"}},
     )
     async def health():
+        if drain.draining:  # a readiness probe takes the server out of its load balancer
+            return drain.health()
         ok = state().client.healthy
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
@@ -345,7 +356,9 @@ async def _serve(s: ServerState, request: Request, body, prompts: list[list[int]
         s.metrics.requests.labels(endpoint, "stream").inc()
         events = {"chat": R.chat_events, "completions": R.completion_events, "generate": R.generate_events}[endpoint]
         aborted = s.metrics.requests.labels(endpoint, "aborted").inc
-        sse = _sse(events(s, body, choices, stream), aborted, stream)
+        render = functools.partial(events, s, body, choices)
+        # (`afd router` asks for each update's token ids beside its events: server/stream_ids.py)
+        sse = _sse(with_token_ids(render, stream) if body.afd_token_ids else render(stream), aborted, stream)
         return StreamingResponse(sse, media_type="text/event-stream")
     done = await _until_done_or_disconnect(request, _drain(stream))
     if done is None:
@@ -409,13 +422,17 @@ async def _drain(stream: AsyncIterator) -> bool:
 async def _until_done_or_disconnect(request: Request, work: Awaitable):
     """Runs `work`; if the client goes away first, cancels it (which aborts the engine requests)."""
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            return None
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                return None
+    except asyncio.CancelledError:  # the request itself was cut (drain timeout): so is its work
+        task.cancel()
+        raise
 
 
 async def _sse(events: AsyncGenerator, on_abort: Callable[[], None], choices: AsyncGenerator) -> AsyncIterator[str]:

@@ -37,6 +37,14 @@ class Choice:
     # with skip_special_tokens false: the EOS token id, whose text is left out of the output when it
     # ends the choice (it is the stop, not content; a tool-call parser would read it as text)
     hidden_eos: int | None = None
+    # a request `afd router` resumes here: the text of the tokens the client had already
+    resumed_text: str | None = None
+
+    def resume(self, token_ids: list[int]) -> None:
+        """Starts from tokens another decode instance streamed: they count as this choice's, and
+        their text, which the client has, primes the detokenizer instead of being shown again."""
+        self.token_ids += token_ids
+        self.resumed_text = self.detok.add(token_ids)
 
     def absorb(self, update: TokenUpdate) -> str:
         """Takes one update; returns the text that became safe to show."""
@@ -73,7 +81,10 @@ def make_choices(
             detok = IncrementalDetokenizer(tokenizer, sp.skip_special_tokens, sp.stop)
             disaggregation = body.disaggregation(index) if body is not None else None
             eos = None if sp.skip_special_tokens else getattr(tokenizer, "eos_token_id", None)
-            out.append(Choice(index, f"{rid}-{index}", ids, sp, detok, disaggregation=disaggregation, hidden_eos=eos))
+            choice = Choice(index, f"{rid}-{index}", ids, sp, detok, disaggregation=disaggregation, hidden_eos=eos)
+            if disaggregation is not None and "resume" in disaggregation:
+                choice.resume(disaggregation["resume"])
+            out.append(choice)
     return out
 
 

@@ -53,7 +53,7 @@ _ERROR_MEANINGS = {
     401: "Missing or wrong API key (only when the server has one)",
     404: "Unknown model",
     413: "Request body larger than the server's --max-request-bytes",
-    503: "The engine is not running",
+    503: "The engine is not running, or the server drains before it stops (with Retry-After)",
 }
 
 

@@ -57,6 +57,11 @@ class ServerMetrics:
         self.ffn_alive = Gauge(
             "afd_ffn_ranks_alive", "AFD: FFN ranks serving (fewer after a recovery from a lost one)", registry=r
         )
+        self.draining = Gauge(
+            "afd_draining",
+            "1 while the server drains after SIGTERM or SIGINT (new generation requests get 503)",
+            registry=r,
+        )
         self.engine_counters = _EngineCounters()
         r.register(self.engine_counters)
 
@@ -114,6 +119,15 @@ class _EngineCounters(Collector):
             ("afd_spec_accepted_tokens", "speculative decoding: draft tokens accepted", s.spec_accepted),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        loaded = CounterMetricFamily(
+            "afd_experts_loaded",
+            "experts (per MoE layer) that expert ranks loaded for recoveries from lost FFN ranks, admissions of "
+            "their replacements and EPLB rebalances, by source: copied from a live peer, or read from the checkpoint",
+            labels=["source"],
+        )
+        loaded.add_metric(["peer"], s.experts_loaded_peer)
+        loaded.add_metric(["checkpoint"], s.experts_loaded_checkpoint)
+        yield loaded
         mean = 1.0 + s.spec_accepted / s.spec_verifies if s.spec_verifies else 0.0
         yield GaugeMetricFamily(
             "afd_spec_mean_accepted_length",

@@ -8,8 +8,9 @@ Per request the router picks a prefill instance (cache-aware: the one it last se
 prefix of this prompt's text, unless much busier) and a decode instance (the fewest requests in
 flight), sends both the same request under one random room id, and relays the decode instance's
 answer. The prefill instance's answer only says whether it did its part: a prefill instance
-that fails or goes away fails the request (an OpenAI error, or an error event in a stream) and
-the decode request is closed, which frees its pages; a client that goes away closes both.
+that fails the request fails it (an OpenAI error, or an error event in a stream) and the decode
+request is closed, which frees its pages; a client that goes away closes both. An instance that
+is lost (dead, hung, draining) is left out, and its requests move to others (pd_failover.py).
 
 Conditional disaggregation (--local-prefill-max-tokens N, with --tokenizer): a request whose
 prompt has at most N tokens goes to the decode instance alone, which prefills it itself. A short
@@ -20,9 +21,9 @@ prefill instance and the KV transfer; long prompts still prefill on the prefill 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -35,23 +36,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from afd_engine.control.load_balance import CacheAwareBalancer
 from afd_engine.errors import ConfigError
+from afd_engine.server import pd_failover as failover
 from afd_engine.server.auth import install_auth, resolve_keys, tls_settings
-from afd_engine.server.errors import error_body, invalid_api_key, openai_error
+from afd_engine.server.drain import Drain, DrainGate, DrainingServer
+from afd_engine.server.errors import invalid_api_key, openai_error
 
 log = logging.getLogger("afd.router")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
-ROOM_STRIDE = 1 << 16  # rooms room .. room + STRIDE - 1 name the request's choices (n x prompts)
 PREFIX_BLOCK_BYTES = 64  # cache-aware prefill choice: prompts compared in blocks of this many bytes
 DISCOVER_TIMEOUT_S = 10.0
 
 
-@dataclass
+@dataclass(eq=False)  # (each one is itself: kept in sets)
 class Instance:
     url: str
     mode: str = "null"
     model: str = ""
     bootstrap_port: int | None = None
     in_flight: int = 0
+    state: str = failover.UP  # UP, DRAINING or LOST (pd_failover.py)
+    failed_checks: int = 0  # periodic health checks failed in a row
+    attempts: set = dataclasses.field(default_factory=set)  # the tries of requests that depend on it
 
     @property
     def host(self) -> str:
@@ -147,6 +152,19 @@ class PDRouter:
             "requests sent to a decode instance alone (prompt within --local-prefill-max-tokens)",
             registry=r,
         )
+        # failover (pd_failover.py): with prefill instances only (a replica's request has no room
+        # to resume under)
+        self.failover = bool(self.prefill)
+        self.failovers = Counter(
+            "afd_router_failovers",
+            "requests moved off a lost instance: sent again (nothing had reached the client) or resumed mid-stream",
+            ["kind"],
+            registry=r,
+        )
+        self.instance_up = Gauge(
+            "afd_router_instance_up", "1 while an instance is up (0: lost or draining)", ["instance"], registry=r
+        )
+        self._monitor: asyncio.Task | None = None
 
     async def discover(self) -> None:
         """Asks every instance its role and model; refuses a deployment whose parts do not fit."""
@@ -180,16 +198,103 @@ class PDRouter:
         models = {i.model for i in self.prefill + self.decode}
         if len(models) > 1:
             raise ConfigError(f"the instances serve different models: {', '.join(sorted(models))}")
+        for inst in self.prefill + self.decode:
+            self.instance_up.labels(inst.url).set(1)
+        if self.failover and self._monitor is None:
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # (not a line per health check)
+            self._monitor = asyncio.ensure_future(self._check_health())
 
-    def pick(self, room: int, body: dict) -> tuple[Instance | None, Instance]:
-        """(prefill, decode) for a request; the prefill choice counts until `finished(room)`. No
-        prefill instance for a replica, or for a prompt the decode instance prefills itself."""
-        local = self.prompt_length is not None and self.prompt_length(body) <= self.local_prefill_max_tokens
+    async def _check_health(self) -> None:
+        """Every HEALTH_INTERVAL_S until the client closes: an instance is lost after LOST_AFTER
+        failed checks in a row, draining while it says so, and up again once it answers."""
+        while not self.client.is_closed:
+            await asyncio.sleep(failover.HEALTH_INTERVAL_S)
+            insts = self.prefill + self.decode
+            try:
+                states = await asyncio.gather(*(failover.probe(self.client, i.url) for i in insts))
+                for inst, state in zip(insts, states):
+                    inst.failed_checks = inst.failed_checks + 1 if state == failover.LOST else 0
+                    if state == failover.UP and inst.state == failover.LOST and not await self._rejoins(inst):
+                        continue
+                    if state != failover.LOST or inst.failed_checks >= failover.LOST_AFTER:
+                        self.mark(inst, state)
+            except RuntimeError:  # the client closed meanwhile
+                return
+            except Exception:  # the checks go on whatever one round met
+                log.exception("health check round failed")
+
+    async def _rejoins(self, inst: Instance) -> bool:
+        """A lost instance answers again (restarted): still its role and model? Its bootstrap port
+        may be new."""
+        try:
+            info = (await self.client.get(inst.url + "/server_info", headers=self.own_headers)).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        if (info.get("disaggregation_mode"), info.get("model")) != (inst.mode, inst.model):
+            return False
+        inst.bootstrap_port = info.get("bootstrap_port")
+        return True
+
+    def mark(self, inst: Instance, state: str) -> None:
+        """Records an instance's state: only an instance up takes new requests, and the requests
+        on one that is lost move (one that drains finishes its own)."""
+        if state != inst.state:
+            log.warning("%s instance %s is %s", inst.mode, inst.url, state)
+            inst.state = state
+            self.instance_up.labels(inst.url).set(1 if state == failover.UP else 0)
+        if state == failover.LOST:
+            for attempt in list(inst.attempts):
+                attempt.notice(inst)
+
+    async def lost(self, attempt, decode: bool) -> bool:
+        """After a try failed: asks its instances' /health at once (the decode one if `decode`, the
+        prefill one while the try depends on it); True if one of them is not up."""
+        insts = [attempt.d] if decode else []
+        if attempt.p is not None and (attempt.watches_prefill or not decode):
+            insts.append(attempt.p)
+        states = await asyncio.gather(*(failover.probe(self.client, i.url) for i in insts))
+        for inst, state in zip(insts, states):
+            self.mark(inst, state)
+        return any(state != failover.UP for state in states)
+
+    def hold(self, attempt) -> None:
+        for inst in attempt.parts:
+            inst.in_flight += 1
+            inst.attempts.add(attempt)
+            self.in_flight.labels(inst.url).set(inst.in_flight)
+
+    def release(self, attempt) -> None:
+        self.affinity.finished(str(attempt.room))
+        for inst in attempt.parts:
+            inst.in_flight -= 1
+            inst.attempts.discard(attempt)
+            self.in_flight.labels(inst.url).set(inst.in_flight)
+
+    def pick(
+        self, room: int, body: dict, exclude=(), local: bool = True, prefer: Instance | None = None
+    ) -> tuple[Instance | None, Instance] | str:
+        """(prefill, decode) for a request, of the instances not in `exclude` that are up (or, when
+        none of a role is, any: one may be back before a health check saw it); the decode one
+        `prefer` where it is up. The prefill choice counts until `release`. No prefill instance for
+        a replica, or (`local`) for a prompt the decode instance prefills itself. Why not, when a
+        role has no instance left."""
+        decode = _usable(self.decode, exclude)
+        if not decode:
+            return "no decode instance is left for this request: each was lost"
+        d = prefer if prefer in decode else min(decode, key=lambda i: i.in_flight)
+        local = local and self.prompt_length is not None and self.prompt_length(body) <= self.local_prefill_max_tokens
         if local:
             self.local_prefills.inc()
-        p = self.prefill[self.affinity.route(str(room), _prompt_key(body))] if self.prefill and not local else None
-        d = min(self.decode, key=lambda i: i.in_flight)
-        return p, d
+        if not self.prefill or local:
+            return None, d
+        usable = _usable(self.prefill, exclude)
+        if not usable:
+            return "no prefill instance is left for this request: each was lost"
+        rank = self.affinity.route(str(room), _prompt_key(body))
+        if self.prefill[rank] not in usable:
+            best = min(usable, key=lambda i: self.affinity.load[self.prefill.index(i)])
+            rank = self.affinity.route_to(str(room), self.prefill.index(best))
+        return self.prefill[rank], d
 
     async def forward(self, path: str, request: Request) -> Response:
         endpoint = path.rsplit("/", 1)[-1]
@@ -199,141 +304,36 @@ class PDRouter:
             return openai_error(400, "The request body is not valid JSON.")
         if not isinstance(body, dict):
             return openai_error(400, "The request body must be a JSON object.")
-        room = secrets.randbits(62) // ROOM_STRIDE * ROOM_STRIDE
-        p, d = self.pick(room, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         stream = body.get("stream") is True
-        parts = (d,) if p is None else (p, d)
-        for inst in parts:
-            inst.in_flight += 1
-            self.in_flight.labels(inst.url).set(inst.in_flight)
-        if p is None:  # a replica (or a decode instance, for a short prompt) does the whole request
-            prefill, d_body = asyncio.get_running_loop().create_future(), body
-        else:
-            p_body = {**body, "bootstrap_room": room, "stream": False}
-            p_body.pop("stream_options", None)
-            d_body = {**body, "bootstrap_room": room, "bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port}
-            prefill = asyncio.ensure_future(self.client.post(p.url + path, json=p_body, headers=headers))
-
-        def release() -> None:
-            self.affinity.finished(str(room))
-            for inst in parts:
-                inst.in_flight -= 1
-                self.in_flight.labels(inst.url).set(inst.in_flight)
-            if not prefill.done():
-                prefill.cancel()  # closes the connection: the prefill instance aborts the request
-            elif not prefill.cancelled():
-                prefill.exception()  # seen (a failure the answer already reports): no "never retrieved" at exit
-
-        # (a JSON answer's headers come when the decode instance has finished: the prefill side's
-        # failure must be seen while waiting for them too)
-        sending = asyncio.ensure_future(
-            self.client.send(self.client.build_request("POST", d.url + path, json=d_body, headers=headers), stream=True)
-        )
-        try:
-            failed = await _first_failure(sending, prefill)
-            if failed is not None:
-                sending.cancel()
-                release()
-                self.requests.labels(endpoint, "error").inc()
-                return failed
-            d_resp = sending.result()
-        except httpx.HTTPError as exc:
-            release()
+        job = failover.Job(path, endpoint, body, headers, stream, failover.num_choices(path, body))
+        opened = await failover.open_request(self, job)
+        if isinstance(opened, Response):
             self.requests.labels(endpoint, "error").inc()
-            return openai_error(503, f"the decode instance {d.url} is unavailable: {exc}", type="server_error")
-        except asyncio.CancelledError:  # the client went away: closing both connections aborts both sides
-            sending.cancel()
-            release()
-            raise
-        if d_resp.status_code != 200 or not stream:
-            return await self._whole(endpoint, d_resp, prefill, release)
+            return opened
+        resp = opened.response
+        if not stream:
+            await opened.close()
+            self.requests.labels(endpoint, "ok").inc()
+            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
         self.requests.labels(endpoint, "stream").inc()
         return StreamingResponse(
-            self._relay(d_resp, prefill, release), status_code=200, media_type=d_resp.headers.get("content-type")
+            failover.relay(self, job, opened), status_code=200, media_type=resp.headers.get("content-type")
         )
 
-    async def _whole(self, endpoint: str, d_resp: httpx.Response, prefill: asyncio.Future, release) -> Response:
-        """A JSON answer (or an error): the decode instance's, unless the prefill instance failed first."""
-        body = asyncio.ensure_future(d_resp.aread())
-        try:
-            failed = await _first_failure(body, prefill)
-            if failed is not None:
-                self.requests.labels(endpoint, "error").inc()
-                return failed
-            content = body.result()
-        except httpx.HTTPError as exc:
-            self.requests.labels(endpoint, "error").inc()
-            return openai_error(503, f"the decode instance failed: {exc}", type="server_error")
-        finally:
-            body.cancel()
-            await d_resp.aclose()
-            release()
-        self.requests.labels(endpoint, "ok" if d_resp.status_code == 200 else "error").inc()
-        return Response(content, status_code=d_resp.status_code, media_type=d_resp.headers.get("content-type"))
-
-    async def _relay(self, d_resp: httpx.Response, prefill: asyncio.Future, release):
-        """The decode instance's event stream, cut with an error event if the prefill side fails."""
-        chunks = d_resp.aiter_raw().__aiter__()
-        try:
-            while True:
-                chunk = asyncio.ensure_future(chunks.__anext__())
-                failed = await _first_failure(chunk, prefill)
-                if failed is not None:
-                    chunk.cancel()
-                    yield f"data: {failed.body.decode()}\n\ndata: [DONE]\n\n".encode()
-                    return
-                try:
-                    yield chunk.result()
-                except StopAsyncIteration:
-                    return
-                except httpx.HTTPError as exc:
-                    body = error_body(f"the decode instance failed: {exc}", type="server_error")
-                    yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
-                    return
-        finally:
-            await d_resp.aclose()
-            release()
-
     async def health(self) -> Response:
-        async def ok(inst: Instance) -> bool:
-            try:
-                return (await self.client.get(inst.url + "/health", timeout=2.0)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        states = await asyncio.gather(*(ok(i) for i in self.prefill + self.decode))
-        healthy = all(states)
+        """ok while requests can be served: at least one decode instance, and one prefill instance
+        where there are any, answer ok (afd_router_instance_up in /metrics tells which)."""
+        insts = self.prefill + self.decode
+        states = await asyncio.gather(*(failover.probe(self.client, i.url) for i in insts))
+        up = {id(i) for i, state in zip(insts, states) if state == failover.UP}
+        healthy = any(id(i) in up for i in self.decode) and (not self.prefill or any(id(i) in up for i in self.prefill))
         return JSONResponse({"status": "ok" if healthy else "unavailable"}, status_code=200 if healthy else 503)
 
 
-async def _first_failure(work: asyncio.Future, prefill: asyncio.Future) -> JSONResponse | None:
-    """Waits for `work`; returns an OpenAI error if the prefill request fails before it ends."""
-    while not work.done():
-        waiting = {work} if prefill.done() else {work, prefill}
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        if prefill.done() and not work.done():
-            failure = _prefill_failure(prefill)
-            if failure is not None:
-                return failure
-    return None
-
-
-def _prefill_failure(prefill: asyncio.Future) -> JSONResponse | None:
-    if prefill.cancelled():
-        return None
-    exc = prefill.exception()
-    if exc is not None:
-        return openai_error(503, f"the prefill instance is unavailable: {exc!r}", type="server_error")
-    resp: httpx.Response = prefill.result()
-    if resp.status_code == 200:
-        return None
-    try:
-        message = resp.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = resp.text[:500]
-    status = resp.status_code if resp.status_code < 500 else 503
-    return openai_error(status, f"the prefill instance failed this request: {message}", type="server_error")
+def _usable(insts: list[Instance], exclude) -> list[Instance]:
+    candidates = [i for i in insts if i not in exclude]
+    return [i for i in candidates if i.state == failover.UP] or candidates
 
 
 def _prompt_key(body: dict) -> bytes:
@@ -346,8 +346,12 @@ def _prompt_key(body: dict) -> bytes:
     return b""
 
 
-def build_router_app(router: PDRouter, keys: tuple[str, ...] = (), metrics_require_key: bool = False) -> FastAPI:
+def build_router_app(
+    router: PDRouter, keys: tuple[str, ...] = (), metrics_require_key: bool = False, drain: Drain | None = None
+) -> FastAPI:
     from contextlib import asynccontextmanager
+
+    drain = drain or Drain(5.0, log)  # draining on SIGTERM (server/drain.py), as `afd serve`
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -380,6 +384,8 @@ def build_router_app(router: PDRouter, keys: tuple[str, ...] = (), metrics_requi
 
     @app.get("/health")
     async def health():
+        if drain.draining:
+            return drain.health()
         return await router.health()
 
     @app.get("/metrics")
@@ -387,6 +393,11 @@ def build_router_app(router: PDRouter, keys: tuple[str, ...] = (), metrics_requi
         return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
 
     install_auth(app, keys, metrics_require_key, invalid_api_key)  # the same rule as `afd serve`
+    app.add_middleware(DrainGate, drain=drain)
+    draining = Gauge(
+        "afd_router_draining", "1 while the router drains after SIGTERM or SIGINT", registry=router.registry
+    )
+    draining.set_function(lambda: float(drain.draining))
     return app
 
 
@@ -413,9 +424,11 @@ def run_router(
     local_prefill_max_tokens: int = 0,
     tokenizer: str | None = None,
     tls: dict | None = None,
+    drain_timeout: float = 5.0,
 ) -> int:
-    """Serves until interrupted (0); 2 when the instances do not answer or do not fit; with
-    `watch` (instance processes this command started), 1 as soon as one of them dies. `keys`: the
+    """Serves until interrupted (0 once drained; 128 + the signal's number after a second signal);
+    2 when the instances do not answer or do not fit; with `watch` (instance processes this
+    command started), 1 as soon as one of them dies. `keys`: the
     API keys clients must present (server/auth.py); the first is also what the router presents."""
     import uvicorn
 
@@ -424,8 +437,9 @@ def run_router(
 
     set_title("afd::router")
     router = PDRouter(prefill, decode, replicas, keys, local_prefill_max_tokens, tokenizer)
-    app = build_router_app(router, keys, metrics_require_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **(tls or {})))
+    drain = Drain(drain_timeout, log)
+    app = build_router_app(router, keys, metrics_require_key, drain)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning", **(tls or {})), drain)
     state: dict = {}
     if watch:
         threading.Thread(target=_watch_children, args=(server, watch, state), daemon=True).start()
@@ -439,6 +453,8 @@ def run_router(
         return 2
     if state.get("died"):
         return 1
+    if server.exit_status:  # a second signal stopped the drain
+        return server.exit_status
     return 0 if server.started else 2
 
 
@@ -457,6 +473,12 @@ def add_router_args(parser) -> None:
         help="prompts of at most this many tokens go to a decode instance alone, which prefills them (0: none)",
     )
     parser.add_argument("--tokenizer", default=None, help="the model's tokenizer (its directory or tokenizer.json)")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGTERM or SIGINT, seconds the streams in flight get to finish while new requests get 503",
+    )
     parser.add_argument(
         "--api-key", action="append", default=None, help="require this key (repeat for several; or AFD_API_KEY)"
     )
@@ -489,6 +511,7 @@ def main(argv: list[str]) -> int:
             local_prefill_max_tokens=ns.local_prefill_max_tokens,
             tokenizer=ns.tokenizer,
             tls=tls,
+            drain_timeout=ns.drain_timeout,
         )
     except ConfigError as exc:
         print(f"afd router: error: {exc}", file=sys.stderr)

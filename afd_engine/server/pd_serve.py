@@ -72,7 +72,8 @@ def serve_pd(argv: list[str], ns) -> int:
     from afd_engine.server.auth import tls_settings
 
     tls = tls_settings(ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs)
-    # uvicorn re-raises SIGTERM once it has shut down: as an exception it lets the instances stop
+    # until the router serves (which drains on SIGTERM, then returns), SIGTERM as an exception lets
+    # the instances stop
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     host = "127.0.0.1"
     p_port, d_port = free_port(host), free_port(host)
@@ -108,6 +109,7 @@ def serve_pd(argv: list[str], ns) -> int:
             local_prefill_max_tokens=ns.local_prefill_max_tokens,
             tokenizer=str(resolve_model_path(ns.model_path)),
             tls=tls,
+            drain_timeout=ns.drain_timeout,
         )
     finally:
         for proc in procs.values():

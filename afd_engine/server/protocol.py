@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -48,9 +47,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from afd_engine.sampling_params import SamplingParams
+from afd_engine.server.request_defaults import _or_default, _processing, generation_defaults  # noqa: F401
 from afd_engine.server.tool_calls import check_tool_choice, check_tools, tool_call_guide
 
 # --------------------------------------------------------------------------------------------
@@ -431,6 +432,17 @@ def sampling_params_for_choice(params: SamplingParams, index: int) -> SamplingPa
     return dataclasses.replace(params, seed=(params.seed + index) % _SEED_MODULUS)
 
 
+class RouterResume(BaseModel):
+    """A streamed request `afd router` resumes on this instance after it lost the decode instance
+    that streamed its start (server/pd_failover.py): per choice, the tokens the client has; the
+    stream's id, which the resumed stream's chunks keep."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_ids: list[list[NonNegativeInt]]
+    id: Text | None = None
+
+
 class _Disaggregated(BaseModel):
     """SGLang's fields for prefill-decode disaggregation, which `afd router` adds to a request: the
     room names it on both instances; the decode instance reaches the prefill instance's bootstrap
@@ -439,6 +451,10 @@ class _Disaggregated(BaseModel):
     bootstrap_host: Text | None = None
     bootstrap_port: Annotated[StrictInt, Field(ge=1, le=65535)] | None = None
     bootstrap_room: Annotated[StrictInt, Field(ge=0, lt=2**63 - 64)] | None = None
+    # `afd router`'s own, for its failover (left out of the API's schema): a stream that carries
+    # each update's token ids for it, and a request it resumes (with a room only)
+    afd_token_ids: SkipJsonSchema[StrictBool] = False
+    afd_resume: SkipJsonSchema[RouterResume | None] = None
 
     def disaggregation(self, index: int) -> dict | None:
         """What the engine takes for choice `index` (each choice is a request of its own room)."""
@@ -447,7 +463,15 @@ class _Disaggregated(BaseModel):
         out: dict = {"room": self.bootstrap_room + index}
         if self.bootstrap_host is not None and self.bootstrap_port is not None:
             out["bootstrap"] = f"{self.bootstrap_host}:{self.bootstrap_port}"
+        if self.afd_resume is not None:
+            resumed = self.afd_resume.output_ids
+            out["resume"] = list(resumed[index]) if index < len(resumed) else []
         return out
+
+    @property
+    def resumed(self) -> bool:
+        """A request `afd router` resumes here: what the client has is not sent again."""
+        return self.afd_resume is not None and self.bootstrap_room is not None
 
 
 class _OpenAISamplingRequest(_NullMeansDefault, _Disaggregated):
@@ -864,34 +888,6 @@ class GenerateRequest(_NullMeansDefault, _Disaggregated):
 
     def text_chars(self) -> int:
         return len(self.text or "")
-
-
-def _processing(fields) -> dict[str, Any]:
-    """The logit-processing SamplingParams of a request (or /generate's sampling_params) that sets them."""
-    out = {name: getattr(fields, name) for name in _PROCESSING if getattr(fields, name, None) is not None}
-    if getattr(fields, "min_new_tokens", None) is not None:  # SGLang's name
-        out["min_tokens"] = fields.min_new_tokens
-    return out
-
-
-_PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
-
-
-def _or_default(value, name: str, model_defaults: dict | None):
-    return value if value is not None or not model_defaults else model_defaults.get(name)
-
-
-def generation_defaults(model_path) -> dict[str, float | int]:
-    """The sampling defaults a checkpoint's generation_config.json declares (temperature, top_p,
-    top_k; none when it says do_sample false), for request fields left unset, as vLLM does."""
-    path = pathlib.Path(model_path) / "generation_config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(config, dict) or config.get("do_sample") is False:
-        return {}
-    return {k: config[k] for k in ("temperature", "top_p", "top_k") if isinstance(config.get(k), (int, float))}
 
 
 from afd_engine.server.logprobs import LogprobFormatter  # noqa: E402,F401

@@ -65,8 +65,17 @@ def chat_response(s: ServerState, body, choices: list[Choice]) -> P.ChatCompleti
     return P.ChatCompletionResponse(model=s.model_name, choices=out, usage=usage(choices))
 
 
+def _stream_id(body, prefix: str) -> str:
+    """A new stream's id; a stream `afd router` resumes here keeps the id its chunks had."""
+    if body.resumed and body.afd_resume.id:
+        return body.afd_resume.id
+    return P.random_id(prefix)
+
+
 async def chat_events(s: ServerState, body, choices: list[Choice], stream) -> AsyncIterator:
-    rid = P.random_id("chatcmpl")
+    """The chat stream's events, the events of one update written as one piece (`afd router`
+    reads a stream's token ids beside them: server/stream_ids.py)."""
+    rid = _stream_id(body, "chatcmpl")
 
     def chunk(c: Choice, delta: P.DeltaMessage, finish=None, logprobs=None) -> P.ChatCompletionChunk:
         return P.ChatCompletionChunk(
@@ -76,7 +85,7 @@ async def chat_events(s: ServerState, body, choices: list[Choice], stream) -> As
         )
 
     plain = P.ChunkWriter("chat", rid, s.model_name)  # the chunks without logprobs
-    for c in choices:
+    for c in choices if not body.resumed else ():  # (a resumed stream's client has them)
         yield plain.event(c.index, "", None, role=True)
     events = _tool_call_events if body.active_tools() else _content_events
     async for event in events(s, body, stream, chunk, plain):
@@ -88,15 +97,18 @@ async def chat_events(s: ServerState, body, choices: list[Choice], stream) -> As
 async def _content_events(s: ServerState, body, stream, chunk, plain) -> AsyncIterator:
     """A chat stream's text as content deltas (with their logprobs when asked for)."""
     async for c, delta, update in stream:
+        out = []
         if delta or update.logprobs:
             lps = _chat_logprobs(s, c, update.token_ids, update.logprobs or [])
-            yield (
+            out.append(
                 plain.event(c.index, delta, None)
                 if lps is None
-                else chunk(c, P.DeltaMessage(content=delta), logprobs=lps)
+                else P.sse_event(chunk(c, P.DeltaMessage(content=delta), logprobs=lps))
             )
         if update.finish_reason is not None:
-            yield plain.event(c.index, None, c.finish_reason)
+            out.append(plain.event(c.index, None, c.finish_reason))
+        if out:
+            yield "".join(out)
 
 
 async def _tool_call_events(s: ServerState, body, stream, chunk, plain) -> AsyncIterator:
@@ -106,7 +118,7 @@ async def _tool_call_events(s: ServerState, body, stream, chunk, plain) -> Async
     parsers: dict[int, ToolCallStream] = {}
     made: dict[int, int] = {}  # choice index -> calls sent
 
-    def events(c: Choice, pieces) -> list:
+    def events(c: Choice, pieces) -> list[str]:
         out = []
         for piece in pieces:
             if piece.content is not None:
@@ -122,21 +134,29 @@ async def _tool_call_events(s: ServerState, body, stream, chunk, plain) -> Async
                 )
             else:
                 call = P.DeltaToolCall(index=piece.index, function=P.DeltaFunction(arguments=piece.arguments))
-            out.append(chunk(c, P.DeltaMessage(tool_calls=[call])))
+            out.append(P.sse_event(chunk(c, P.DeltaMessage(tool_calls=[call]))))
         return out
 
+    def parser_of(c: Choice) -> ToolCallStream:
+        parser = parsers.get(c.index)
+        if parser is None:
+            parser = parsers[c.index] = ToolCallStream(body.tool_parser)
+            if c.resumed_text:  # the text the client has: parsed again, its calls counted, nothing sent
+                events(c, parser.feed(c.resumed_text))
+        return parser
+
     async for c, delta, update in stream:
-        parser = parsers.setdefault(c.index, ToolCallStream(body.tool_parser))
-        for event in events(c, parser.feed(delta) if delta else []):
-            yield event
+        parser = parser_of(c)
+        out = events(c, parser.feed(delta) if delta else [])
         if update.logprobs:
             lps = _chat_logprobs(s, c, update.token_ids, update.logprobs)
             if lps is not None:
-                yield chunk(c, P.DeltaMessage(), logprobs=lps)
+                out.append(P.sse_event(chunk(c, P.DeltaMessage(), logprobs=lps)))
         if update.finish_reason is not None:
-            for event in events(c, parser.finish()):
-                yield event
-            yield plain.event(c.index, None, _tool_finish(c.finish_reason, made.get(c.index, 0) > 0))
+            out += events(c, parser.finish())
+            out.append(plain.event(c.index, None, _tool_finish(c.finish_reason, made.get(c.index, 0) > 0)))
+        if out:
+            yield "".join(out)
 
 
 # -- completions ------------------------------------------------------------------------------
@@ -176,35 +196,32 @@ def completion_response(s: ServerState, body, choices: list[Choice]) -> P.Comple
 
 
 async def completion_events(s: ServerState, body, choices: list[Choice], stream) -> AsyncIterator:
-    rid = P.random_id("cmpl")
+    """The completion stream's events, one update's written as one piece (see chat_events)."""
+    rid = _stream_id(body, "cmpl")
     plain = P.ChunkWriter("completions", rid, s.model_name)  # the chunks without logprobs
     echoed: dict[int, int] = {}  # choice index -> characters of its echoed prompt
     async for c, delta, update in stream:
+        out = []
+        if body.echo and c.index not in echoed and body.resumed:  # (the client has the prompt)
+            echoed[c.index] = len(_echo_text(s, c))
         if body.echo and c.index not in echoed:  # the prompt goes first, in a chunk of its own
             text, lps = _echo(s, c)
             echoed[c.index] = len(text)
-            yield P.CompletionChunk(
+            chunk = P.CompletionChunk(
                 id=rid, model=s.model_name, choices=[P.CompletionChoice(index=c.index, text=text, logprobs=lps)]
             )
+            out.append(P.sse_event(chunk))
         if delta or update.finish_reason is not None or update.logprobs:
             finish = c.finish_reason if update.finish_reason else None
             if c.params.logprobs is None:
-                yield plain.event(c.index, delta, finish)
-                continue
-            offset = echoed.get(c.index, 0) + len(c.text) - len(delta)
-            lps = _completion_logprobs(s, c, update.token_ids, update.logprobs or [], offset)
-            yield P.CompletionChunk(
-                id=rid,
-                model=s.model_name,
-                choices=[
-                    P.CompletionChoice(
-                        index=c.index,
-                        text=delta,
-                        finish_reason=finish,
-                        logprobs=lps,
-                    )
-                ],
-            )
+                out.append(plain.event(c.index, delta, finish))
+            else:
+                offset = echoed.get(c.index, 0) + len(c.text) - len(delta)
+                lps = _completion_logprobs(s, c, update.token_ids, update.logprobs or [], offset)
+                choice = P.CompletionChoice(index=c.index, text=delta, finish_reason=finish, logprobs=lps)
+                out.append(P.sse_event(P.CompletionChunk(id=rid, model=s.model_name, choices=[choice])))
+        if out:
+            yield "".join(out)
     if body.include_usage:
         yield P.CompletionChunk(id=rid, model=s.model_name, choices=[], usage=usage(choices))
 

@@ -237,7 +237,7 @@ class GenerateResponse(BaseModel):
 
 
 class HealthStatus(BaseModel):
-    status: Literal["ok", "unavailable"]
+    status: Literal["ok", "unavailable", "draining"]
 
 
 SSE_DONE = "data: [DONE]\n\n"

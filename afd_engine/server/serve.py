@@ -5,6 +5,8 @@
 At startup the server binds its control sockets and starts every rank; the HTTP port opens only
 when all are ready. If one fails to start, the error is logged and the command exits with 2; if
 a rank dies later, requests in flight fail, /health turns 503 and the command exits with 1.
+SIGTERM or SIGINT drains the server (server/drain.py), then stops it with 0; a second one stops it
+at once with 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ log = logging.getLogger("afd.serve")
 # after a rank dies, requests in flight get this long to fail (each within about a second) before the
 # server stops
 DEATH_GRACE_S = 2.0
+FORCED_EXIT = 128  # and above: exit statuses after a second SIGTERM or SIGINT (128 + its number)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class ServerArgs:
     # About 4 characters a token covers a 128k-token context with room to spare, yet bounds the
     # tokenizer's work.
     max_prompt_chars: int = opt(1_000_000, "characters of text one request may send to the tokenizer (400 beyond)")
+    drain_timeout: float = opt(
+        5.0,
+        "on SIGTERM or SIGINT, seconds the requests in flight get to finish while new ones get 503; "
+        "a second signal stops the server at once",
+    )
     tool_call_parser: str = opt(
         "auto",
         "the model's tool-call format: deepseekv3 (DeepSeek-V2/V3) or qwen25 (Qwen's <tool_call> blocks); "
@@ -96,25 +104,33 @@ class ServerArgs:
         ):
             if value < 1:
                 raise ConfigError(f"{flag}={value} must be at least 1; raise it instead of turning the limit off")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"--drain-timeout={self.drain_timeout} must be at least 0 (seconds)")
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs, deployment: Deployment | None = None) -> int:
-    """Runs until interrupted (exit 0) or until a rank dies (exit 1)."""
+    """Runs until interrupted (exit 0 once drained; 128 + the signal's number after a second
+    signal) or until a rank dies (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from afd_engine.proctitle import set_title
 
     set_title("afd::api")
     engine_args.validate()
     deployment = deployment or Deployment(engine_args)
-    # uvicorn re-raises SIGTERM once it has shut down; as an exception it lets the ranks stop
-    # (and tell their FFN ranks) instead of killing this process on the spot
+    # while the ranks start (and once the server has stopped), SIGTERM as an exception lets the
+    # ranks stop (and tell their FFN ranks) instead of killing this process on the spot
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    status = None
     try:
-        return _run_http(deployment, server_args)
+        status = _run_http(deployment, server_args)
+        return status
     finally:
-        # a deployment that lost a rank cannot step again: its other ranks wait on the dead one,
-        # so they get a moment to exit, not the graceful shutdown of a healthy deployment
-        deployment.stop(timeout=10.0 if deployment.alive() else 1.0)
+        if status is not None and status >= FORCED_EXIT:  # a second signal: nothing waits
+            deployment.stop(timeout=0.0)
+        else:
+            # a deployment that lost a rank cannot step again: its other ranks wait on the dead one,
+            # so they get a moment to exit, not the graceful shutdown of a healthy deployment
+            deployment.stop(timeout=10.0 if deployment.alive() else 1.0)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -125,6 +141,7 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
     import uvicorn
 
     from afd_engine.server.api_server import build_app
+    from afd_engine.server.drain import DrainingServer
 
     args = deployment.args
     holder: dict = {}
@@ -145,15 +162,9 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
         alive=deployment.alive,
         engine_args=args,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=server_args.host,
-            port=server_args.port,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
-            **server_args.tls(),
-        )
+    server = DrainingServer(
+        uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level="warning", **server_args.tls()),
+        app.state.drain,
     )
     watcher = threading.Thread(target=_watch, args=(deployment, server, holder), daemon=True)
     watcher.start()
@@ -166,6 +177,9 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
     if holder.get("died"):
         log.error("a rank of the deployment died; exiting")
         return 1
+    if server.exit_status:
+        log.warning("stopped at once by a second signal, without finishing the drain")
+        return server.exit_status
     return 0 if holder.get("info") else 2
 
 

@@ -153,6 +153,9 @@ class IdleLockstepEngine:
     def spec_counters(self) -> tuple:
         return 0, 0, 0, ()
 
+    def experts_loaded(self) -> tuple:
+        return 0, 0
+
     def close(self) -> None:
         """Nothing to release."""
 

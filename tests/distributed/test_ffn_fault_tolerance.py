@@ -4,7 +4,8 @@ engine (itself checked against transformers); the deployment goes on serving new
 
 Where every expert of the lost rank has a copy on a survivor, the copies take over and the
 checkpoint is not read: the test removes its weights once the deployment is up. Where some have
-none, survivors give up spare copies' slots and read the lost experts from the checkpoint.
+none, survivors give up spare copies' slots and read the lost experts from the checkpoint. (Where
+the spare copies do not suffice, survivors grow: tests/distributed/test_elastic_experts.py.)
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def test_a_killed_ffn_rank_loses_no_request_and_no_token(name, tiny_v3, referenc
         assert outs == expected, name
         stats = settled_stats(engine)
         assert (stats.ffn_recoveries, stats.ffn_ranks_alive, stats.ffn_experts_read) == (1, ranks - 1, experts_read)
+        # a lost expert has no live copy to come from: the checkpoint, or nothing where copies took over
+        assert (stats.experts_loaded_peer, stats.experts_loaded_checkpoint) == (0, experts_read)
         assert stats.running == 0 and stats.kv_pages_used == stats.cache_pages  # no page held by a request
         # the deployment keeps serving: the same prompts again, token for token
         again = engine.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
@@ -121,17 +124,6 @@ def test_an_ffn_rank_silent_for_the_comm_timeout_is_lost_like_a_dead_one(tiny_v3
             os.kill(pid, signal.SIGKILL)
         assert outs == expected
         assert (stats.ffn_recoveries, stats.ffn_ranks_alive) == (1, 1)
-
-
-@pytest.mark.timeout(120)
-def test_a_deployment_that_cannot_do_without_the_lost_rank_fails_fast_and_says_why(tiny_v3):
-    """16 experts on 2 ranks and no copy: the survivor has 8 slots for 16 experts."""
-    with make_engine(model_path=tiny_v3, dp_size=1, ffn_ranks_per_node=2, **FT) as engine:
-        os.kill(ffn_pid(1, 2), signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(Exception, match=r"cannot serve without FFN rank\(s\) \[1\].*no spare copy") as err:
-            engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)
-        assert time.monotonic() - start < 30, err.value
 
 
 def test_fault_tolerance_is_refused_where_it_cannot_apply():

@@ -10,7 +10,7 @@ import torch
 
 from afd_engine.eplb.expert_map import ExpertLayout, ExpertMap
 from afd_engine.eplb.rebalancer import Rebalancer
-from comm.messages import CommTimeout
+from comm.messages import CommTimeout, Message
 
 LAYOUT = ExpertLayout(num_experts=8, num_redundant=2, num_nodes=1, ranks_per_node=2)
 FFN = [10, 11]
@@ -34,6 +34,9 @@ class Acks:
         assert kind == "eplb_ready" and timeout == 0.0
         if (src, key.step) not in self.sent:
             raise CommTimeout("not yet")
+        # FFN endpoint 10 copied two experts from its peer, 11 read one from the checkpoint
+        loaded = {"peer": 2, "checkpoint": 0} if src == 10 else {"peer": 0, "checkpoint": 1}
+        return Message(kind, key, src, meta={"loaded": loaded})
 
 
 def round_(ranks, step: int) -> list[dict]:
@@ -67,6 +70,7 @@ def test_two_ranks_plan_install_and_switch_together():
     round_(ranks, 5)  # now every rank has every ack: the switch is agreed
     assert all(r.switching for r in ranks)
     assert [r.begin_step(1.0) for r in ranks] == [{"eplb_switch": 1}] * 2
+    assert [r.loaded for r in ranks] == [{"peer": 2, "checkpoint": 1}] * 2  # what the FFN ranks said they loaded
     assert ranks[0].map.version == ranks[1].map.version == 1 and ranks[0].pending is None
     copies = ranks[0].map.placements[1].replicas(8)
     assert len(copies[0]) == 2 and len(copies[7]) == 2  # the two hot experts got the spare slots
