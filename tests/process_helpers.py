@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -99,3 +100,32 @@ def proc_title(pid: int) -> str:
             return f.read().split(b"\0")[0].decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+@contextmanager
+def launched_roles(log_dir, common: list[str]):
+    """`afd launch` roles sharing the arguments `common`, each in its own process group with its
+    output in log_dir/roleN.log: yields `role(*args) -> Popen`. At the end every group still running
+    is killed; when the block fails, each role's log ends are printed first."""
+    logs, procs = [], []
+
+    def role(*args: str) -> subprocess.Popen:
+        logs.append(open(os.path.join(log_dir, f"role{len(logs)}.log"), "w"))
+        cmd = [sys.executable, "-m", "afd_engine.cli", "launch", *args, *common]
+        procs.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT, env=ENV, start_new_session=True))
+        return procs[-1]
+
+    try:
+        yield role
+    except BaseException:
+        for f in logs:
+            f.flush()
+            with open(f.name) as out:
+                print(f"--- {f.name}:\n{out.read()[-6000:]}")
+        raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in logs:
+            f.close()

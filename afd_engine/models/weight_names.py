@@ -13,29 +13,29 @@ from __future__ import annotations
 
 import re
 
-_LAYER = r"^(model\.layers\.\d+)\."
-# (checkpoint pattern, module replacement), (module pattern, checkpoint replacement)
+# (checkpoint name, module name) within a layer; `E` stands for an expert's index
 _MINIMAX_M2 = (
-    (_LAYER + r"block_sparse_moe\.e_score_correction_bias$", r"\1.mlp.gate.e_score_correction_bias"),
-    (_LAYER + r"block_sparse_moe\.gate\.weight$", r"\1.mlp.gate.weight"),
-    (_LAYER + r"block_sparse_moe\.experts\.(\d+)\.w1\.weight$", r"\1.mlp.experts.\2.gate_proj.weight"),
-    (_LAYER + r"block_sparse_moe\.experts\.(\d+)\.w3\.weight$", r"\1.mlp.experts.\2.up_proj.weight"),
-    (_LAYER + r"block_sparse_moe\.experts\.(\d+)\.w2\.weight$", r"\1.mlp.experts.\2.down_proj.weight"),
-)
-_TO_CHECKPOINT = (
-    (_LAYER + r"mlp\.gate\.e_score_correction_bias$", r"\1.block_sparse_moe.e_score_correction_bias"),
-    (_LAYER + r"mlp\.gate\.weight$", r"\1.block_sparse_moe.gate.weight"),
-    (_LAYER + r"mlp\.experts\.(\d+)\.gate_proj\.weight$", r"\1.block_sparse_moe.experts.\2.w1.weight"),
-    (_LAYER + r"mlp\.experts\.(\d+)\.up_proj\.weight$", r"\1.block_sparse_moe.experts.\2.w3.weight"),
-    (_LAYER + r"mlp\.experts\.(\d+)\.down_proj\.weight$", r"\1.block_sparse_moe.experts.\2.w2.weight"),
+    ("block_sparse_moe.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+    ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
+    ("block_sparse_moe.experts.E.w1.weight", "mlp.experts.E.gate_proj.weight"),
+    ("block_sparse_moe.experts.E.w3.weight", "mlp.experts.E.up_proj.weight"),
+    ("block_sparse_moe.experts.E.w2.weight", "mlp.experts.E.down_proj.weight"),
 )
 
-_RENAMES = {
-    "MiniMaxM2ForCausalLM": (
-        tuple((re.compile(p), r) for p, r in _MINIMAX_M2),
-        tuple((re.compile(p), r) for p, r in _TO_CHECKPOINT),
-    )
-}
+
+def _rules(pairs, forward: bool) -> tuple:
+    """Compiled (pattern, replacement) rules renaming one side of `pairs` to the other."""
+
+    def pattern(name: str) -> re.Pattern:
+        return re.compile(r"^(model\.layers\.\d+)\." + re.escape(name).replace("E", r"(\d+)") + "$")
+
+    def replacement(name: str) -> str:
+        return r"\1." + name.replace("E", r"\2")
+
+    return tuple((pattern(a), replacement(b)) for a, b in (pairs if forward else [(m, c) for c, m in pairs]))
+
+
+_RENAMES = {"MiniMaxM2ForCausalLM": (_rules(_MINIMAX_M2, True), _rules(_MINIMAX_M2, False))}
 
 
 def module_name(architecture: str, name: str) -> str:

@@ -15,6 +15,7 @@ SIGINT).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -77,10 +78,8 @@ class Drain:
             for task in self._tasks:
                 self._cut.add(task)
                 task.cancel()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):  # the cut requests' own ends: waited for briefly
                 await asyncio.wait_for(self._idle.wait(), CUT_GRACE_S)
-            except asyncio.TimeoutError:
-                pass
         self.log.info(
             "drained in %.1f s: %d request(s) finished, %d cut at the drain timeout",
             time.monotonic() - start,

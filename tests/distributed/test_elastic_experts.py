@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import pytest
 from afd_engine import Engine, SamplingParams, make_engine
 from tests.distributed.test_ffn_fault_tolerance import FT, GREEDY, ffn_pid, run_with_kill, settled_stats
 from tests.engine_helpers import run_staggered, staggered_reference
-from tests.process_helpers import ENV, free_port, wait_healthy
+from tests.process_helpers import free_port, launched_roles, wait_healthy
 
 LENGTHS = [5, 9, 17, 3, 12, 7, 21, 4]
 LAYERS = 3  # MoE layers of the tiny model: each lost expert is loaded once per layer
@@ -138,20 +136,13 @@ def test_a_replacement_gets_its_experts_from_the_survivor_that_grew(tiny_v3, tmp
     model = Path(shutil.copytree(tiny_v3, tmp_path / "model"))
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
     common = ["--dist-init-addr", rdv, "--model-path", str(model), *ROLES]
-    logs = []
-
-    def role(*args: str) -> subprocess.Popen:
-        logs.append(open(tmp_path / f"role{len(logs)}.log", "w"))
-        cmd = [sys.executable, "-m", "afd_engine.cli", "launch", *args, *common]
-        return subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-
     prompts = ["across machines", "a rank is lost", "and comes back"]
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     with Engine(model_path=tiny_v3, num_threads=1) as single:
         expected = [o.text for o in single.generate(prompts=prompts, sampling_params=params)]
-    procs = [role("--role", "ffn", "--node-rank", "0"), role("--role", "attention", "--port", str(port))]
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with launched_roles(tmp_path, common) as role:
+        procs = [role("--role", "ffn", "--node-rank", "0"), role("--role", "attention", "--port", str(port))]
+        url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc=None)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
 
@@ -187,14 +178,3 @@ def test_a_replacement_gets_its_experts_from_the_survivor_that_grew(tiny_v3, tmp
         assert m['afd_experts_loaded_total{source="checkpoint"}'] == 8 * LAYERS  # the recovery's, no more
         placement = httpx.get(url + "/expert_load").json()["placement"]
         assert placement["dead"] == [] and all(len(s) == 16 for s in placement["slot_expert"].values())  # 8 + 8 again
-    except BaseException:
-        for f in logs:
-            f.flush()
-            print(f"--- {f.name}:\n{Path(f.name).read_text()[-6000:]}")
-        raise
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        for f in logs:
-            f.close()

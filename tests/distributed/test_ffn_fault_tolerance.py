@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import pytest
 from afd_engine import Engine, SamplingParams, make_engine
 from afd_engine.errors import ConfigError
 from tests.engine_helpers import run_staggered, staggered_reference
-from tests.process_helpers import ENV, free_port, proc_title, wait_healthy
+from tests.process_helpers import free_port, launched_roles, proc_title, wait_healthy
 from tests.server.test_engine_death import children
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -147,25 +145,18 @@ def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3,
     and serve again; the tokens stay those of the single engine."""
     rdv, port = f"127.0.0.1:{free_port()}", free_port()
     common = ["--dist-init-addr", rdv, "--model-path", tiny_v3, *ROLES]
-    logs = []
-
-    def role(*args: str) -> subprocess.Popen:
-        logs.append(open(tmp_path / f"role{len(logs)}.log", "w"))
-        cmd = [sys.executable, "-m", "afd_engine.cli", "launch", *args, *common]
-        return subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-
-    procs = [role("--role", "ffn", "--node-rank", "0"), role("--role", "ffn", "--node-rank", "1")]
-    procs.append(role("--role", "attention", "--port", str(port)))
-    url = f"http://127.0.0.1:{port}"
-    prompts = ["across machines", "a node is lost", "and comes back"]
-    with Engine(model_path=tiny_v3, num_threads=1) as single:
-        expected = [
-            o.text
-            for o in single.generate(
-                prompts=prompts, sampling_params=SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
-            )
-        ]
-    try:
+    with launched_roles(tmp_path, common) as role:
+        procs = [role("--role", "ffn", "--node-rank", "0"), role("--role", "ffn", "--node-rank", "1")]
+        procs.append(role("--role", "attention", "--port", str(port)))
+        url = f"http://127.0.0.1:{port}"
+        prompts = ["across machines", "a node is lost", "and comes back"]
+        with Engine(model_path=tiny_v3, num_threads=1) as single:
+            expected = [
+                o.text
+                for o in single.generate(
+                    prompts=prompts, sampling_params=SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+                )
+            ]
         wait_healthy(url, proc=None)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
 
@@ -198,7 +189,7 @@ def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3,
         assert extra.wait(timeout=120) != 0
         assert (
             "has recorded no lost rank of FFN node 0: nothing to replace"
-            in (tmp_path / f"role{len(logs) - 1}.log").read_text()
+            in (tmp_path / "role3.log").read_text()  # extra: the fourth role started
         )
         procs.append(role("--role", "ffn", "--node-rank", "1"))
         deadline = time.monotonic() + 120
@@ -217,14 +208,3 @@ def test_a_replacement_ffn_role_rejoins_and_the_placement_uses_it_again(tiny_v3,
         assert (metric("afd_ffn_ranks_alive"), metric("afd_ffn_recoveries_total")) == (2, 2)
         procs[2].terminate()  # the attention role stops: the FFN role of the replacement ends cleanly
         assert procs[2].wait(timeout=60) == 0 and procs[3].wait(timeout=60) == 0
-    except BaseException:
-        for f in logs:
-            f.flush()
-            print(f"--- {f.name}:\n{Path(f.name).read_text()[-4000:]}")
-        raise
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        for f in logs:
-            f.close()
