@@ -217,11 +217,12 @@ def _train_tiny(rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from afd_engine.arg_errors import ArgumentParser
     from afd_engine.engine_args import EngineArgs
     from afd_engine.sampling_params import SamplingParams
     from afd_engine.server.serve import ServerArgs
 
-    parser = argparse.ArgumentParser(prog="afd", description="AFD inference engine for MoE LLMs")
+    parser = ArgumentParser(prog="afd", description="AFD inference engine for MoE LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion offline and print it")

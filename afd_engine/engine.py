@@ -202,7 +202,8 @@ class Engine(OfflineEngine):
         With "resume": [token ids] (on both instances), the request resumes one whose decode
         instance was lost after generating those tokens: they lead its output (max_new_tokens,
         seeded draws, penalties, stop strings and grammars count them), and it prefills the
-        prompt and them."""
+        prompt and them. {"resume": [token ids]} alone, on any engine, resumes a request of a lost
+        attention rank of the same deployment alike (control/failover.py)."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt, prompt_token_ids)
         rid = request_id or f"req-{next(self._ids)}"
@@ -214,6 +215,10 @@ class Engine(OfflineEngine):
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed)
+        if _resume_only(disaggregation):  # the front end resumes a lost attention rank's request here
+            resumed = self._resumed_ids(disaggregation["resume"], len(ids), params)
+            req.output_ids, req.num_resumed = resumed, len(resumed)
+            disaggregation = None
         if disaggregation is None and (self.disagg is None or self.args.disaggregation_mode == "decode"):
             # (a decode instance prefills a request sent without a room itself: `afd router
             # --local-prefill-max-tokens` sends it short prompts so)
@@ -515,3 +520,8 @@ def _make_pool(cfg: ModelConfig, args: EngineArgs, context_len: int, device: tor
         args.torch_dtype,
         device,
     )
+
+
+def _resume_only(disaggregation) -> bool:
+    """{"resume": [...]} and nothing else: a request resumed from a lost attention rank."""
+    return isinstance(disaggregation, dict) and set(disaggregation) == {"resume"}

@@ -29,8 +29,9 @@ def opt(default, help: str, **extra):
 def add_flags(settings_cls, parser: argparse.ArgumentParser) -> None:
     """One --flag per field of a settings dataclass made with `opt` (underscores become dashes)."""
     for f in fields(settings_cls):
-        if f.type == "bool":
-            parser.add_argument("--" + f.name.replace("_", "-"), action="store_true", help=f.metadata["help"])
+        if f.type == "bool":  # (`flags`: its spellings, where it has several)
+            names = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+            parser.add_argument(*names, dest=f.name, action="store_true", help=f.metadata["help"])
             continue
         if "list[str]" in f.type:  # the flag may be given several times
             parser.add_argument("--" + f.name.replace("_", "-"), action="append", default=None, help=f.metadata["help"])
@@ -239,10 +240,13 @@ class EngineArgs:
     enable_eplb: bool = opt(False, "colocated/afd: rebalance expert placement from the measured load while serving")
     enable_ffn_fault_tolerance: bool = opt(
         False,
-        "afd: keep serving when an FFN rank dies (exits, or sends no heartbeat for --comm-timeout): the "
-        "attention ranks mask it, move its experts to the survivors (copies first, else read from the "
+        "afd: keep serving when a rank dies. An FFN rank (exits, or sends no heartbeat for --comm-timeout): "
+        "the attention ranks mask it, move its experts to the survivors (copies first, else read from the "
         "checkpoint into spare slots, or into slots the survivors grow within --ffn-expert-memory-mb) and run "
-        "the interrupted step again (default: the deployment fails fast)",
+        "the interrupted step again. An attention rank (its process exits): the others and the FFN ranks go "
+        "on without it, and its requests resume on them from the tokens streamed so far (default: the "
+        "deployment fails fast; --enable-ffn-fault-tolerance is the same flag)",
+        flags=("--enable-fault-tolerance", "--enable-ffn-fault-tolerance"),
     )
     ffn_recovery_timeout: float = opt(
         60.0, "with --enable-ffn-fault-tolerance: seconds serving may pause while survivors load a lost rank's experts"
@@ -371,9 +375,9 @@ class EngineArgs:
             "use --mode colocated or afd",
         )
         need(
-            not self.enable_ffn_fault_tolerance or self.mode == "afd",
+            not self.enable_ffn_fault_tolerance or self.mode in ("afd", "colocated"),
             "enable_ffn_fault_tolerance",
-            "masks lost FFN ranks of an AFD deployment; use --mode afd",
+            "masks lost ranks of an AFD or colocated deployment; use --mode afd or colocated",
         )
         need(
             not (self.enable_ffn_fault_tolerance and self.transport == "torch"),

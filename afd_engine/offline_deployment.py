@@ -44,7 +44,10 @@ class DistributedEngine(OfflineEngine):
 
         async def bind() -> ControlClient:  # the client's sockets belong to the loop's thread
             by_room = args.disaggregation_mode == "prefill"
-            return ControlClient(self.deployment.addrs, router, self.deployment.alive, route_by_room=by_room)
+            lost = self.deployment.lost_attention_ranks if self.deployment.fault_tolerant else None
+            return ControlClient(
+                self.deployment.addrs, router, self.deployment.alive, route_by_room=by_room, lost_ranks=lost
+            )
 
         self.client = self._loop.call(bind())
         self.router = router

@@ -27,6 +27,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from afd_engine.arg_errors import ArgumentParser
 from afd_engine.errors import ConfigError
 from afd_engine.tiny_tokenizer import CHAT_TEMPLATE, QWEN_CHAT_TEMPLATE, TokenizerInfo, write_tiny_tokenizer
 from configs import load_json
@@ -318,8 +319,8 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK)
 
 
 def build_make_tiny_model_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="make-tiny-model", description="Write a small random DeepSeek Hugging Face checkpoint."
+    parser = ArgumentParser(
+        prog="afd make-tiny-model", description="Write a small random DeepSeek Hugging Face checkpoint."
     )
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the checkpoint into")
     parser.add_argument("--arch", default="deepseek_v3", help=f"one of: {', '.join(SUPPORTED_ARCHS)}")
@@ -337,14 +338,14 @@ def main_make_tiny_model(argv: list[str]) -> int:
     """
     try:
         args = build_make_tiny_model_parser().parse_args(argv)
-    except SystemExit as exc:  # argparse has already printed usage and the error
+    except SystemExit as exc:  # the parser has already printed the error (or the --help text)
         return int(exc.code or 0)
     try:
         path = make_tiny_model(
             args.out_dir, arch=args.arch, seed=args.seed, shards=args.shards, fp8=args.fp8, dtype=args.dtype
         )
     except ConfigError as exc:
-        print(f"make-tiny-model: error: {exc}", file=sys.stderr)
+        print(f"afd make-tiny-model: error: {exc}", file=sys.stderr)
         return 2
     print(path)
     return 0

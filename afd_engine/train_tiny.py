@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd_engine.arg_errors import ArgumentParser
 from afd_engine.tiny_model import build_tiny_config
 from afd_engine.tiny_tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN, build_bpe_tokenizer
 
@@ -611,7 +612,7 @@ def mtp_command(cfg: TrainConfig) -> str:
 
 def build_train_tiny_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="afd train-tiny",
         description="Train the small default model on CPU, then its multi-token prediction (MTP) head.",
     )

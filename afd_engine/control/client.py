@@ -10,13 +10,15 @@ routes each update to its request's queue; another checks health every second an
 deployment has gone (a rank process exited, or an attention rank sent nothing for `dead_after_s`),
 wakes every waiting request with the news (a wait per token with its own timeout cost the front end
 about 5 us a token). A request whose consumer goes away (client disconnected, task cancelled) is
-aborted in the engine, which frees its KV pages.
+aborted in the engine, which frees its KV pages. With `lost_ranks` (fault tolerance), a lost
+attention rank's requests resume on the others (control/failover.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -26,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from afd_engine.control import messages as msgs
+from afd_engine.control.failover import Failover, without_lost_rank
 from afd_engine.control.load_balance import LoadBalancer
 from afd_engine.control.loop import HEARTBEAT_S, ControlAddrs, FrontEndSockets
 from afd_engine.eplb.report import merge_reports
@@ -33,9 +36,11 @@ from afd_engine.errors import AFDError, InvalidRequestError
 from afd_engine.runtime.request import TokenUpdate
 from afd_engine.sampling_params import SamplingParams
 
+FAILOVER_POLL_S = 0.2  # fault tolerance: how often the front end looks for lost attention ranks
 DEAD_AFTER_S = 15.0  # no message for this long: a live engine process is considered hung (death is seen at once)
 _ENGINE_LOST = object()  # what the health check puts into the queue of every waiting request
 T = TypeVar("T")
+log = logging.getLogger("afd.failover")
 
 
 class EngineUnavailable(AFDError):
@@ -88,6 +93,8 @@ class RequestStream:
         self._closed = True
         self.client._queues.pop(self.rid, None)
         self.client.router.finished(self.rid)
+        if self.client.failover is not None:
+            self.client.failover.forget(self.rid)
         if not self.finished:  # the consumer left early: free the engine's resources
             self.client._send_nowait(msgs.AbortRequest(self.rid))
 
@@ -100,11 +107,14 @@ class ControlClient:
         alive: Callable[[], bool] = lambda: True,
         route_by_room: bool = False,
         dead_after_s: float | None = None,
+        lost_ranks: Callable[[], set[int]] | None = None,
     ) -> None:
         """`router` spans the deployment's attention ranks; `alive()` says whether every rank
-        process still runs. With `route_by_room` (a prefill instance) a disaggregated request goes
-        to rank room mod ranks, where decode ranks look for it. An attention rank silent for
-        `dead_after_s` (default DEAD_AFTER_S) counts as hung."""
+        process the deployment needs still runs. With `route_by_room` (a prefill instance) a
+        disaggregated request goes to rank room mod ranks, where decode ranks look for it. An
+        attention rank silent for `dead_after_s` (default DEAD_AFTER_S) counts as hung.
+        `lost_ranks()` (fault tolerance): the attention ranks whose process exited, whose requests
+        resume on the others."""
         self.route_by_room = route_by_room
         ranks = range(router.num_ranks)
         self.router = router
@@ -120,12 +130,15 @@ class ControlClient:
         self._load_reports: dict[str, tuple[dict[int, dict], asyncio.Future]] = {}
         self._load_ids = 0
         self._tasks: list[asyncio.Task] = []
+        self.failover = Failover(lost_ranks, router.num_ranks) if lost_ranks is not None else None
 
     def start(self) -> None:
         """Called on the running loop once the ranks are up."""
         self.last_heard = dict.fromkeys(self.last_heard, time.monotonic())
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._check_health())]
+        if self.failover is not None:
+            self._tasks.append(loop.create_task(self._watch_ranks()))
 
     @property
     def healthy(self) -> bool:
@@ -148,6 +161,15 @@ class ControlClient:
             raise EngineUnavailable(f"the engine is not running: {reason}")
 
     @property
+    def attention_ranks_alive(self) -> int:
+        return len(self.failover.live) if self.failover is not None else self.router.num_ranks
+
+    @property
+    def resumed(self) -> int:
+        """Requests of lost attention ranks resumed on the others, since start."""
+        return self.failover.resumed if self.failover is not None else 0
+
+    @property
     def stats(self) -> msgs.EngineStats:
         """The deployment's counters: the sum over attention ranks."""
         return msgs.EngineStats.total(self.rank_stats.values())
@@ -158,10 +180,13 @@ class ControlClient:
 
     def _absorb(self, msg) -> None:
         if isinstance(msg, msgs.StepOutput):
+            if self.failover is not None and msg.rank in self.failover.lost:
+                return  # sent before it died, read late: its requests resume elsewhere
             self.last_heard[msg.rank] = time.monotonic()
             self.rank_stats[msg.rank] = msg.stats
             for update in msg.updates:
-                self._deliver(update.request_id, update)
+                if self.failover is None or self.failover.accepts(msg.rank, update):
+                    self._deliver(update.request_id, update)
         elif isinstance(msg, msgs.Rejected):
             self._deliver(msg.rid, msg)
         elif isinstance(msg, msgs.RankFailed):
@@ -169,7 +194,7 @@ class ControlClient:
         elif isinstance(msg, msgs.ExpertLoadReport) and msg.token in self._load_reports:
             reports, done = self._load_reports[msg.token]
             reports[msg.rank] = msg.report
-            if len(reports) == self.router.num_ranks and not done.done():
+            if len(reports) == len(self.last_heard) and not done.done():
                 done.set_result(merge_reports([reports[r] for r in sorted(reports)]))
 
     async def _check_health(self) -> None:
@@ -178,6 +203,44 @@ class ControlClient:
             if self._queues and not self.healthy:
                 for queue in self._queues.values():
                     queue.put_nowait(_ENGINE_LOST)
+
+    async def _watch_ranks(self) -> None:
+        """Fault tolerance: every FAILOVER_POLL_S, the attention ranks lost since the last look;
+        their requests resume on the others."""
+        while True:
+            await asyncio.sleep(FAILOVER_POLL_S)
+            lost = self.failover.newly_lost()
+            if not lost or not self.failover.live:
+                continue  # (with no rank left the deployment is down: the health check says so)
+            for rank in lost:
+                self.last_heard.pop(rank, None)
+                self.rank_stats[rank] = without_lost_rank(self.rank_stats[rank])
+            moves = self.failover.moves(lost)
+            log.warning(
+                "attention rank(s) %s lost: %d request(s) resume on attention rank(s) %s",
+                lost,
+                len(moves),
+                self.failover.live,
+            )
+            for rid, req in moves:
+                self.router.finished(rid)
+                rank = self._live_rank(rid, req.prompt_ids)
+                again = self.failover.resubmission(rid, req, rank)
+                if isinstance(again, TokenUpdate):
+                    self._deliver(rid, again)
+                    continue
+                try:
+                    await self._submit(rank, again)
+                except EngineUnavailable as exc:
+                    self._deliver(rid, TokenUpdate(rid, [], None, "error", str(exc)))
+
+    def _live_rank(self, rid: str, prompt_ids: list[int]) -> int:
+        """The router's choice, or the least loaded live rank where it chose a lost one."""
+        rank = self.router.route(rid, prompt_ids)
+        if self.failover is not None and rank in self.failover.lost:
+            live = self.failover.live
+            rank = self.router.route_to(rid, min(live, key=self.router.load.__getitem__))
+        return rank
 
     async def expert_load(self, timeout: float = 10.0) -> dict:
         """The deployment's expert load report: every attention rank answers, the loads are summed."""
@@ -212,7 +275,10 @@ class ControlClient:
             if self.route_by_room and disaggregation is not None:
                 rank = self.router.route_to(rid, disaggregation["room"] % self.router.num_ranks)
             else:
-                rank = self.router.route(rid, prompt_ids)
+                rank = self._live_rank(rid, prompt_ids)
+            if self.failover is not None:
+                params = self.failover.params_of(params)
+                self.failover.track(rid, prompt_ids, params, disaggregation, rank)
             await self._submit(rank, msgs.AddRequest(rid, prompt_ids, params, disaggregation))
         except BaseException:
             stream.finished = True  # never reached a rank: nothing to abort

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from afd_engine.arg_errors import ArgumentParser
 from afd_engine.errors import AFDError, ConfigError
 from afd_engine.planner.calibration import Calibration, calibrate
 from afd_engine.planner.deploy import Estimate
@@ -196,7 +197,7 @@ INDEX_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="afd plan", description="performance model of AFD and colocated deployments")
+    p = ArgumentParser(prog="afd plan", description="performance model of AFD and colocated deployments")
     sub = p.add_subparsers(dest="what", required=True)
 
     def common(sp):

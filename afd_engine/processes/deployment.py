@@ -9,8 +9,8 @@ Every rank is its own OS process. The launcher waits until all report ready (or 
 error, which stops the rest); afterwards `alive()` is false as soon as any rank has died. By
 default a deployment does not recover from a lost rank: the server reports unhealthy, fails the
 requests in flight and exits with a non-zero status (a supervisor restarts it). With
---enable-ffn-fault-tolerance the attention ranks recover from the loss of FFN ranks
-(ranks/attention_runner.py), and only an attention rank's death counts here.
+--enable-fault-tolerance the attention ranks recover from the loss of FFN ranks and of each other
+(ranks/attention_runner.py), and the deployment is down only once no attention rank is left.
 """
 
 from __future__ import annotations
@@ -200,9 +200,19 @@ class Deployment:
         return parent
 
     def alive(self) -> bool:
-        """Whether every rank whose loss the deployment cannot survive is running."""
-        survivable = self._num_ffn if self.args.enable_ffn_fault_tolerance else 0
-        return all(p.is_alive() for p in self.procs[survivable:])
+        """Whether every rank whose loss the deployment cannot survive is running: with fault
+        tolerance (AFD), any attention rank."""
+        if self.fault_tolerant:
+            return any(p.is_alive() for p in self.procs[self._num_ffn :])
+        return all(p.is_alive() for p in self.procs)
+
+    @property
+    def fault_tolerant(self) -> bool:
+        return self.args.enable_ffn_fault_tolerance and self.args.mode in ("afd", "colocated")
+
+    def lost_attention_ranks(self) -> set[int]:
+        """The attention ranks (of this role) whose process has exited."""
+        return {i for i, p in enumerate(self.procs[self._num_ffn :]) if not p.is_alive()}
 
     def stop(self, timeout: float = 10.0) -> None:
         for p in self.procs:

@@ -36,6 +36,7 @@ from afd_engine.eplb.stager import ExpertStager, load_shard
 from afd_engine.models.forward_batch import ForwardBatch
 from afd_engine.operations import run_micro_batches, split_micro_batches
 from afd_engine.operations.strategy import AFD_ATTENTION, COLOCATED
+from afd_engine.ranks.expert_capacity import expert_capacity
 from afd_engine.ranks.fault_tolerance import FfnRankLost, RecoveryFailed, round_wait
 from afd_engine.ranks.fault_tolerance_recovery import RecoveryCoordinator
 from afd_engine.ranks.remote_experts import CommExpertServer, RemoteExpertExecutor
@@ -47,8 +48,9 @@ from afd_engine.runtime.kv_cache import KVPool
 from afd_engine.runtime.model_runner import PreparedStep, StepInputs, StepRunner, logit_rows
 from afd_engine.runtime.scheduler import StepPlan
 from comm.attention_side import attention_endpoint
+from comm.endpoint import INTERRUPT_CHECK_S
 from comm.ffn_side import ffn_endpoint
-from comm.messages import Message, MsgKey
+from comm.messages import CommTimeout, Message, MsgKey
 from comm.protocol import KEEPALIVE_LAYER, STEP_LAYER, SYNC_LAYER
 from comm.transport.base import Transport
 
@@ -79,16 +81,20 @@ class PipelineRunner(StepRunner):
             if topo.colocated
             else None
         )
-        self.peers = [topo.sender_endpoint(i) for i in range(topo.num_senders) if i != rank]
         ffn = [] if topo.colocated else [topo.ffn_endpoint(r) for r in range(topo.num_ffn_ranks)]
-        stager = None
-        if topo.colocated and spec.args.enable_eplb:
+        stager, cap = None, None
+        if topo.colocated and (spec.args.enable_eplb or spec.args.enable_ffn_fault_tolerance):
             load = functools.partial(load_shard, spec.args, model.config, pool.device)
             stager = ExpertStager(load, rank, model.routed_experts())
+            if spec.args.enable_ffn_fault_tolerance:  # the most slots this rank may grow to (a lost peer's)
+                cap = expert_capacity(spec.args.ffn_expert_memory_mb, model.routed_experts(), pool.device, rank)
         every = spec.args.eplb_rebalance_num_iterations if spec.args.enable_eplb else None
         self.rebalancer = Rebalancer(spec.initial_map(), model.load_recorder, every, transport, ffn, stager)
         # fault tolerance: the FFN ranks in use, their recoveries and replacements
-        self.recovery = RecoveryCoordinator(spec, rank, transport, self.rebalancer, ffn, store, self._use_topology)
+        load_own = self._load_own if topo.colocated else None
+        self.recovery = RecoveryCoordinator(
+            spec, rank, transport, self.rebalancer, ffn, store, self._use_topology, load_own, cap
+        )
         held = model.routed_experts(with_mtp=True)  # (with the MTP draft module's, colocated)
         own = (held, self.server.endpoint.to_local) if self.server is not None else (None, None)
         self.executor = RemoteExpertExecutor(self.sender, self.rebalancer.map, pool.device, model.load_recorder, *own)
@@ -132,6 +138,13 @@ class PipelineRunner(StepRunner):
         self._last: list[dict] | None = None  # the last step's micro-batches, as they were before it ran
         if self.ft:
             self.sender.interrupt = self.recovery.check
+            if self.server is not None:
+                self.server.endpoint.interrupt = self.recovery.check
+
+    @property
+    def peers(self) -> list[int]:
+        """The other attention ranks' endpoints (without those lost, with fault tolerance)."""
+        return self.recovery.live_peers
 
     @property
     def ffn(self) -> list[int]:
@@ -157,9 +170,9 @@ class PipelineRunner(StepRunner):
     def experts_loaded(self) -> tuple[int, int]:
         """(layer, expert) pairs the expert ranks loaded since start for recoveries, admissions and
         rebalances: (copied from a live peer, read from the checkpoint). AFD: the deployment's,
-        reported by attention rank 0 only (every attention rank counts them alike); colocated:
-        this rank's own."""
-        if not self.spec.topology.colocated and self.rank != 0:
+        reported by the first live attention rank only (every attention rank counts them alike);
+        colocated: this rank's own."""
+        if not self.spec.topology.colocated and any(p < self.sender.endpoint for p in self.peers):
             return 0, 0
         r = self.rebalancer.loaded
         return r["peer"] + self.recovery.experts_copied, r["checkpoint"] + self.recovery.experts_read
@@ -181,8 +194,10 @@ class PipelineRunner(StepRunner):
             round_start = time.monotonic()
             eplb_meta, loads = self.rebalancer.sync_out(self.step_id)
             meta = {"tokens": mine, "stop": self.want_stop, **eplb_meta, **self.recovery.round_meta(self.step_id)}
-            msgs = self._exchange(meta, loads)
+            msgs, missing = self._exchange(meta, loads)
             metas = [m.meta for m in msgs]
+            if missing and self.recovery.unagreed(missing, [meta, *metas]):
+                continue  # the loss is agreed on in the next round
             if not self.recovery.anyone_lost([meta, *metas]):
                 self.recovery.admit([meta, *metas])
                 break
@@ -217,15 +232,42 @@ class PipelineRunner(StepRunner):
         groups = split_micro_batches([len(c.tokens) for c in seqs], self._micro_batches(len(seqs)))
         return PreparedStep(plan, inputs, [self._micro_batch(inputs, g) for g in groups])
 
-    def _exchange(self, meta: dict, tensors: list[torch.Tensor]) -> list[Message]:
-        """One agreement round: this rank's meta (and tensors) to every peer, theirs back."""
+    def _exchange(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[list[Message], list[int]]:
+        """One agreement round: this rank's meta (and tensors) to every peer, theirs back; and,
+        with fault tolerance, the peers whose process exited before their message came."""
         key = MsgKey(self.sync_id, SYNC_LAYER, 0)
-        for peer in self.peers:
+        peers = self.peers
+        for peer in peers:
             self.transport.send(peer, Message("sync", key, self.sender.endpoint, tensors, meta))
-        wait = round_wait(self.spec.args, self.ft)
-        msgs = [self.transport.recv(p, "sync", key, wait) for p in self.peers]
+        msgs, missing = [], []
+        for peer in peers:
+            msg = self._receive_round(peer, key)
+            if msg is None:
+                missing.append(peer)
+            else:
+                msgs.append(msg)
         self.sync_id += 1
-        return msgs
+        return msgs, missing
+
+    def _receive_round(self, peer: int, key: MsgKey) -> Message | None:
+        """A peer's message of an agreement round; with fault tolerance None once its process has
+        exited (it waits in slices, looking)."""
+        wait = round_wait(self.spec.args, self.ft)
+        if not self.ft:
+            return self.transport.recv(peer, "sync", key, wait)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                left = max(deadline - time.monotonic(), 0.0)
+                msg = self.transport.recv(peer, "sync", key, min(INTERRUPT_CHECK_S, left))
+            except CommTimeout:
+                if self.recovery.peer_exited(peer, None):
+                    return None
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            self.recovery.peer_exited(peer, msg.meta)
+            return msg
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
@@ -292,13 +334,32 @@ class PipelineRunner(StepRunner):
             except FfnRankLost as exc:
                 log.warning("attention rank %d: step %d failed: %s", self.rank, self.step_id, exc)
                 meta = self.recovery.failure_meta(exc.ranks, self.step_id)
-                self._recover([meta, *(m.meta for m in self._exchange(meta, []))], since=attempt)
+                msgs, _ = self._exchange(meta, [])  # (a lost peer that sent nothing is named in meta)
+                self._recover([meta, *(m.meta for m in msgs)], since=attempt)
                 batches = [dict(m) for m in before]
 
     def _recover(self, metas: list[dict], since: float) -> None:
-        """A recovery (RecoveryCoordinator.recover); the step that runs next takes its id."""
+        """A recovery (RecoveryCoordinator.recover); the step that runs next takes its id.
+        Colocated: until the next agreement round, every live rank sends to every other, tokens or
+        none (the step run again may be another one on each rank, with other token counts)."""
         self.step_id = self.recovery.recover(metas, since)
         self.executor.expert_map = self.rebalancer.map
+        if self.server is not None:
+            self.executor.expected, self.executor.keep_own = True, False
+            self.server.senders = [sorted([self.rank, *self.peers])] * self.n
+
+    def _load_own(self, expert_map) -> tuple[int, int]:
+        """Colocated: this rank's slots of a recovery's placement, loaded and served from now on
+        (its graphs captured again where its storage grew); the experts (copied, read)."""
+        stager = self.rebalancer.stager
+        stager.stage(expert_map)
+        if stager.switch(expert_map.version, self.spec.args.ffn_recovery_timeout) and self.server.graphs is not None:
+            self.server.graphs = expert_graphs(
+                self.spec.args, self.model.config, self.model.routed_experts(), self.server.static, self.pool.device
+            )
+            if self.server.graphs is not None and self.server.graphs.capture:
+                self.server.graphs.capture_all()
+        return stager.loaded["peer"], stager.loaded["checkpoint"]
 
     def _use_topology(self, expert_map) -> None:
         """A fresh sender endpoint for this placement's dead ranks (relays move with them) and its
@@ -307,6 +368,11 @@ class PipelineRunner(StepRunner):
         sender = attention_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
         sender.stats, sender.interrupt = self.sender.stats, self.recovery.check
         self.sender = self.executor.endpoint = sender
+        if self.server is not None:  # colocated: this rank's expert side over the same placement
+            self.server.endpoint.close(drain=False)
+            self.server.endpoint = ffn_endpoint(topo, self.rank, self.transport, self.spec.comm_config())
+            self.server.endpoint.interrupt = self.recovery.check
+            self.executor.to_local = self.server.endpoint.to_local
 
     def _micro_batches(self, num_seqs: int) -> int:
         """This step's micro-batch count: --micro-batches, or fewer where a lone attention rank

@@ -1,4 +1,4 @@
-"""FFN-rank fault tolerance (--enable-ffn-fault-tolerance): what both sides of a deployment share.
+"""Fault tolerance (--enable-fault-tolerance): what both sides of an AFD deployment share.
 
 An FFN rank holds only experts, which have copies on other ranks or sit in the checkpoint, so the
 deployment can go on without it. The attention ranks watch their FFN ranks' heartbeats
@@ -6,15 +6,19 @@ deployment can go on without it. The attention ranks watch their FFN ranks' hear
 may grow to more slots than they had, within their caps: eplb/elastic.py), and every surviving FFN
 rank loads its part of it (a recovery); a replacement started later is admitted as an EPLB
 rebalance is switched (fault_tolerance_recovery.py), and copies its experts from live ranks of its
-node where they hold them (eplb/peer_copy.py). This module is their vocabulary: the
+node where they hold them (eplb/peer_copy.py). An attention rank whose process exits is dropped
+alike: the survivors agree on it in a round, their recovery plan names it among `dead_senders`,
+and from then on the FFN ranks wait for nothing from it (the front end resumes its requests on the
+survivors: control/failover.py). This module is their vocabulary: the
 errors, the messages and their keys, and how long each side waits for the other.
 
     kind       from -> to                        key: (step, layer, micro-batch)     meta
     heartbeat  FFN rank -> attention ranks       (count, HEARTBEAT_LAYER, 0)         pid, space, incarnation, cap
-    recover    attention rank -> live FFN ranks  (recovery count, RECOVER_LAYER, 0)  placement, served one, next step
+    recover    attention rank -> live FFN ranks  (recovery count, RECOVER_LAYER, 0)  placement, served one, next step,
+                                                                                     dead senders
     recovered  FFN rank -> attention ranks       (recovery count, RECOVER_LAYER, 0)  experts read, copied; or an error
     join       attention rank -> replacement     (incarnation, JOIN_LAYER, 0)        placement, served one,
-                                                                                     recoveries, joiners
+                                                                                     recoveries, joiners, dead senders
     start      attention rank -> replacement     (incarnation, JOIN_LAYER, 1)        first step, keepalive ids; or void
 
 The pseudo-layers are allotted with the others in comm/protocol.py.
@@ -44,11 +48,12 @@ class DescriptorMismatchError(CommError):
 
 
 class FfnRankLost(CommError):
-    """FFN ranks sent no heartbeat for --comm-timeout (fault tolerance: a recovery follows)."""
+    """FFN ranks sent no heartbeat for --comm-timeout, or attention ranks (`attention`: their
+    endpoints) exited (fault tolerance: a recovery follows)."""
 
-    def __init__(self, ranks: list[int], message: str) -> None:
+    def __init__(self, ranks: list[int], message: str, attention: list[int] | None = None) -> None:
         super().__init__(message)
-        self.ranks = ranks
+        self.ranks, self.attention = ranks, attention or []
 
 
 class StepAborted(CommError):

@@ -140,3 +140,25 @@ class FfnLiveness:
     def keep_only(self, endpoints: list[int]) -> None:
         """Forgets the endpoints not in `endpoints` (the lost ones, after a recovery)."""
         self.heard = {ep: self.heard[ep] for ep in endpoints}
+
+
+class PeerProcesses:
+    """An attention rank's watch over its attention peers (fault tolerance): their processes, from
+    the pid and process space every agreement round carries, and whether one has exited. Attention
+    ranks run beside the front end, on one machine, so an exit is seen at once; a peer in another
+    process space is never counted lost here (its silence fails the round as without fault
+    tolerance)."""
+
+    def __init__(self) -> None:
+        self.space = process_space()
+        self.me = {"pid": os.getpid(), "space": self.space}
+        self.pids: dict[int, int] = {}  # attention endpoint -> its pid, where this rank can look it up
+
+    def heard(self, endpoint: int, meta: dict) -> None:
+        """Takes note of a peer's process from its round meta."""
+        if endpoint not in self.pids and self.space and meta.get("space") == self.space:
+            self.pids[endpoint] = meta["pid"]
+
+    def exited(self, endpoints: list[int]) -> list[int]:
+        """The endpoints among `endpoints` whose process has exited."""
+        return [ep for ep in endpoints if ep in self.pids and process_exited(self.pids[ep])]

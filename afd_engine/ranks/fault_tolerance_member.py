@@ -64,6 +64,12 @@ class RecoveryMember:
         if self.enabled and not incarnation:  # a replacement starts once admitted (join)
             self.heartbeats.start()
 
+    def drop_senders(self, dead: list[int]) -> None:
+        """Attention endpoints the attention ranks agreed are lost: nothing is awaited from them,
+        and nothing sent to them, from now on."""
+        self.senders = [ep for ep in self.senders if ep not in dead]
+        self.heartbeats.senders = list(self.senders)
+
     def check(self, step_id: int) -> None:
         """StepAborted once an attention rank has called a recovery (step_id: the step under way)."""
         if any(self.transport.pending(ep, RECOVER) for ep in self.senders):
@@ -84,7 +90,12 @@ class RecoveryMember:
         placement. Returns the placement, that step, and the next keepalive id of each attention
         endpoint."""
         wait = join_wait(self.spec.args)
-        plans = {ep: self.transport.recv(ep, JOIN, join_key(self.incarnation), wait).meta for ep in self.senders}
+        first = self.transport.recv_any(self.senders, JOIN, join_key(self.incarnation), wait)
+        self.drop_senders(first.meta.get("dead_senders", []))
+        plans = {first.src: first.meta}
+        for ep in self.senders:
+            if ep != first.src:
+                plans[ep] = self.transport.recv(ep, JOIN, join_key(self.incarnation), wait).meta
         plan = agreed(plans, f"FFN rank {self.rank}: the attention ranks disagree on its placement")
         placement = ExpertMap.from_description(self.spec.layout, plan["plan"])
         stager.current = ExpertMap.from_description(self.spec.layout, plan["serving"])  # who holds what now
@@ -110,7 +121,13 @@ class RecoveryMember:
         args, start = self.spec.args, time.monotonic()
         self.recoveries += 1
         key = recover_key(self.recoveries)
-        plans = {ep: self.transport.recv(ep, RECOVER, key, recover_wait(args)).meta for ep in self.senders}
+        # the first plan names the attention ranks lost, if any: the others' plans come from the rest
+        first = self.transport.recv_any(self.senders, RECOVER, key, recover_wait(args))
+        self.drop_senders(first.meta.get("dead_senders", []))
+        plans = {first.src: first.meta}
+        for ep in self.senders:
+            if ep != first.src:
+                plans[ep] = self.transport.recv(ep, RECOVER, key, recover_wait(args)).meta
         plan = agreed(plans, f"recovery {self.recoveries}: the attention ranks disagree on the placement")
         new_map = ExpertMap.from_description(self.spec.layout, plan["placement"])
         self._use_topology(new_map, abandon=True)
@@ -130,11 +147,12 @@ class RecoveryMember:
         if error is not None:
             raise RecoveryFailed(error)
         log.info(
-            "FFN rank %d: recovery %d without FFN ranks %s done in %.2f s (%d slots per layer; %d experts copied "
-            "from peers, %d read from the checkpoint)",
+            "FFN rank %d: recovery %d without FFN ranks %s and attention endpoints %s done in %.2f s (%d slots per "
+            "layer; %d experts copied from peers, %d read from the checkpoint)",
             self.rank,
             self.recoveries,
             sorted(new_map.dead),
+            plan.get("dead_senders", []),
             time.monotonic() - start,
             new_map.sizes[self.rank],
             loaded["peer"],

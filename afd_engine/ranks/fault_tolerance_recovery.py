@@ -41,7 +41,7 @@ from afd_engine.ranks.fault_tolerance import (
     recovery_deadline,
     start_key,
 )
-from afd_engine.ranks.fault_tolerance_liveness import FfnLiveness
+from afd_engine.ranks.fault_tolerance_liveness import FfnLiveness, PeerProcesses
 from afd_engine.ranks.spec import DeploymentSpec
 from comm.endpoint import INTERRUPT_CHECK_S
 from comm.messages import CommError, CommTimeout, Message
@@ -65,13 +65,19 @@ class RecoveryCoordinator:
         ffn: list[int],
         store,
         use_topology: Callable[[ExpertMap], None],
+        load_own: Callable[[ExpertMap], tuple[int, int]] | None = None,
+        own_cap: int | None = None,
     ) -> None:
         """`store` (rendezvous.DeploymentStore, in a deployment of roles): where lost ranks are
         recorded and replacements announce themselves. `use_topology(expert_map)`: the owner's
-        sender endpoint, made again whenever the FFN ranks in use or their slots change."""
+        sender endpoint, made again whenever the FFN ranks in use or their slots change.
+        Colocated (every rank is also an expert rank): `load_own(expert_map)` loads and serves this
+        rank's slots of a recovery's placement, returning the experts (copied, read), and
+        `own_cap` is the most slots per MoE layer this rank may hold."""
         topo = spec.topology
         self.spec, self.rank, self.transport, self.rebalancer, self.store = spec, rank, transport, rebalancer, store
-        self.enabled = spec.args.enable_ffn_fault_tolerance and not topo.colocated
+        self.enabled = spec.args.enable_ffn_fault_tolerance
+        self.colocated, self._load_own, self._own_cap = topo.colocated, load_own, own_cap
         self.endpoint = topo.sender_endpoint(rank)
         self.ffn = ffn  # the FFN endpoints serving, in rank order
         self.recoveries = 0
@@ -87,6 +93,12 @@ class RecoveryCoordinator:
         self._joiners: dict[int, int] = {}  # replacements admitted, staging; they serve from the switch
         self._admitted = 0.0  # when the replacements in _joiners were admitted
         self._readmit_next: dict[str, int] = {}  # what the next descriptor tells the FFN ranks to readmit
+        # attention peers (sender endpoints): their processes, those lost and agreed on (the FFN
+        # ranks expect nothing from them), and those seen lost but not agreed on yet
+        self.processes = PeerProcesses()
+        self.peers = [topo.sender_endpoint(i) for i in range(topo.num_senders) if i != rank]
+        self.dead_senders: set[int] = set()
+        self.senders_lost: set[int] = set()
         if store is not None and rank == 0:
             store.set_lost([])  # the deployment serves: an FFN role started from now on replaces
 
@@ -98,21 +110,66 @@ class RecoveryCoordinator:
         if not self.enabled:
             return {}
         lost = self._lost() if time.monotonic() - self.liveness.checked >= INTERRUPT_CHECK_S else []
-        meta = {"lost": lost, "failed": False, "step_id": step_id, "joining": self._joining()}
-        return {**meta, "caps": self._heard_caps()} if lost else meta
+        self.senders_lost.update(self.processes.exited(self.live_peers))
+        meta = {
+            "lost": lost,
+            "lost_attention": sorted(self.senders_lost),
+            "failed": False,
+            "step_id": step_id,
+            "joining": self._joining(),
+            **self.processes.me,
+        }
+        return {**meta, "caps": self._heard_caps()} if lost or self.senders_lost else meta
+
+    @property
+    def live_peers(self) -> list[int]:
+        """The other attention ranks' endpoints, but those agreed lost."""
+        return [ep for ep in self.peers if ep not in self.dead_senders]
+
+    def peer_exited(self, endpoint: int, meta: dict | None) -> bool:
+        """Notes a peer's process from its round meta (None: none came yet); with fault tolerance,
+        whether that peer's process has exited (it is then lost, to be agreed on in a round)."""
+        if not self.enabled:
+            return False
+        if meta is not None:
+            self.processes.heard(endpoint, meta)
+            return False
+        if self.processes.exited([endpoint]):
+            self.senders_lost.add(endpoint)
+            return True
+        return False
+
+    def unagreed(self, missing: list[int], metas: list[dict]) -> bool:
+        """Whether a round that lacks the messages of lost peers `missing` must be voided: no
+        rank's meta names them lost, so ranks that did get their messages run the step, and this
+        one takes the loss to the next round (where their step, waiting on the lost rank, fails)."""
+        named = {ep for m in metas for ep in m.get("lost_attention", ())}
+        return bool(set(missing) - named)
 
     def failure_meta(self, lost: list[int], step_id: int) -> dict:
         """The round of a rank whose step failed on lost FFN ranks: its peers recover with it, and
         run their own step again."""
-        meta = {"tokens": 0, "stop": False, "lost": lost, "failed": True, "step_id": step_id}
+        self.senders_lost.update(self.processes.exited(self.live_peers))
+        meta = {
+            "tokens": 0,
+            "stop": False,
+            "lost": lost,
+            "lost_attention": sorted(self.senders_lost),
+            "failed": True,
+            "step_id": step_id,
+            **self.processes.me,
+        }
         return {**meta, "caps": self._heard_caps()}
 
     def _heard_caps(self) -> dict[str, int]:
-        """The expert slot caps this rank has heard from the FFN ranks' heartbeats (JSON keys)."""
+        """The expert slot caps this rank has heard from the FFN ranks' heartbeats (JSON keys);
+        colocated, its own."""
+        if self.colocated:
+            return {str(self.rank): self._own_cap} if self._own_cap is not None else {}
         return {str(rank): cap for rank, cap in sorted(self.liveness.caps.items())}
 
     def anyone_lost(self, metas: list[dict]) -> bool:
-        return self.enabled and any(m["lost"] for m in metas)
+        return self.enabled and any(m["lost"] or m.get("lost_attention") for m in metas)
 
     def check(self) -> None:
         """The interrupt of the owner's waits for results: FfnRankLost once an FFN rank it uses is
@@ -122,6 +179,10 @@ class RecoveryCoordinator:
         if lost:
             why = "; ".join(f"FFN rank {r}: {self._why[r]}" for r in lost)
             raise FfnRankLost(lost, f"lost {why} (--comm-timeout {self.spec.args.comm_timeout:g} s)")
+        exited = self.processes.exited(self.live_peers)
+        if exited:
+            self.senders_lost.update(exited)
+            raise FfnRankLost([], f"lost attention rank(s) {exited}: the process exited", attention=exited)
 
     def _lost(self) -> list[int]:
         """The FFN ranks in use or being admitted that are lost, and replacements not staged within
@@ -141,8 +202,13 @@ class RecoveryCoordinator:
         ranks masked, their experts given slots on the survivors, which load them and answer.
         `since`: when the step (or round) that saw the loss began, for the log's pause. Returns
         the id of the step that runs next."""
-        args, topo, start = self.spec.args, self.spec.topology, time.monotonic()
+        topo, start = self.spec.topology, time.monotonic()
         lost = sorted({r for m in metas for r in m["lost"]})
+        senders = sorted({ep for m in metas for ep in m.get("lost_attention", ())} - self.dead_senders)
+        if self.colocated:  # a lost rank was an expert rank too (sender i is expert rank i)
+            lost = sorted(set(lost) | set(senders))
+        self.dead_senders.update(senders)
+        self.senders_lost -= self.dead_senders
         old = self.rebalancer.map
         for m in metas:  # every rank's caps, the same from every rank that heard them: merged alike
             for rank, cap in m.get("caps", {}).items():
@@ -157,8 +223,34 @@ class RecoveryCoordinator:
         self.recoveries += 1
         key = recover_key(self.recoveries)
         next_step = max(m["step_id"] for m in metas) + 1
-        live = live_ffn_endpoints(topo, new.dead)
-        plan = {"placement": new.describe(), "serving": old.describe(), "next_step": next_step}
+        plan = {
+            "placement": new.describe(),
+            "serving": old.describe(),
+            "next_step": next_step,
+            "dead_senders": sorted(self.dead_senders),
+        }
+        if self.colocated:
+            live, (copied, read) = [], self._load_own(new)
+        else:
+            live = live_ffn_endpoints(topo, new.dead)
+            read, copied = self._remote_recovery(live, plan, key, lost, start)
+        self.experts_read += read
+        self.experts_copied += copied
+        self._void_admission(f"FFN rank(s) {lost}, attention rank(s) {senders} were lost while it staged")
+        self.rebalancer.recovered(new, live)
+        if self.store is not None and self.rank == 0:
+            self.store.set_lost(new.dead)
+        self.ffn = live
+        self.liveness.keep_only(live)
+        self._use_topology(new)
+        self.transport.drop_stale({**dict.fromkeys(STEP_KINDS, next_step), "eplb_ready": new.version})
+        self._logged(old, new, lost, senders, (start, since), (read, copied), live)
+        return next_step
+
+    def _remote_recovery(self, live: list[int], plan: dict, key, lost: list[int], start: float) -> tuple[int, int]:
+        """Sends the plan to the live FFN ranks and waits for each one's answer: (experts read from
+        the checkpoint, copied from a peer)."""
+        args, topo = self.spec.args, self.spec.topology
         for ep in live:
             self.transport.send(ep, Message(RECOVER, key, self.endpoint, meta=plan))
         read, copied, deadline = 0, 0, start + recovery_deadline(args)
@@ -176,17 +268,25 @@ class RecoveryCoordinator:
                 raise RecoveryFailed(answer["error"])
             read += answer["read"]
             copied += answer.get("peer", 0)
-        self.experts_read += read
-        self.experts_copied += copied
-        self._void_admission(f"FFN rank(s) {lost} were lost while it staged")
-        self.rebalancer.recovered(new, live)
-        if self.store is not None and self.rank == 0:
-            self.store.set_lost(new.dead)
-        self.ffn = live
-        self.liveness.keep_only(live)
-        self._use_topology(new)
-        self.transport.drop_stale({**dict.fromkeys(STEP_KINDS, next_step), "eplb_ready": new.version})
+        return read, copied
+
+    def _logged(self, old, new, lost, senders, times, loaded, live) -> None:
+        """Logs a recovery (and keeps what /expert_load reports of it). `times`: when it started
+        and when the step that saw the loss began; `loaded`: experts (read, copied)."""
+        (start, since), (read, copied) = times, loaded
         moved = {layer: _moved(old.placements[layer], p) for layer, p in new.placements.items()}
+        if senders:
+            log.warning(
+                "attention rank %d: serving without attention rank(s) %s after %.2f s of recovery (serving paused "
+                "%.2f s): %d attention ranks left; their requests resume on the others",
+                self.rank,
+                senders,
+                time.monotonic() - start,
+                time.monotonic() - since,
+                len(self.live_peers) + 1,
+            )
+        if not lost or (self.colocated and lost == senders):
+            return
         log.warning(
             "attention rank %d: serving without FFN rank(s) %s after %.2f s of recovery (serving paused %.2f s): "
             "%d FFN ranks left%s; experts given new slots: %s; %d copied from a live peer, %d read from the checkpoint",
@@ -208,7 +308,6 @@ class RecoveryCoordinator:
             "slots": list(new.sizes),
             "moved": moved,
         }
-        return next_step
 
     # -- admission of replacements --------------------------------------------------------------
 
@@ -265,6 +364,7 @@ class RecoveryCoordinator:
                 "serving": self.rebalancer.map.describe(),  # who holds what: its experts may come from them
                 "recoveries": self.recoveries,  # the recovery count keys its messages
                 "joiners": {str(e): n for e, n in agreed_on.items()},  # replacements of its node link to each other
+                "dead_senders": sorted(self.dead_senders),  # attention ranks lost: nothing comes from them
             }
             self.transport.send(ep, Message(JOIN, join_key(incarnation), self.endpoint, meta=meta))
         self._joiners, self._seen, self._admitted = agreed_on, {}, now

@@ -222,6 +222,7 @@ class FfnWorker:
         """A replacement's way in (RecoveryMember.join): it serves from the step the attention
         ranks name, over the endpoint of the placement that uses it."""
         self._plan, self.step_id, self.keepalives = self.recovery.join(self.stager, self._ready)
+        self.senders = list(self.recovery.senders)
         self._use_topology(self._plan)
         log.info(
             "FFN rank %d (replacement %d) joined: it serves from step %d",
@@ -231,10 +232,12 @@ class FfnWorker:
         )
 
     def _recover(self) -> None:
-        """Its part in a recovery (RecoveryMember.recover); then on from the step it names."""
+        """Its part in a recovery (RecoveryMember.recover); then on from the step it names, over
+        the attention ranks still in use."""
         self._to_stage = None
         self.step_id, moved = self.recovery.recover(self.stager)
         self._switched(moved)
+        self.senders = list(self.recovery.senders)
         self.heard = dict.fromkeys(self.senders, time.monotonic())  # they were busy recovering, not gone
 
     def _interrupt(self) -> None:
@@ -264,9 +267,9 @@ class FfnWorker:
         if count is not None:
             self.draft = bool(metas[self.senders[0]].get("draft"))
             self._rebalance(metas[self.senders[0]])
-            # an empty micro-batch of an attention rank sends nothing (RemoteExpertExecutor.skip_empty)
-            tokens = [metas[ep]["tokens"] for ep in self.senders]
-            self.server.senders = [[i for i, t in enumerate(tokens) if t[m] > 0] for m in range(count)]
+            # an empty micro-batch of an attention rank sends nothing (RemoteExpertExecutor.skip_empty),
+            # nor does a lost one (AFD: sender i is endpoint i)
+            self.server.senders = [[ep for ep in self.senders if metas[ep]["tokens"][m] > 0] for m in range(count)]
         return count
 
     def _rebalance(self, meta: dict) -> None:

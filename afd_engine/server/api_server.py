@@ -66,10 +66,12 @@ def build_app(
     router: LoadBalancer,
     alive: Callable[[], bool] = lambda: True,
     engine_args=None,
+    lost_ranks: Callable[[], set[int]] | None = None,
 ) -> FastAPI:
     """The app; at startup it binds the control sockets, then `start_ranks()` brings the engine up
     (the port opens only once every rank is ready). `router` picks each request's attention rank.
-    A prefill instance (`engine_args.disaggregation_mode`) also runs its bootstrap server."""
+    A prefill instance (`engine_args.disaggregation_mode`) also runs its bootstrap server.
+    `lost_ranks()` (fault tolerance): the attention ranks whose process exited (ControlClient)."""
     mode = engine_args.disaggregation_mode if engine_args is not None else "null"
     from afd_engine.checkpoint_tokenizer import load_tokenizer
 
@@ -79,7 +81,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_app):
-        client = ControlClient(addrs, router, alive, route_by_room=mode == "prefill")
+        client = ControlClient(addrs, router, alive, route_by_room=mode == "prefill", lost_ranks=lost_ranks)
         try:
             info = start_ranks()
             bootstrap = _bootstrap_server(engine_args, info) if mode == "prefill" else None
@@ -230,7 +232,8 @@ def _routes(app: FastAPI, state: Callable[[], ServerState], drain: Drain) -> Non
     )
     async def metrics():
         s = state()
-        return Response(s.metrics.render(s.client.stats), media_type=CONTENT_TYPE_LATEST)
+        alive, resumed = s.client.attention_ranks_alive, s.client.resumed
+        return Response(s.metrics.render(s.client.stats, alive, resumed), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server_info")
     async def server_info():

@@ -57,6 +57,11 @@ class ServerMetrics:
         self.ffn_alive = Gauge(
             "afd_ffn_ranks_alive", "AFD: FFN ranks serving (fewer after a recovery from a lost one)", registry=r
         )
+        self.attention_alive = Gauge(
+            "afd_attention_ranks_alive",
+            "attention ranks serving (fewer once one is lost, with --enable-fault-tolerance)",
+            registry=r,
+        )
         self.draining = Gauge(
             "afd_draining",
             "1 while the server drains after SIGTERM or SIGINT (new generation requests get 503)",
@@ -65,8 +70,11 @@ class ServerMetrics:
         self.engine_counters = _EngineCounters()
         r.register(self.engine_counters)
 
-    def render(self, stats: EngineStats) -> bytes:
-        self.engine_counters.stats = stats
+    def render(self, stats: EngineStats, attention_alive: int, resumed: int) -> bytes:
+        """The page, from the deployment's counters, its live attention ranks and the requests it
+        resumed on another attention rank (fault tolerance)."""
+        self.engine_counters.stats, self.engine_counters.resumed = stats, resumed
+        self.attention_alive.set(attention_alive)
         self.cache_pages.set(stats.cache_pages)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
@@ -86,10 +94,16 @@ class _EngineCounters(Collector):
 
     def __init__(self) -> None:
         self.stats = EngineStats()
+        self.resumed = 0
 
     def collect(self):
         s = self.stats
         for name, doc, value in (
+            (
+                "afd_requests_resumed",
+                "fault tolerance: requests of a lost attention rank resumed on another from the tokens streamed",
+                self.resumed,
+            ),
             ("afd_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", self.stats.cache_hit_tokens),
             ("afd_prefix_cache_queried_tokens", "prompt tokens of admitted requests", self.stats.prompt_tokens),
             ("afd_prefix_cache_evicted_pages", "pages evicted from the prefix cache", self.stats.cache_evicted_pages),

@@ -491,10 +491,11 @@ def add_router_args(parser) -> None:
 
 def main(argv: list[str]) -> int:
     """`afd router ...` (the CLI hands it over before importing the engine)."""
-    import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="afd router", description=__doc__.split("\n\n")[0])
+    from afd_engine.arg_errors import ArgumentParser
+
+    parser = ArgumentParser(prog="afd router", description=__doc__.split("\n\n")[0])
     add_router_args(parser)
     ns = parser.parse_args(argv)
     try:

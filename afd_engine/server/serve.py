@@ -161,6 +161,7 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
         LoadBalancer.of(args.load_balance_method, deployment.num_attention_ranks, args.page_size),
         alive=deployment.alive,
         engine_args=args,
+        lost_ranks=deployment.lost_attention_ranks if deployment.fault_tolerant else None,
     )
     server = DrainingServer(
         uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level="warning", **server_args.tls()),

@@ -125,8 +125,8 @@ def test_an_ffn_rank_silent_for_the_comm_timeout_is_lost_like_a_dead_one(tiny_v3
 
 
 def test_fault_tolerance_is_refused_where_it_cannot_apply():
-    with pytest.raises(ConfigError, match="--enable-ffn-fault-tolerance=True: masks lost FFN ranks of an AFD"):
-        make_engine(mode="colocated", dp_size=2, enable_ffn_fault_tolerance=True)
+    with pytest.raises(ConfigError, match="--enable-ffn-fault-tolerance=True: masks lost ranks of an AFD or colo"):
+        make_engine(mode="single", enable_ffn_fault_tolerance=True)
     with pytest.raises(ConfigError, match="needs the shm or zmq data plane"):
         make_engine(mode="afd", transport="torch", enable_ffn_fault_tolerance=True)
 
