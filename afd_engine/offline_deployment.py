@@ -44,10 +44,10 @@ class DistributedEngine(OfflineEngine):
 
         async def bind() -> ControlClient:  # the client's sockets belong to the loop's thread
             by_room = args.disaggregation_mode == "prefill"
-            lost = self.deployment.lost_attention_ranks if self.deployment.fault_tolerant else None
-            return ControlClient(
-                self.deployment.addrs, router, self.deployment.alive, route_by_room=by_room, lost_ranks=lost
-            )
+            d = self.deployment
+            lost = d.lost_attention_ranks if d.fault_tolerant else None
+            replace = d.replace_attention_rank if d.replaces_attention_ranks else None
+            return ControlClient(d.addrs, router, d.alive, route_by_room=by_room, lost_ranks=lost, replace=replace)
 
         self.client = self._loop.call(bind())
         self.router = router

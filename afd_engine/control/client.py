@@ -108,13 +108,15 @@ class ControlClient:
         route_by_room: bool = False,
         dead_after_s: float | None = None,
         lost_ranks: Callable[[], set[int]] | None = None,
+        replace: Callable[[int], dict] | None = None,
     ) -> None:
         """`router` spans the deployment's attention ranks; `alive()` says whether every rank
         process the deployment needs still runs. With `route_by_room` (a prefill instance) a
         disaggregated request goes to rank room mod ranks, where decode ranks look for it. An
         attention rank silent for `dead_after_s` (default DEAD_AFTER_S) counts as hung.
         `lost_ranks()` (fault tolerance): the attention ranks whose process exited, whose requests
-        resume on the others."""
+        resume on the others; `replace(rank)` starts a replacement of one and returns its process
+        (AdmitRank's fields), which the others then admit."""
         self.route_by_room = route_by_room
         ranks = range(router.num_ranks)
         self.router = router
@@ -131,6 +133,7 @@ class ControlClient:
         self._load_ids = 0
         self._tasks: list[asyncio.Task] = []
         self.failover = Failover(lost_ranks, router.num_ranks) if lost_ranks is not None else None
+        self.replace = replace
 
     def start(self) -> None:
         """Called on the running loop once the ranks are up."""
@@ -181,7 +184,9 @@ class ControlClient:
     def _absorb(self, msg) -> None:
         if isinstance(msg, msgs.StepOutput):
             if self.failover is not None and msg.rank in self.failover.lost:
-                return  # sent before it died, read late: its requests resume elsewhere
+                if msg.rank not in self.failover.rejoining:
+                    return  # sent before it died, read late: its requests resume elsewhere
+                self._rejoined(msg.rank)  # its replacement's first report: admitted
             self.last_heard[msg.rank] = time.monotonic()
             self.rank_stats[msg.rank] = msg.stats
             for update in msg.updates:
@@ -222,6 +227,9 @@ class ControlClient:
                 len(moves),
                 self.failover.live,
             )
+            if self.replace is not None:
+                for rank in lost:
+                    self._tasks.append(asyncio.get_running_loop().create_task(self._replace(rank)))
             for rid, req in moves:
                 self.router.finished(rid)
                 rank = self._live_rank(rid, req.prompt_ids)
@@ -233,6 +241,24 @@ class ControlClient:
                     await self._submit(rank, again)
                 except EngineUnavailable as exc:
                     self._deliver(rid, TokenUpdate(rid, [], None, "error", str(exc)))
+
+    async def _replace(self, rank: int) -> None:
+        """Starts a replacement of lost attention rank `rank` (off the loop: it loads the model),
+        and tells the others to admit it; it takes requests from its first report on."""
+        try:
+            process = await asyncio.get_running_loop().run_in_executor(None, self.replace, rank)
+        except AFDError as exc:
+            log.error("attention rank %d is not replaced: %s", rank, exc)
+            return
+        self.failover.rejoining.add(rank)
+        self._send_nowait(msgs.AdmitRank(rank, **process))
+        log.warning("attention rank %d: replacement %d is up; the others admit it", rank, process["incarnation"])
+
+    def _rejoined(self, rank: int) -> None:
+        self.failover.lost.discard(rank)
+        self.failover.rejoining.discard(rank)
+        self.rank_stats[rank] = msgs.EngineStats()
+        log.warning("attention rank %d serves again (a replacement)", rank)
 
     def _live_rank(self, rid: str, prompt_ids: list[int]) -> int:
         """The router's choice, or the least loaded live rank where it chose a lost one."""

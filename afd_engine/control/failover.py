@@ -55,6 +55,7 @@ class Failover:
     def __init__(self, lost_ranks: Callable[[], set[int]], num_ranks: int) -> None:
         self.lost_ranks, self.num_ranks = lost_ranks, num_ranks
         self.lost: set[int] = set()
+        self.rejoining: set[int] = set()  # lost ranks whose replacement is up, until it first reports
         self.requests: dict[str, Tracked] = {}
         self.resumed = 0  # requests resubmitted to a survivor, since start
         self._seeds = random.Random()

@@ -210,6 +210,10 @@ class EngineLoop:
             self._send(msgs.ExpertLoadReport(msg.token, self.rank, self.engine.expert_load_report()))
         elif isinstance(msg, msgs.Shutdown):
             self.engine.request_stop()  # lockstep ranks all stop in the same agreement round
+        elif isinstance(msg, msgs.AdmitRank):  # agreed on in a lockstep round, like a loss
+            admit = getattr(self.engine.runner, "admit_peer", None)
+            if admit is not None and msg.rank != self.rank:
+                admit(msg.rank, {"incarnation": msg.incarnation, "address": msg.address, "host": msg.host})
 
     def _send(self, msg) -> None:
         self.push.send(msgs.encode_output(msg))

@@ -1,6 +1,7 @@
 """Control-plane messages between the API server and the engine process (ZeroMQ frames).
 
-front end -> engine (once per request): AddRequest, AbortRequest, Shutdown, Wake, DumpExpertLoad
+front end -> engine (once per request): AddRequest, AbortRequest, Shutdown, Wake, DumpExpertLoad,
+AdmitRank (fault tolerance: a replacement attention rank is up)
 engine -> front end (every step): StepOutput (token updates of one step, and engine stats),
 Rejected, ExpertLoadReport (one per attention rank, answering DumpExpertLoad), RankFailed
 
@@ -48,6 +49,16 @@ class Wake(_Message):
 
 class DumpExpertLoad(_Message):
     token: str  # echoed by every rank's report
+
+
+class AdmitRank(_Message):
+    """Broadcast once a replacement of a lost attention rank is up: the others admit it (its
+    process: `incarnation`, reached at `address` / on `host` as the transports name them)."""
+
+    rank: int
+    incarnation: int
+    address: str
+    host: str
 
 
 class ExpertLoadReport(_Message):
@@ -160,9 +171,11 @@ def _plain(obj):
     raise TypeError(f"{type(obj).__name__} cannot go on the control plane")
 
 
-_TO_ENGINE = (AddRequest, AbortRequest, Shutdown, Wake, DumpExpertLoad)
+_TO_ENGINE = (AddRequest, AbortRequest, Shutdown, Wake, DumpExpertLoad, AdmitRank)
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
-_REQUEST_DECODER = msgspec.msgpack.Decoder(_AddRequestFrame | AbortRequest | Shutdown | Wake | DumpExpertLoad)
+_REQUEST_DECODER = msgspec.msgpack.Decoder(
+    _AddRequestFrame | AbortRequest | Shutdown | Wake | DumpExpertLoad | AdmitRank
+)
 
 
 def encode(msg) -> bytes:

@@ -40,6 +40,7 @@ from afd_engine.ranks.spec import DeploymentSpec
 log = logging.getLogger("afd.launcher")
 
 READY_TIMEOUT_S = 900
+MAX_REPLACEMENTS = 3  # per attention rank: a replacement that keeps dying is not started again
 
 
 class Deployment:
@@ -75,6 +76,9 @@ class Deployment:
         self._store = None  # the rendezvous, when this role hosts it
         self._namespace: str | None = None  # of the shared-memory files, when this launcher chose them
         self.info: dict = {}
+        self._comm = None  # where the ranks find each other (PeerTable or RendezvousSpec)
+        self._ctx = None
+        self._replacements: dict[int, int] = {}  # attention rank -> replacements started
 
     def _local_processes(self, args: EngineArgs) -> int:
         """Rank processes this role starts on this machine (they share its cores)."""
@@ -96,7 +100,7 @@ class Deployment:
     def start(self) -> dict:
         """Starts all ranks; returns rank 0's info (model path, context length). The control
         sockets must already be bound (the front end binds them)."""
-        ctx = rank_process.context()
+        ctx = self._ctx = rank_process.context()
         if self.role == "attention":  # the rendezvous lives with the front end, as long as it does
             self._store = host_rendezvous(self.rendezvous)
         ranks = self._ranks()
@@ -129,7 +133,7 @@ class Deployment:
         from afd_engine.processes.entrypoints import run_attention_worker, run_ffn_worker
 
         topo = self.spec.topology
-        comm = self.rendezvous or self._local_peers(topo.num_endpoints)
+        comm = self._comm = self.rendezvous or self._local_peers(topo.num_endpoints)
         ffn_ranks = (
             []
             if topo.colocated or self.role == "attention"
@@ -209,6 +213,41 @@ class Deployment:
     @property
     def fault_tolerant(self) -> bool:
         return self.args.enable_ffn_fault_tolerance and self.args.mode in ("afd", "colocated")
+
+    @property
+    def replaces_attention_ranks(self) -> bool:
+        """Whether a lost attention rank gets a replacement that rejoins (AFD with fault tolerance,
+        over shared memory or ZeroMQ)."""
+        return self.fault_tolerant and self.args.mode == "afd" and self.args.transport != "torch"
+
+    def replace_attention_rank(self, rank: int) -> dict:
+        """Starts a replacement of lost attention rank `rank` and waits until it is ready; returns
+        its process as the others link to it (incarnation, address, host). ConfigError when it
+        cannot start, or when MAX_REPLACEMENTS of it were started already."""
+        from afd_engine.processes.entrypoints import run_attention_worker
+        from afd_engine.processes.rendezvous import DeploymentStore
+
+        incarnation = self._replacements.get(rank, 0) + 1
+        if incarnation > MAX_REPLACEMENTS:
+            raise ConfigError(f"attention rank {rank} was replaced {MAX_REPLACEMENTS} times already")
+        self._replacements[rank] = incarnation
+        index = self._num_ffn + rank
+        kwargs = {"args": self.args, "addrs": self.addrs, "rank": rank, "comm_addresses": self._comm}
+        parent, child = self._ctx.Pipe(duplex=False)
+        name = f"afd-attention_worker-{index}-{incarnation}"
+        run = rank_process.start(
+            self._ctx, name, run_attention_worker, {**kwargs, "incarnation": incarnation}, child, None
+        )
+        self.procs[index] = run
+        info = _wait_ready(parent, run)
+        if not info["ok"]:
+            raise ConfigError(f"the replacement of attention rank {rank} failed to start: {info['error']}")
+        endpoint = self.spec.topology.sender_endpoint(rank)
+        if self.rendezvous is not None:
+            address, host = DeploymentStore(self.rendezvous).peer(endpoint)
+        else:
+            address, host = self._comm.addresses.get(endpoint, ""), self._comm.hosts.get(endpoint, "")
+        return {"incarnation": incarnation, "address": address, "host": host}
 
     def lost_attention_ranks(self) -> set[int]:
         """The attention ranks (of this role) whose process has exited."""

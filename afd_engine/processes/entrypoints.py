@@ -37,8 +37,8 @@ def _transport(
     if isinstance(comm, RendezvousSpec):
         n = spec.topology.num_endpoints
         comm = register(comm, endpoint, n, shm_host(args.transport, 2 * n), torch_group=args.transport == "torch")
-        if incarnation:
-            comm = dataclasses.replace(comm, incarnations={**comm.incarnations, endpoint: incarnation})
+    if incarnation:
+        comm = dataclasses.replace(comm, incarnations={**comm.incarnations, endpoint: incarnation})
     on_device = torch.device(device).type == "cuda" and not args.host_payloads
     return comm.transport(
         endpoint,
@@ -50,22 +50,26 @@ def _transport(
     )
 
 
-def _attention_engine(args: EngineArgs, rank: int, comm_addresses) -> Engine:
+def _attention_engine(args: EngineArgs, rank: int, comm_addresses, incarnation: int = 0) -> Engine:
     spec = DeploymentSpec.of(args, ModelConfig.from_pretrained(args.model_path))
     topo = spec.topology
-    transport = _transport(topo.sender_endpoint(rank), comm_addresses, spec, args.device_for(rank))
+    transport = _transport(topo.sender_endpoint(rank), comm_addresses, spec, args.device_for(rank), incarnation)
     experts = spec.expert_slots(rank) if topo.colocated else {}  # AFD: no routed experts here
     store = _store(args, comm_addresses)
 
     def runner(model, pool):
-        return PipelineRunner(model, pool, spec, rank, transport, store)
+        return PipelineRunner(model, pool, spec, rank, transport, store, incarnation)
 
     return Engine(args, rank=RankContext(rank, runner, experts, args.device_for(rank)))
 
 
-def run_attention_worker(args: EngineArgs, addrs: ControlAddrs, ready, rank: int, comm_addresses) -> None:
-    """An attention rank (in colocated mode also an FFN rank): scheduler, KV pool, model."""
-    run_engine_process(args, addrs, ready, rank, functools.partial(_attention_engine, args, rank, comm_addresses))
+def run_attention_worker(
+    args: EngineArgs, addrs: ControlAddrs, ready, rank: int, comm_addresses, incarnation: int = 0
+) -> None:
+    """An attention rank (in colocated mode also an FFN rank): scheduler, KV pool, model.
+    `incarnation` > 0: it replaces a lost one (fault tolerance), and is admitted by the others."""
+    build = functools.partial(_attention_engine, args, rank, comm_addresses, incarnation)
+    run_engine_process(args, addrs, ready, rank, build)
 
 
 def _store(args: EngineArgs, comm) -> DeploymentStore | None:

@@ -37,7 +37,7 @@ from afd_engine.models.forward_batch import ForwardBatch
 from afd_engine.operations import run_micro_batches, split_micro_batches
 from afd_engine.operations.strategy import AFD_ATTENTION, COLOCATED
 from afd_engine.ranks.expert_capacity import expert_capacity
-from afd_engine.ranks.fault_tolerance import FfnRankLost, RecoveryFailed, round_wait
+from afd_engine.ranks.fault_tolerance import JOIN, FfnRankLost, RecoveryFailed, agreed, join_key, join_wait, round_wait
 from afd_engine.ranks.fault_tolerance_recovery import RecoveryCoordinator
 from afd_engine.ranks.remote_experts import CommExpertServer, RemoteExpertExecutor
 from afd_engine.ranks.spec import DeploymentSpec
@@ -61,9 +61,19 @@ log = logging.getLogger("afd.recovery")
 class PipelineRunner(StepRunner):
     lockstep = True
 
-    def __init__(self, model, pool: KVPool, spec: DeploymentSpec, rank: int, transport: Transport, store=None) -> None:
+    def __init__(
+        self,
+        model,
+        pool: KVPool,
+        spec: DeploymentSpec,
+        rank: int,
+        transport: Transport,
+        store=None,
+        incarnation: int = 0,
+    ) -> None:
         """`store` (rendezvous.DeploymentStore, fault tolerance in a deployment of roles): where
-        lost ranks are recorded and replacements announce themselves."""
+        lost ranks are recorded and replacements announce themselves. `incarnation` > 0: this rank
+        replaces a lost one, and waits for the others to admit it before its first round."""
         super().__init__()
         self.model, self.pool = model, pool
         self.spec, self.rank, self.transport = spec, rank, transport
@@ -136,6 +146,7 @@ class PipelineRunner(StepRunner):
         self.strategy = strategy
         self.ft = self.recovery.enabled
         self._last: list[dict] | None = None  # the last step's micro-batches, as they were before it ran
+        self.incarnation, self._joining = incarnation, incarnation > 0
         if self.ft:
             self.sender.interrupt = self.recovery.check
             if self.server is not None:
@@ -188,6 +199,8 @@ class PipelineRunner(StepRunner):
 
     def begin_step(self, plan: StepPlan) -> bool:
         """True when any attention rank has work this step (every rank calls this every round)."""
+        if self._joining:
+            self._join()
         self._keepalive()
         mine = plan.num_tokens
         while True:
@@ -338,11 +351,37 @@ class PipelineRunner(StepRunner):
                 self._recover([meta, *(m.meta for m in msgs)], since=attempt)
                 batches = [dict(m) for m in before]
 
+    def admit_peer(self, rank: int, process: dict) -> None:
+        """The front end started a replacement of lost attention rank `rank` (its process:
+        incarnation, address, host): admitted once every live rank has heard of it."""
+        self.recovery.rejoining[self.spec.topology.sender_endpoint(rank)] = process
+
+    def _join(self) -> None:
+        """A replacement's way in: every live attention rank admits it in a recovery, and sends
+        it the deployment's state (the next round's and step's ids, the placement, who is lost);
+        it joins the next round."""
+        wait, key = join_wait(self.spec.args), join_key(self.incarnation)
+        others = [ep for ep in self.recovery.peers]
+        first = self.transport.recv_any(others, JOIN, key, wait)
+        state = first.meta
+        self.recovery.joined(state)
+        views = {first.src: state}
+        for ep in self.peers:
+            if ep != first.src:
+                views[ep] = self.transport.recv(ep, JOIN, key, wait).meta
+        agreed(views, f"attention rank {self.rank}: the attention ranks disagree on its admission")
+        self.sync_id, self.step_id = state["sync_id"], state["step_id"]
+        self.executor.expert_map = self.rebalancer.map
+        self._joining = False
+        log.warning(
+            "attention rank %d (replacement %d) joined: from step %d", self.rank, self.incarnation, self.step_id
+        )
+
     def _recover(self, metas: list[dict], since: float) -> None:
         """A recovery (RecoveryCoordinator.recover); the step that runs next takes its id.
         Colocated: until the next agreement round, every live rank sends to every other, tokens or
         none (the step run again may be another one on each rank, with other token counts)."""
-        self.step_id = self.recovery.recover(metas, since)
+        self.step_id = self.recovery.recover(metas, since, self.sync_id)
         self.executor.expert_map = self.rebalancer.map
         if self.server is not None:
             self.executor.expected, self.executor.keep_own = True, False

@@ -59,6 +59,7 @@ class RecoveryMember:
         self.endpoint = topo.ffn_endpoint(rank)
         self.senders = [topo.sender_endpoint(i) for i in range(topo.num_senders)]
         self.recoveries = 0
+        self.readmitted: list[int] = []  # attention endpoints the last recovery brought back
         self.heartbeats = HeartbeatSender(transport, self.endpoint, self.senders, incarnation, rank, cap)
         self._use_topology = use_topology
         if self.enabled and not incarnation:  # a replacement starts once admitted (join)
@@ -129,6 +130,11 @@ class RecoveryMember:
             if ep != first.src:
                 plans[ep] = self.transport.recv(ep, RECOVER, key, recover_wait(args)).meta
         plan = agreed(plans, f"recovery {self.recoveries}: the attention ranks disagree on the placement")
+        self.readmitted = [int(ep) for ep in plan.get("readmit_senders", {})]
+        for ep, info in plan.get("readmit_senders", {}).items():  # a lost attention rank's replacement
+            self.transport.readmit(int(ep), info["address"], info["host"], info["incarnation"])
+            self.senders = sorted({*self.senders, int(ep)})
+            self.heartbeats.senders = list(self.senders)
         new_map = ExpertMap.from_description(self.spec.layout, plan["placement"])
         self._use_topology(new_map, abandon=True)
         self.transport.drop_stale(dict.fromkeys(STEP_KINDS, plan["next_step"]))
@@ -142,7 +148,7 @@ class RecoveryMember:
         except Exception as exc:  # noqa: BLE001 - reported to the attention ranks, which fail fast with it
             error = f"FFN rank {self.rank} could not load its experts of placement {new_map.version}: {exc}"
         answer = {"read": loaded["checkpoint"], "peer": loaded["peer"], "error": error}
-        for ep in self.senders:
+        for ep in plans:  # (a replacement admitted by this recovery sent no plan: it expects no answer)
             self.transport.send(ep, Message(RECOVERED, key, self.endpoint, meta=answer))
         if error is not None:
             raise RecoveryFailed(error)

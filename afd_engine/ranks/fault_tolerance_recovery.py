@@ -99,6 +99,7 @@ class RecoveryCoordinator:
         self.peers = [topo.sender_endpoint(i) for i in range(topo.num_senders) if i != rank]
         self.dead_senders: set[int] = set()
         self.senders_lost: set[int] = set()
+        self.rejoining: dict[int, dict] = {}  # lost peers' replacements, up: endpoint -> their process
         if store is not None and rank == 0:
             store.set_lost([])  # the deployment serves: an FFN role started from now on replaces
 
@@ -117,9 +118,26 @@ class RecoveryCoordinator:
             "failed": False,
             "step_id": step_id,
             "joining": self._joining(),
+            "rejoin": self._rejoining(),
             **self.processes.me,
         }
         return {**meta, "caps": self._heard_caps()} if lost or self.senders_lost else meta
+
+    def _rejoining(self) -> dict[str, int]:
+        """Replacements of lost attention peers this rank was told of, while no rebalance or
+        admission is under way (AFD: a colocated one would need experts placed back on it)."""
+        if self.colocated or not self.rebalancer.idle or self._joiners:
+            return {}
+        return {str(ep): info["incarnation"] for ep, info in sorted(self.rejoining.items())}
+
+    def agreed_rejoin(self, metas: list[dict]) -> dict[int, dict]:
+        """The replacements every rank of the round reported, at the same incarnation."""
+        views = [m.get("rejoin") or {} for m in metas]
+        return {
+            int(ep): self.rejoining[int(ep)]
+            for ep, n in views[0].items()
+            if all(v.get(ep) == n for v in views) and int(ep) in self.rejoining
+        }
 
     @property
     def live_peers(self) -> list[int]:
@@ -169,7 +187,11 @@ class RecoveryCoordinator:
         return {str(rank): cap for rank, cap in sorted(self.liveness.caps.items())}
 
     def anyone_lost(self, metas: list[dict]) -> bool:
-        return self.enabled and any(m["lost"] or m.get("lost_attention") for m in metas)
+        """Whether the round calls a recovery: a rank lost, or a lost attention rank's replacement
+        to admit."""
+        if not self.enabled:
+            return False
+        return any(m["lost"] or m.get("lost_attention") for m in metas) or bool(self.agreed_rejoin(metas))
 
     def check(self) -> None:
         """The interrupt of the owner's waits for results: FfnRankLost once an FFN rank it uses is
@@ -197,11 +219,13 @@ class RecoveryCoordinator:
 
     # -- recovery -----------------------------------------------------------------------------
 
-    def recover(self, metas: list[dict], since: float) -> int:
+    def recover(self, metas: list[dict], since: float, sync_id: int = 0) -> int:
         """Every attention rank runs this after the same round, from the same metas: the lost
         ranks masked, their experts given slots on the survivors, which load them and answer.
-        `since`: when the step (or round) that saw the loss began, for the log's pause. Returns
-        the id of the step that runs next."""
+        `since`: when the step (or round) that saw the loss began, for the log's pause. A
+        recovery also admits the replacements of lost attention ranks the round agreed on: they
+        learn the deployment's state (`sync_id`: the next round's id) and join its next round.
+        Returns the id of the step that runs next."""
         topo, start = self.spec.topology, time.monotonic()
         lost = sorted({r for m in metas for r in m["lost"]})
         senders = sorted({ep for m in metas for ep in m.get("lost_attention", ())} - self.dead_senders)
@@ -209,6 +233,12 @@ class RecoveryCoordinator:
             lost = sorted(set(lost) | set(senders))
         self.dead_senders.update(senders)
         self.senders_lost -= self.dead_senders
+        rejoin = self.agreed_rejoin(metas) if not senders else {}
+        for ep, info in rejoin.items():  # its process's links, from now on
+            self.transport.readmit(ep, info["address"], info["host"], info["incarnation"])
+            self.dead_senders.discard(ep)
+            self.processes.pids.pop(ep, None)
+            del self.rejoining[ep]
         old = self.rebalancer.map
         for m in metas:  # every rank's caps, the same from every rank that heard them: merged alike
             for rank, cap in m.get("caps", {}).items():
@@ -228,6 +258,7 @@ class RecoveryCoordinator:
             "serving": old.describe(),
             "next_step": next_step,
             "dead_senders": sorted(self.dead_senders),
+            "readmit_senders": {str(ep): info for ep, info in rejoin.items()},
         }
         if self.colocated:
             live, (copied, read) = [], self._load_own(new)
@@ -245,7 +276,36 @@ class RecoveryCoordinator:
         self._use_topology(new)
         self.transport.drop_stale({**dict.fromkeys(STEP_KINDS, next_step), "eplb_ready": new.version})
         self._logged(old, new, lost, senders, (start, since), (read, copied), live)
+        state = {
+            "sync_id": sync_id,
+            "step_id": next_step,
+            "map": new.describe(),
+            "dead_senders": sorted(self.dead_senders),
+            "recoveries": self.recoveries,
+            "caps": {str(r): c for r, c in sorted(self._caps.items())},
+        }
+        for ep, info in rejoin.items():
+            self.transport.send(ep, Message(JOIN, join_key(info["incarnation"]), self.endpoint, meta=state))
+            log.warning(
+                "attention rank %d: attention rank %d (replacement %d) rejoins from step %d",
+                self.rank,
+                ep,
+                info["incarnation"],
+                next_step,
+            )
         return next_step
+
+    def joined(self, state: dict) -> None:
+        """A replacement attention rank's view from its admission (`recover`'s state): who is lost,
+        the recovery count, the caps, and the FFN ranks in use (watched from now on)."""
+        self.dead_senders = set(state["dead_senders"])
+        self.recoveries = state["recoveries"]
+        self._caps = {int(r): c for r, c in state["caps"].items()}
+        new = ExpertMap.from_description(self.spec.layout, state["map"])
+        self.ffn = [] if self.colocated else live_ffn_endpoints(self.spec.topology, new.dead)
+        self.rebalancer.recovered(new, self.ffn)
+        self.liveness = FfnLiveness(self.transport, self.spec.topology, self.spec.args.comm_timeout, self.ffn)
+        self._use_topology(new)
 
     def _remote_recovery(self, live: list[int], plan: dict, key, lost: list[int], start: float) -> tuple[int, int]:
         """Sends the plan to the live FFN ranks and waits for each one's answer: (experts read from

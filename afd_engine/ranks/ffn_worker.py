@@ -239,6 +239,8 @@ class FfnWorker:
         self._switched(moved)
         self.senders = list(self.recovery.senders)
         self.heard = dict.fromkeys(self.senders, time.monotonic())  # they were busy recovering, not gone
+        for ep in self.recovery.readmitted:  # a replacement process counts its keepalives from 0
+            self.keepalives[ep] = 0
 
     def _interrupt(self) -> None:
         """Called while a receive waits: StepAborted once an attention rank calls a recovery."""

@@ -67,11 +67,13 @@ def build_app(
     alive: Callable[[], bool] = lambda: True,
     engine_args=None,
     lost_ranks: Callable[[], set[int]] | None = None,
+    replace: Callable[[int], dict] | None = None,
 ) -> FastAPI:
     """The app; at startup it binds the control sockets, then `start_ranks()` brings the engine up
     (the port opens only once every rank is ready). `router` picks each request's attention rank.
     A prefill instance (`engine_args.disaggregation_mode`) also runs its bootstrap server.
-    `lost_ranks()` (fault tolerance): the attention ranks whose process exited (ControlClient)."""
+    `lost_ranks()` and `replace(rank)` (fault tolerance): the attention ranks whose process
+    exited, and how one is replaced (ControlClient)."""
     mode = engine_args.disaggregation_mode if engine_args is not None else "null"
     from afd_engine.checkpoint_tokenizer import load_tokenizer
 
@@ -81,7 +83,9 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_app):
-        client = ControlClient(addrs, router, alive, route_by_room=mode == "prefill", lost_ranks=lost_ranks)
+        client = ControlClient(
+            addrs, router, alive, route_by_room=mode == "prefill", lost_ranks=lost_ranks, replace=replace
+        )
         try:
             info = start_ranks()
             bootstrap = _bootstrap_server(engine_args, info) if mode == "prefill" else None

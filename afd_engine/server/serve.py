@@ -162,6 +162,7 @@ def _run_http(deployment: Deployment, server_args: ServerArgs) -> int:
         alive=deployment.alive,
         engine_args=args,
         lost_ranks=deployment.lost_attention_ranks if deployment.fault_tolerant else None,
+        replace=deployment.replace_attention_rank if deployment.replaces_attention_ranks else None,
     )
     server = DrainingServer(
         uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level="warning", **server_args.tls()),
