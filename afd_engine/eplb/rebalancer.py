@@ -166,6 +166,13 @@ class Rebalancer:
         """Whether the next step switches placements."""
         return self._switch
 
+    @property
+    def has_news(self) -> bool:
+        """Whether the next step's descriptor tells the expert ranks something (a placement to
+        stage, or the switch to it): an idle deployment then runs a step without tokens for it,
+        so that an admission or a rebalance does not wait for traffic."""
+        return self._switch or self._announce
+
     def begin_step(self, timeout: float) -> dict:
         """Called before a step runs: switches if agreed (a colocated rank also switches the
         experts it serves), and returns what the step descriptor carries."""

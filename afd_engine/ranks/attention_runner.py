@@ -222,7 +222,8 @@ class PipelineRunner(StepRunner):
         with self.timeline.span("eplb_plan", 0, -1) if eplb_meta["eplb_plan"] else nullcontext():
             self.rebalancer.sync_in(self.step_id, [meta, *metas], loads + [t for m in msgs for t in m.tensors])
         self.stopped = self.want_stop or any(m["stop"] for m in metas)
-        self.ran = not self.stopped and mine + sum(m["tokens"] for m in metas) > 0
+        tokens = mine + sum(m["tokens"] for m in metas)
+        self.ran = not self.stopped and (tokens > 0 or self.rebalancer.has_news)
         if self.server is not None:  # colocated: a rank without tokens sends nothing, and nobody waits for it
             tokens = {self.rank: mine, **{ep: m["tokens"] for ep, m in zip(self.peers, metas)}}
             self.executor.expected = mine > 0
