@@ -381,6 +381,33 @@ def _simulate_parser(sub) -> None:
         default="cache_aware",
         help="which rank takes a request, as the engine's --load-balance-method",
     )
+    v.add_argument(
+        "--spec-drafts",
+        type=int,
+        default=None,
+        metavar="K",
+        help="speculative decoding with the MTP module: drafts per verify (with one of the acceptance flags below)",
+    )
+    v.add_argument(
+        "--spec-accepted-length",
+        type=float,
+        default=None,
+        metavar="MEAN",
+        help="mean tokens kept per verify (accepted drafts + 1), as a truncated geometric distribution",
+    )
+    v.add_argument(
+        "--spec-accepted-histogram",
+        default=None,
+        metavar="P0,P1,...",
+        help="chances of accepting 0, 1, ... K drafts (K from its length)",
+    )
+    v.add_argument(
+        "--spec-from",
+        default=None,
+        metavar="FILE",
+        help="the mean accepted length benchmarks/bench_spec.py --json measured at --spec-drafts steps",
+    )
+    v.add_argument("--spec-seed", type=int, default=0, metavar="N", help="seed of the accepted-length draws")
     v.add_argument("--rates", default=None, metavar="X,Y,Z", help="rate scales of a sweep (x --rate-scale)")
     v.add_argument("--plot", default=None, metavar="PNG", help="SLO attainment vs request rate (sweeps --rates)")
     v.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write JSON here ('-': stdout)")

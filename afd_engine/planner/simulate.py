@@ -20,6 +20,10 @@ same pipeline formula as `deploy.estimate`), or any other object with a `step` m
 requests: each rank keeps its decoders' context-length sum, and which of them need a new KV page in
 which step, incrementally.
 
+With speculative decoding (`SpecDecoding`) the ranks of the instances that decode verify drafts:
+each decode step of a request runs k + 1 rows and keeps a seeded draw of 1..k + 1 tokens, and the
+MTP module's draft passes add to the step (`sim/speculative.py`, `sim/drafting_rank.py`).
+
 The code lives in the `afd_engine.planner.sim` package; this module gathers its public names.
 """
 
@@ -31,6 +35,7 @@ from afd_engine.planner.sim.command import DEFAULT_SWEEP, parse_rates, print_rep
 from afd_engine.planner.sim.rank import LPM_MAX_QUEUE, LPM_MAX_WAIT_ROUNDS
 from afd_engine.planner.sim.results import SLO, SimResult, simulate
 from afd_engine.planner.sim.spec import SPEC_HELP, BuildOptions, DeploymentSpec, build_cluster, parse_spec
+from afd_engine.planner.sim.speculative import SpecDecoding
 from afd_engine.planner.sim.step_time import LinearStepTime, Load, StageStepTime, StepTimeModel
 
 __all__ = [
@@ -49,6 +54,7 @@ __all__ = [
     "LinearStepTime",
     "Load",
     "SimResult",
+    "SpecDecoding",
     "StageStepTime",
     "StepTimeModel",
     "build_cluster",

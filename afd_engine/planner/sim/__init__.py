@@ -4,6 +4,8 @@
 - `cluster`: the instances and KV link being simulated;
 - `request`, `router`, `kv_cache`, `rank`: a request's state, the router, a rank's KV pool and
   prefix cache, a rank's scheduler;
+- `speculative`, `drafting_rank`: speculative decoding's accepted-length draws and draft passes,
+  and the rank whose decodes verify drafts;
 - `loop`: instances stepping in lockstep and the events between them;
 - `results`: `simulate` and what it measures against an SLO;
 - `spec`, `command`: deployment SPEC strings and the command line.

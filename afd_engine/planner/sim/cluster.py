@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from afd_engine.errors import ConfigError
 from afd_engine.planner.hardware import Hardware
+from afd_engine.planner.sim.speculative import SpecDecoding
 from afd_engine.planner.sim.step_time import StepTimeModel
 
 POLICIES = ("lpm", "fcfs")
@@ -48,6 +49,7 @@ class InstanceConfig:
     policy: str = "lpm"
     prefix_cache: bool = True
     attention_topk: int = 0  # sparse attention (DeepSeek-V3.2's index_topk): positions a query attends to; 0: all
+    speculative: SpecDecoding | None = None  # speculative decoding of its decodes (None: one token a step)
 
     def validate(self, where: str) -> None:
         if self.ranks < 1 or self.replicas < 1:
@@ -61,6 +63,16 @@ class InstanceConfig:
                 f"{where}: need 1 <= max running requests ({self.max_running}) <= max batched tokens "
                 f"({self.max_batch_tokens}), so that every running request decodes in every step"
             )
+        if self.speculative is not None:
+            self.speculative.validate(where)
+            per = self.speculative.drafts + 1
+            rows = self.max_running * per
+            if rows > self.max_batch_tokens:
+                raise ConfigError(
+                    f"{where}: {self.max_running} running requests x {per} verify rows ({rows}) "
+                    f"exceed the {self.max_batch_tokens} batched tokens; lower the running requests or raise the "
+                    "token budget"
+                )
         if self.policy not in POLICIES:
             raise ConfigError(f"{where}: schedule policy {self.policy!r} must be one of {', '.join(POLICIES)}")
 
@@ -86,6 +98,8 @@ class ClusterConfig:
         self.serving.validate(f"{self.name}: prefill" if self.decode else self.name)
         if self.decode is not None:
             self.decode.validate(f"{self.name}: decode")
+            if self.serving.speculative is not None:
+                raise ConfigError(f"{self.name}: speculative decoding applies to the decode instances, not prefill")
             if self.kv_link is None:
                 raise ConfigError(f"{self.name}: PD disaggregation needs a KV link")
 

@@ -13,6 +13,7 @@ from afd_engine.planner.plot import plot_attainment
 from afd_engine.planner.sim.cluster import ClusterConfig, InstanceConfig
 from afd_engine.planner.sim.results import SLO, simulate
 from afd_engine.planner.sim.spec import BuildOptions, build_cluster, parse_spec
+from afd_engine.planner.sim.speculative import from_flags
 from afd_engine.planner.step_calibration import StepCalibration
 from afd_engine.planner.traces import Trace
 
@@ -58,6 +59,14 @@ def run_cli(ns: argparse.Namespace) -> dict:
         raise ConfigError("--ttft-slo and --tpot-slo must be > 0 (milliseconds)")
     specs = [parse_spec(s) for s in ns.deployment]
     model = get_model(ns.model)
+    speculative = from_flags(
+        ns.spec_drafts,
+        ns.spec_accepted_length,
+        ns.spec_accepted_histogram,
+        ns.spec_from,
+        ns.spec_seed,
+        1 / model.layers,  # a draft pass: one layer of the model's (speculative.py)
+    )
     extra = load_hardware_file(ns.hw_file) if ns.hw_file else None
     build = BuildOptions(
         model=model,
@@ -75,6 +84,7 @@ def run_cli(ns: argparse.Namespace) -> dict:
         kv_pages=ns.kv_pages,
         prefix_cache=not ns.no_prefix_cache,
         router=ns.router,
+        speculative=speculative,
     )
     clusters = [build_cluster(s, build) for s in specs]
     slo = SLO(ns.ttft_slo / 1e3, ns.tpot_slo / 1e3)
@@ -94,6 +104,8 @@ def run_cli(ns: argparse.Namespace) -> dict:
         "trace": trace.summary(),
         "deployments": [{**r.as_dict(), **_describe(c)} for r, c in zip(results, clusters)],
     }
+    if speculative is not None:
+        out["speculative"] = _describe_spec(speculative, clusters)
     if ns.rates or ns.plot:
         scales = parse_rates(ns.rates) if ns.rates else list(DEFAULT_SWEEP)
         sweep: dict[str, list[dict]] = {c.name: [] for c in clusters}
@@ -125,6 +137,17 @@ def run_cli(ns: argparse.Namespace) -> dict:
             f.write("\n")
         out["json"] = ns.json_path
     return out
+
+
+def _describe_spec(spec, clusters: list[ClusterConfig]) -> dict:
+    """The speculative decoding simulated, and what a draft pass costs."""
+    priced = all(hasattr((c.decode or c.serving).step_time, "draft_pass") for c in clusters)
+    cost = (
+        "one MoE layer and the head per draft pass (stage model)"
+        if priced
+        else f"{spec.draft_fraction:.4g} of a step per draft pass (one of the model's layers)"
+    )
+    return {**spec.as_dict(), "draft_cost": cost}
 
 
 def _describe(c: ClusterConfig) -> dict:
@@ -162,6 +185,13 @@ def print_report(out: dict) -> None:
     d0 = out["deployments"][0]
     slo = d0["slo"]
     print(f"SLO: TTFT <= {slo['ttft_s'] * 1e3:g} ms, TPOT <= {slo['tpot_s'] * 1e3:g} ms")
+    if "speculative" in out:
+        sp = out["speculative"]
+        probs = ", ".join(f"{p:.3f}" for p in sp["accepted_drafts_probs"])
+        print(
+            f"speculative decoding: {sp['drafts']} drafts per verify, P(accept 0..{sp['drafts']}) = {probs} "
+            f"(mean accepted length {sp['mean_accepted_length']:.3f}; {sp['source']}); {sp['draft_cost']}"
+        )
     print(
         f"{'deployment':<44} {'GPUs':>4} {'TTFT p50/p90/p99 s':>20} {'TPOT p50/p90/p99 ms':>20} "
         f"{'E2E p50/p99 s':>14} {'SLO%':>5} {'good/s':>7} {'good/s/GPU':>10} {'wall s':>6}"
@@ -178,10 +208,13 @@ def print_report(out: dict) -> None:
         )
     for d in out["deployments"]:
         util = ", ".join(f"{k} {100 * v:.0f}%" for k, v in d["utilisation"].items())
-        lost = [f"{d[k]} {k}" for k in ("rejected", "truncated", "unfinished") if d[k]]
+        notes = [f"{d[k]} {k}" for k in ("rejected", "truncated", "unfinished") if d[k]]
+        sp = d.get("speculative")
+        if sp and sp["tokens_per_verify"] is not None:
+            notes.append(f"{sp['tokens_per_verify']:.3f} tokens kept per verify")
         print(
             f"  {d['name']}: busy {util}; prefix hits {100 * d['prefix_hit_rate']:.0f}% of prompt tokens; "
-            f"{d['preemptions']} preemptions; {d['steps']} steps" + (f"; {', '.join(lost)}" if lost else "")
+            f"{d['preemptions']} preemptions; {d['steps']} steps" + (f"; {', '.join(notes)}" if notes else "")
         )
     for name, points in out.get("sweep", {}).items():
         row = ", ".join(f"{p['request_rate_rps']:.2f}/s: {100 * p['attainment']:.0f}%" for p in points)

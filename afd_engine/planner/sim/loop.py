@@ -10,11 +10,15 @@ from __future__ import annotations
 import heapq
 from itertools import count
 
+import numpy as np
+
 from afd_engine.errors import ConfigError
 from afd_engine.planner.sim.cluster import ClusterConfig, InstanceConfig
+from afd_engine.planner.sim.drafting_rank import DraftingRank
 from afd_engine.planner.sim.rank import Rank
 from afd_engine.planner.sim.request import DONE, INF, SENDING, Request
 from afd_engine.planner.sim.router import Domain
+from afd_engine.planner.sim.speculative import draft_time
 from afd_engine.planner.traces import Trace
 
 
@@ -24,6 +28,7 @@ class Group:
     def __init__(self, sim: Simulation, cfg: InstanceConfig, role: str, name: str) -> None:
         self.sim, self.cfg, self.role, self.name = sim, cfg, role, name
         self.model = cfg.step_time
+        self.spec = cfg.speculative
         self.ranks: list[Rank] = []
         self.active: dict[int, Rank] = {}
         self.busy = False
@@ -52,6 +57,11 @@ class Group:
         if not loads:
             return
         seconds, busy = self.model.step(loads)
+        if self.spec is not None:  # the MTP module's draft passes after the verify
+            chain = [ld for ld in (rank.draft_load() for rank in planned) if ld is not None]
+            extra, extra_busy = draft_time(self.model, self.spec, loads, chain, (seconds, busy))
+            seconds += extra
+            busy = tuple(b + x for b, x in zip(busy, extra_busy))
         if not seconds > 0:
             raise ConfigError(f"the step time model gave {seconds!r} s for a step; it must be > 0")
         self.steps += 1
@@ -81,6 +91,7 @@ class Simulation:
         cluster.validate()
         self.trace, self.cluster = trace, cluster
         self.block_tokens = trace.block_tokens
+        self.max_output = max(r.output_len for r in trace.requests)
         self.kv_link = cluster.kv_link if cluster.decode is not None else None
         self.seq = count()
         self.now = 0.0
@@ -99,6 +110,12 @@ class Simulation:
         for i, r in enumerate(trace.requests):
             full = min(len(r.blocks), r.input_len // B)
             self.reqs.append(Request(i, r.arrival_s, r.input_len, r.output_len, tuple(r.blocks[:full])))
+        spec = (cluster.decode or cluster.serving).speculative
+        if spec is not None:  # each request's draws, one per verify it can need
+            need = np.array([max(req.output_len - 1, 0) for req in self.reqs], dtype=np.int64)
+            draws, ends = spec.draws(int(need.sum())), np.cumsum(need).tolist()
+            for req, end, n in zip(self.reqs, ends, need.tolist()):
+                req.draws = draws[end - n : end]
         caps = [cluster.serving.kv_pages * cluster.serving.page_tokens]
         if cluster.decode is not None:
             caps.append(cluster.decode.kv_pages * cluster.decode.page_tokens)
@@ -107,8 +124,9 @@ class Simulation:
     def _build(self, cfg: InstanceConfig, domain: Domain[Rank], role: str) -> None:
         for k in range(cfg.replicas):
             g = Group(self, cfg, role, f"{role}{k}")
+            kind = Rank if cfg.speculative is None else DraftingRank
             for _ in range(cfg.ranks):
-                g.ranks.append(Rank(self, g, domain, cfg, role))
+                g.ranks.append(kind(self, g, domain, cfg, role))
             self.groups.append(g)
 
     def push(self, t: float, group: Group) -> None:

@@ -40,6 +40,7 @@ class Host(Protocol):
     """What a rank needs of the simulation that runs it (loop.Simulation)."""
 
     block_tokens: int
+    max_output: int  # the longest output of the trace
     seq: Iterator[int]
     now: float
     kv_link: KVLink | None
@@ -113,7 +114,7 @@ class Rank(RankCache):
     def _preempt(self, req: Request, s: int) -> None:
         """Back to the queue's head; the work is redone, less what the prefix cache keeps."""
         if req.state == DECODE:
-            d = s - req.s0
+            d = self._gained(req, s - req.s0)
             kv, req.gen, req.priv = req.t0 + d, req.g0 + d, req.u0 + d
             self._leave_decode(req, kv)
         else:
@@ -203,15 +204,9 @@ class Rank(RankCache):
             for req in self.joining:
                 self._start_decode(req, s)
             self.joining.clear()
-        bucket = self.buckets[s % self.P]
-        if bucket and not self._grow(len(bucket)):
-            self._decode_pages_short(bucket, s)
-        n_dec = self.n_dec
-        self.ctx += n_dec
-        if self.K:
-            self._grow_attended(s)
-        budget = self.max_tokens - n_dec
-        tokens = seqs = n_dec
+        rows = self._decode_rows(s)
+        budget = self.max_tokens - rows
+        tokens = seqs = rows
         pairs = 0.0
         self.chunk_attended = 0.0
         if self.prefilling and budget > 0:
@@ -234,9 +229,28 @@ class Rank(RankCache):
             budget, tokens, seqs, pairs = self._admit(s, budget, tokens, seqs, pairs)
         if not tokens:
             return None
+        return self._load(tokens, seqs, pairs)
+
+    def _decode_rows(self, s: int) -> int:
+        """Step s's decodes: their pages (preempting when short), one more position each; returns
+        their rows in the step."""
+        bucket = self.buckets[s % self.P]
+        if bucket and not self._grow(len(bucket)):
+            self._decode_pages_short([(req, 1) for req in bucket], s)
+        self.ctx += self.n_dec
+        if self.K:
+            self._grow_attended(s)
+        return self.n_dec
+
+    def _load(self, tokens: int, seqs: int, pairs: float) -> Load:
+        """This step's load (step_time.Load) from its token rows, sequences and prefill pairs."""
         if self.K:
             return tokens, seqs, self.ctx, pairs, self.attended, self.chunk_attended
         return tokens, seqs, self.ctx, pairs
+
+    def _gained(self, req: Request, steps: int) -> int:
+        """Tokens a decoder gained in its first `steps` decode steps: one each."""
+        return steps
 
     def _grow_attended(self, s: int) -> None:
         """Step s added a position to every decoder: those below K attend to one more; those that
@@ -248,16 +262,17 @@ class Rank(RankCache):
                 if req.epoch == epoch and req.state == DECODE:
                     self.n_below -= 1
 
-    def _decode_pages_short(self, bucket: set[Request], s: int) -> None:
-        """Pages ran out: decodes in running order take theirs, preempting the newest running
-        request until one fits or the decode itself was preempted (as the engine does)."""
-        for req in sorted(bucket, key=lambda r: r.order):
+    def _decode_pages_short(self, needs: list[tuple[Request, int]], s: int) -> None:
+        """Pages ran out: decodes in running order take theirs (`needs`: request, pages),
+        preempting the newest running request until one fits or the decode itself was preempted
+        (as the engine does)."""
+        for req, pages in sorted(needs, key=lambda e: e[0].order):
             if req.state != DECODE:
                 continue  # preempted for an older request in this loop
-            while not self._grow(1):
+            while not self._grow(pages):
                 victim = next(reversed(self.running.values()))
                 if victim is req and len(self.running) == 1:  # the pool cannot hold this one sequence
-                    d = s - req.s0
+                    d = self._gained(req, s - req.s0)
                     req.gen, req.priv = req.g0 + d, req.u0 + d
                     self._leave_decode(req, req.t0 + d)
                     self._finish(req, self.sim.now, req.t0 + d, "truncated")
@@ -265,6 +280,11 @@ class Rank(RankCache):
                 self._preempt(victim, s)
                 if victim is req:
                     break
+            else:
+                self._took_pages(req, pages)
+
+    def _took_pages(self, req: Request, pages: int) -> None:
+        """A decode got the pages it needed for this step (kept track of by a drafting rank)."""
 
     def _admission_order(self, s: int) -> Iterator[Request]:
         """Waiting requests in the order admission tries them: fcfs takes the queue's head (each
@@ -327,8 +347,9 @@ class Rank(RankCache):
         if done:
             for req, epoch in done:
                 if req.epoch == epoch and req.state == DECODE:
-                    kv = req.t0 + s + 1 - req.s0
-                    req.gen, req.priv = req.output_len, req.u0 + s + 1 - req.s0
+                    d = req.output_len - req.g0  # (its last step's tokens complete its output)
+                    kv = req.t0 + d
+                    req.gen, req.priv = req.output_len, req.u0 + d
                     self._leave_decode(req, kv)
                     self._finish(req, t, kv)
         if not self.chunks:

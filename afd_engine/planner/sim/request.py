@@ -49,6 +49,10 @@ class Request:
         "outcome",
         "d_held",
         "d_priv",
+        "draws",
+        "drawn",
+        "gains",
+        "pages_held",
     )
 
     def __init__(self, i: int, arrival: float, input_len: int, output_len: int, keys: tuple) -> None:
@@ -62,6 +66,10 @@ class Request:
         self.rank = self.prefill_rank = self.decode_rank = None
         self.sent, self.xfer_end, self.admitted, self.outcome = 0, 0.0, False, "ok"
         self.d_held = self.d_priv = 0  # PD: blocks and private tokens reserved on the decode rank
+        # speculative decoding (drafting_rank.py): tokens each of its verifies keeps, how many it
+        # used, tokens gained before each verify of this decode, private pages it holds
+        self.draws = self.gains = None
+        self.drawn = self.pages_held = 0
 
     def key(self, n: int):
         """Block n's cache key: the trace's id for a full prompt block, else one of its own."""

@@ -9,6 +9,7 @@ import numpy as np
 
 from afd_engine.errors import ConfigError
 from afd_engine.planner.sim.cluster import ClusterConfig
+from afd_engine.planner.sim.drafting_rank import DraftingRank
 from afd_engine.planner.sim.loop import Simulation
 from afd_engine.planner.sim.request import INF
 from afd_engine.planner.traces import Trace
@@ -111,6 +112,11 @@ def simulate(trace: Trace, cluster: ClusterConfig, slo: SLO) -> SimResult:
         "steps": sum(g.steps for g in sim.groups),
         "wall_s": wall,
     }
+    drafting = [r for r in ranks if isinstance(r, DraftingRank)]
+    if drafting:  # what the draws gave (a request's last verify keeps only what its output needs)
+        verifies = sum(r.verifies for r in drafting)
+        kept = sum(r.spec_tokens for r in drafting)
+        summary["speculative"] = {"verifies": verifies, "tokens_per_verify": kept / verifies if verifies else None}
     return SimResult(
         cluster.name,
         gpus,

@@ -11,6 +11,7 @@ from afd_engine.planner.deploy import MEMORY_RESERVE, Deployment, memory_gb
 from afd_engine.planner.hardware import Hardware
 from afd_engine.planner.model_spec import ModelSpec
 from afd_engine.planner.sim.cluster import POLICIES, ClusterConfig, InstanceConfig, KVLink
+from afd_engine.planner.sim.speculative import SpecDecoding
 from afd_engine.planner.sim.step_time import StageStepTime
 from afd_engine.planner.stages import StageModel
 from afd_engine.planner.step_calibration import FittedStepTime, StepCalibration
@@ -146,11 +147,13 @@ class BuildOptions:
     kv_pages: int | None = None
     prefix_cache: bool = True
     router: str = "cache_aware"
+    speculative: SpecDecoding | None = None  # of the instances that decode (not PD's prefill ones)
 
 
-def _instance(spec: DeploymentSpec, b: BuildOptions) -> tuple[InstanceConfig, Hardware, float]:
+def _instance(spec: DeploymentSpec, b: BuildOptions, decodes: bool = True) -> tuple[InstanceConfig, Hardware, float]:
     """An instance from a colocated or afd SPEC, with its KV pages from the memory left after the
-    weights (deploy.memory_gb's accounting); also its attention hardware and KV bytes per token."""
+    weights (deploy.memory_gb's accounting); also its attention hardware and KV bytes per token.
+    `decodes`: it runs decodes (all but PD's prefill instances), with `b.speculative` if set."""
     o = spec.opts
     afd = spec.kind == "afd"
     attn_hw = b.hw(o.get("ahw", o.get("hw", "H800")))
@@ -207,6 +210,7 @@ def _instance(spec: DeploymentSpec, b: BuildOptions) -> tuple[InstanceConfig, Ha
         policy=o.get("policy", b.policy),
         prefix_cache=b.prefix_cache,
         attention_topk=b.model.attention.index_topk,
+        speculative=b.speculative if decodes else None,
     )
     cfg.validate(f"--deployment {spec.text!r}")
     return cfg, attn_hw, kv_per_token
@@ -217,6 +221,6 @@ def build_cluster(spec: DeploymentSpec, b: BuildOptions) -> ClusterConfig:
     if spec.kind != "pd":
         cfg, _, _ = _instance(spec, b)
         return ClusterConfig(spec.text, cfg, router=b.router)
-    pre, pre_hw, kv_per_token = _instance(spec.prefill, b)
+    pre, pre_hw, kv_per_token = _instance(spec.prefill, b, decodes=False)
     dec, dec_hw, _ = _instance(spec.decode, b)
     return ClusterConfig(spec.text, pre, dec, KVLink.between(pre_hw, dec_hw, kv_per_token), b.router)

@@ -2,7 +2,8 @@
 
 `StageStepTime` is the planner's roofline through the same pipeline formula as `deploy.estimate`;
 `LinearStepTime` is a straight line for tests and what-ifs; `step_calibration.FittedStepTime` is a
-fit of this engine's own steps. Anything with a `roles` tuple and a `step` method will do.
+fit of this engine's own steps. Anything with a `roles` tuple and a `step` method will do; one
+with a `draft_pass` method too prices speculative decoding's draft passes itself (speculative.py).
 """
 
 from __future__ import annotations
@@ -131,6 +132,16 @@ class StageStepTime:
         return c.dispatch_us, c.combine_us, c.dispatch_busy_us, c.combine_busy_us
 
     def step(self, loads: Sequence[Load]) -> tuple[float, tuple[float, ...]]:
+        return self._time(loads, self.moe_layers, self.dense_layers, self.overhead_us)
+
+    def draft_pass(self, loads: Sequence[Load]) -> tuple[float, tuple[float, ...]]:
+        """One pass of the MTP module (speculative decoding) over `loads`: one MoE layer and its
+        head, without the per-step overhead (as `deploy.estimate` counts it)."""
+        return self._time(loads, 1, 0, 0.0)
+
+    def _time(
+        self, loads: Sequence[Load], moe_layers: int, dense_layers: int, overhead_us: float
+    ) -> tuple[float, tuple[float, ...]]:
         m, attn_rest, dense_rest = self.m, self.attn_rest, self.dense_rest
         pos_us, pair_us, index_pos_us, index_pair_us = self.pos_us, self.pair_us, self.index_pos_us, self.index_pair_us
         t_a = t_dense = 0.0
@@ -158,14 +169,14 @@ class StageStepTime:
         round_trip = t_a + d + t_f + c
         period, _ = pipeline_period(m, t_a, t_f, d_busy, c_busy, round_trip, self.afd)
         a_work = t_a if self.afd else t_a + t_f
-        moe = moe_layers_time(self.moe_layers, m, period, a_work, round_trip)
+        moe = moe_layers_time(moe_layers, m, period, a_work, round_trip)
         head = self._head(seqs_max)
-        dense = self.dense_layers * m * t_dense
-        step_us = self.overhead_us + head + dense + moe
+        dense = dense_layers * m * t_dense
+        step_us = overhead_us + head + dense + moe
         # busy time per GPU of each role: the attention work averaged over all attention ranks
         # (idle ones included), the expert stage on the busiest expert GPU
-        attn_busy = self.moe_layers * m * a_sum / self.attn_ranks + dense + head
-        ffn_busy = self.moe_layers * m * t_f
+        attn_busy = moe_layers * m * a_sum / self.attn_ranks + dense + head
+        ffn_busy = moe_layers * m * t_f
         if self.afd:
             return step_us * 1e-6, (attn_busy * 1e-6, ffn_busy * 1e-6)
         return step_us * 1e-6, ((attn_busy + ffn_busy) * 1e-6,)
