@@ -93,9 +93,9 @@ def main(argv=None) -> int:
     scenario = SCENARIOS[args.scenario]
     logdir = tempfile.mkdtemp(prefix=f"afd-faults-{args.scenario}-")
     r = scenario.run(args, logdir)
-    r["logs"] = logdir
     print(scenario.format_report(r))
-    if args.json:
+    print(f"logs: {logdir}")
+    if args.json:  # (the log directory is this machine's: not in the results)
         write_json(args.json, r)
     return 0 if scenario.passed(args, r) else 1
 
