@@ -34,6 +34,8 @@ SLOW_FILES = (
     "tests/disagg/test_pd_deployments.py",
     "tests/disagg/test_pd_failover.py",
     "tests/disagg/test_pd_serve.py",
+    "tests/deploy/test_grafana.py",
+    "tests/distributed/test_attention_failover.py",
     "tests/distributed/test_cluster_secret.py",
     "tests/distributed/test_deployments.py",
     "tests/distributed/test_elastic_experts.py",

@@ -223,7 +223,9 @@ class PipelineRunner(StepRunner):
             self.rebalancer.sync_in(self.step_id, [meta, *metas], loads + [t for m in msgs for t in m.tensors])
         self.stopped = self.want_stop or any(m["stop"] for m in metas)
         tokens = mine + sum(m["tokens"] for m in metas)
-        self.ran = not self.stopped and (tokens > 0 or self.rebalancer.has_news)
+        # AFD: an idle deployment steps without tokens for a descriptor with news for the FFN ranks
+        news = self.server is None and self.rebalancer.has_news
+        self.ran = not self.stopped and (tokens > 0 or news)
         if self.server is not None:  # colocated: a rank without tokens sends nothing, and nobody waits for it
             tokens = {self.rank: mine, **{ep: m["tokens"] for ep, m in zip(self.peers, metas)}}
             self.executor.expected = mine > 0
