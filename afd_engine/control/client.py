@@ -333,9 +333,13 @@ class ControlClient:
                 await sock.send(data, zmq.NOBLOCK)
                 break
             except zmq.Again:  # no rank connected yet: nothing queued, wait for one
-                if not await sock.poll(HEARTBEAT_S * 2000, zmq.POLLOUT) and not self.healthy:
+                if await sock.poll(HEARTBEAT_S * 2000, zmq.POLLOUT):
+                    continue
+                if not self.healthy:
                     reason = self.down_reason()
                     raise EngineUnavailable(f"the engine process stopped answering: {reason}") from None
+                if self.failover is not None and rank in self.failover.lost:
+                    return  # routed to a rank lost meanwhile: the failover resubmits it to another
         self.sockets.wake_ranks()
 
     def _send_nowait(self, msg) -> None:

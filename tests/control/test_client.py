@@ -178,3 +178,36 @@ def test_the_reason_the_engine_is_down_names_the_silent_rank_or_the_exit(addrs):
             await client.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_request_routed_to_a_rank_lost_meanwhile_moves_to_a_live_one(addrs):
+    """Fault tolerance: a request sent to rank 1 just before its loss was noticed waits for no
+    connection that will never come: once rank 1 counts lost, it is resubmitted to rank 0."""
+
+    async def run():
+        lost: set[int] = set()
+        client = ControlClient(addrs, LoadBalancer.of("round_robin", 2, 16), lost_ranks=lambda: lost)
+        client.start()
+        ctx = zmq.Context()
+        rank0 = rank_socket(ctx, addrs)  # rank 1 never connects: its process is gone
+        try:
+            await asyncio.sleep(0.2)
+            await client.open("a", [5, 6, 7], SamplingParams(max_new_tokens=2))  # round robin: rank 0
+            assert msgs.decode(rank0.recv()).rid == "a"
+            opening = asyncio.ensure_future(client.open("b", [5, 6, 7], SamplingParams(max_new_tokens=2)))
+            await asyncio.sleep(0.3)
+            assert not opening.done()  # waits for rank 1 to connect
+            lost.add(1)
+            await asyncio.wait_for(opening, 5)
+            assert rank0.poll(5000)
+            moved = msgs.decode(rank0.recv())
+            assert moved.rid == "b" and moved.params.seed is not None  # (a seed of the front end's)
+            assert client.failover.resumed == 1 and client.attention_ranks_alive == 1
+        finally:
+            for task in client._tasks:
+                task.cancel()
+            rank0.close(linger=0)
+            ctx.term()
+            client.sockets.close()
+
+    asyncio.run(run())
