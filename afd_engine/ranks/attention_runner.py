@@ -37,7 +37,16 @@ from afd_engine.models.forward_batch import ForwardBatch
 from afd_engine.operations import run_micro_batches, split_micro_batches
 from afd_engine.operations.strategy import AFD_ATTENTION, COLOCATED
 from afd_engine.ranks.expert_capacity import expert_capacity
-from afd_engine.ranks.fault_tolerance import JOIN, FfnRankLost, RecoveryFailed, agreed, join_key, join_wait, round_wait
+from afd_engine.ranks.fault_tolerance import (
+    JOIN,
+    FfnRankLost,
+    RecoveryFailed,
+    agreed,
+    from_live_senders,
+    join_key,
+    join_wait,
+    round_wait,
+)
 from afd_engine.ranks.fault_tolerance_recovery import RecoveryCoordinator
 from afd_engine.ranks.remote_experts import CommExpertServer, RemoteExpertExecutor
 from afd_engine.ranks.spec import DeploymentSpec
@@ -363,16 +372,14 @@ class PipelineRunner(StepRunner):
         """A replacement's way in: every live attention rank admits it in a recovery, and sends
         it the deployment's state (the next round's and step's ids, the placement, who is lost);
         it joins the next round."""
+
+        def joined(state: dict) -> list[int]:  # the first admission: who is lost, and all else
+            self.recovery.joined(state)
+            return self.peers
+
         wait, key = join_wait(self.spec.args), join_key(self.incarnation)
-        others = [ep for ep in self.recovery.peers]
-        first = self.transport.recv_any(others, JOIN, key, wait)
-        state = first.meta
-        self.recovery.joined(state)
-        views = {first.src: state}
-        for ep in self.peers:
-            if ep != first.src:
-                views[ep] = self.transport.recv(ep, JOIN, key, wait).meta
-        agreed(views, f"attention rank {self.rank}: the attention ranks disagree on its admission")
+        views = from_live_senders(self.transport, self.recovery.peers, JOIN, key, wait, joined)
+        state = agreed(views, f"attention rank {self.rank}: the attention ranks disagree on its admission")
         self.sync_id, self.step_id = state["sync_id"], state["step_id"]
         self.executor.expert_map = self.rebalancer.map
         self._joining = False

@@ -136,6 +136,18 @@ def readmit(transport, store, endpoint: int, incarnation: int) -> None:
     transport.readmit(endpoint, *store.peer(endpoint), incarnation)
 
 
+def from_live_senders(transport, senders: list[int], kind: str, key, wait: float, on_first) -> dict[int, dict]:
+    """The metas of one message (`kind`, `key`) from every live attention rank: the first to come
+    names the lost ones (`on_first(meta)` takes them into account and returns the senders left),
+    then each of the others'. Sender endpoint -> meta."""
+    first = transport.recv_any(senders, kind, key, wait)
+    views = {first.src: first.meta}
+    for ep in on_first(first.meta):
+        if ep != first.src:
+            views[ep] = transport.recv(ep, kind, key, wait).meta
+    return views
+
+
 def agreed(views: dict[int, dict], what: str) -> dict:
     """The one view every attention rank sent (DescriptorMismatchError naming `what` otherwise)."""
     if len({json.dumps(v, sort_keys=True) for v in views.values()}) > 1:

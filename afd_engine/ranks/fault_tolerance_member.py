@@ -18,6 +18,7 @@ from afd_engine.ranks.fault_tolerance import (
     StepAborted,
     agreed,
     ffn_rank,
+    from_live_senders,
     join_key,
     join_wait,
     readmit,
@@ -71,6 +72,11 @@ class RecoveryMember:
         self.senders = [ep for ep in self.senders if ep not in dead]
         self.heartbeats.senders = list(self.senders)
 
+    def _lost_named(self, meta: dict) -> list[int]:
+        """The attention ranks a plan names lost are dropped; the live ones are left."""
+        self.drop_senders(meta.get("dead_senders", []))
+        return self.senders
+
     def check(self, step_id: int) -> None:
         """StepAborted once an attention rank has called a recovery (step_id: the step under way)."""
         if any(self.transport.pending(ep, RECOVER) for ep in self.senders):
@@ -91,12 +97,9 @@ class RecoveryMember:
         placement. Returns the placement, that step, and the next keepalive id of each attention
         endpoint."""
         wait = join_wait(self.spec.args)
-        first = self.transport.recv_any(self.senders, JOIN, join_key(self.incarnation), wait)
-        self.drop_senders(first.meta.get("dead_senders", []))
-        plans = {first.src: first.meta}
-        for ep in self.senders:
-            if ep != first.src:
-                plans[ep] = self.transport.recv(ep, JOIN, join_key(self.incarnation), wait).meta
+        plans = from_live_senders(
+            self.transport, self.senders, JOIN, join_key(self.incarnation), wait, self._lost_named
+        )
         plan = agreed(plans, f"FFN rank {self.rank}: the attention ranks disagree on its placement")
         placement = ExpertMap.from_description(self.spec.layout, plan["plan"])
         stager.current = ExpertMap.from_description(self.spec.layout, plan["serving"])  # who holds what now
@@ -122,13 +125,7 @@ class RecoveryMember:
         args, start = self.spec.args, time.monotonic()
         self.recoveries += 1
         key = recover_key(self.recoveries)
-        # the first plan names the attention ranks lost, if any: the others' plans come from the rest
-        first = self.transport.recv_any(self.senders, RECOVER, key, recover_wait(args))
-        self.drop_senders(first.meta.get("dead_senders", []))
-        plans = {first.src: first.meta}
-        for ep in self.senders:
-            if ep != first.src:
-                plans[ep] = self.transport.recv(ep, RECOVER, key, recover_wait(args)).meta
+        plans = from_live_senders(self.transport, self.senders, RECOVER, key, recover_wait(args), self._lost_named)
         plan = agreed(plans, f"recovery {self.recoveries}: the attention ranks disagree on the placement")
         self.readmitted = [int(ep) for ep in plan.get("readmit_senders", {})]
         for ep, info in plan.get("readmit_senders", {}).items():  # a lost attention rank's replacement
