@@ -488,3 +488,6 @@ class PipelineRunner(StepRunner):
         self.rebalancer.close()
         if self.server is not None:
             self.server.endpoint.close()
+        # flushes what is still queued (the shutdown descriptor above travels on a sender thread
+        # with --transport torch) before the process may exit, and tells every peer we are gone
+        self.transport.close()

@@ -37,3 +37,31 @@ def test_agreeing_descriptors_give_the_micro_batch_count_and_shutdown_gives_none
 def test_mismatching_descriptors_are_refused_loudly(metas, match):
     with pytest.raises(DescriptorMismatchError, match=match):
         check_descriptors(metas, 3, 4)
+
+
+class _RecordingTransport:
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    def send(self, dst, msg) -> None:
+        self.log.append(("send", dst, msg.kind, msg.meta.get("shutdown")))
+
+    def close(self) -> None:
+        self.log.append(("close",))
+
+
+def test_a_closing_attention_rank_flushes_its_shutdown_descriptor_by_closing_its_transport():
+    """The shutdown descriptor may still wait on a sender thread when the runner closes (--transport
+    torch): without closing the transport, the process can exit first and an FFN rank sees its
+    connection drop instead of the shutdown (it exits 1)."""
+    from types import SimpleNamespace
+
+    from afd_engine.ranks.attention_runner import PipelineRunner
+
+    runner = PipelineRunner.__new__(PipelineRunner)
+    runner.transport = transport = _RecordingTransport()
+    runner.recovery = SimpleNamespace(close=lambda: None, ffn=[2, 3])
+    runner.rebalancer = SimpleNamespace(close=lambda: None)
+    runner.server, runner.step_id, runner.sender = None, 5, SimpleNamespace(endpoint=0)
+    runner.close()
+    assert transport.log == [("send", 2, "step", True), ("send", 3, "step", True), ("close",)]
