@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="Mooncake-format JSONL trace (for --dataset-name trace)")
     p.add_argument("--trace-rate-scale", type=float, default=1.0, help="trace: arrivals this many times as fast")
     p.add_argument("--trace-length-scale", type=float, default=1.0, help="trace: prompt and output lengths times this")
+    p.add_argument(
+        "--trace-output-scale",
+        type=float,
+        default=None,
+        help="trace: output lengths times this instead of --trace-length-scale",
+    )
     p.add_argument("--trace-start", type=float, default=0.0, help="trace: first second replayed (after scaling)")
     p.add_argument("--trace-duration", type=float, default=math.inf, help="trace: seconds replayed (after scaling)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -181,6 +187,8 @@ def validate_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if not (args.trace_rate_scale > 0 and args.trace_length_scale > 0 and args.trace_duration > 0):
         p.error("--trace-rate-scale, --trace-length-scale and --trace-duration must be positive")
+    if args.trace_output_scale is not None and not args.trace_output_scale > 0:
+        p.error("--trace-output-scale must be positive")
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         p.error("--dataset-name sharegpt needs --dataset-path (a local file; nothing is downloaded)")
     if args.warmup_requests < 0:

@@ -2,10 +2,14 @@
 
 `afd serve|generate ... --record-steps PATH` writes one JSON line per forward step of each rank:
 its load as the simulator counts it (tokens, sequences, KV positions its decodes read, query-key
-pairs of its prefill chunks) and the monotonic start `t0` and end `t1` of the forward. `fit_records`
-turns them into (load, seconds) rows and fits
+pairs of its prefill chunks), what the CPU attention computes once it pads (the chunks' pairs
+padded to the longest chunk and context, the decodes' positions padded to the longest context),
+and the monotonic start `t0` and end `t1` of the forward. `fit_records` turns them into (load,
+seconds) rows and fits
 
     step_s = c0 + c1 * tokens + c2 * seqs + c3 * kv_positions + c4 * pairs
+                 + c5 * padded_pairs + c6 * padded_positions + c7 * instance_tokens
+                 + c8 * [the step prefills]
 
 by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute
 error (the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much
@@ -14,8 +18,10 @@ calibration run's latencies. A step's seconds are its forward plus
 the gap since the previous forward ended, when that gap is short (the scheduling the engine did not
 hide); a longer gap means the engine was idle and only the forward counts. For a deployment of
 several attention ranks the i-th records of the ranks are the same lockstep step: the step's
-seconds are the longest, its load the busiest rank's (most tokens). `FittedStepTime` applies the
-fit to each rank's load in a simulated step and takes the slowest rank.
+seconds are the longest, its load each term's largest over the ranks (a rank that prefills makes
+the step a prefill step even when another has more tokens), and `instance_tokens` the tokens of all
+its ranks (colocated ranks each run their experts for every rank's tokens; for one rank it equals
+`tokens`). `FittedStepTime` reads a simulated step the same way.
 """
 
 from __future__ import annotations
@@ -32,8 +38,22 @@ import numpy as np
 from afd_engine.errors import ConfigError
 from afd_engine.planner.files import read_json
 
-TERMS = ("fixed", "tokens", "seqs", "kv_positions", "pairs")
+TERMS = (
+    "fixed",
+    "tokens",
+    "seqs",
+    "kv_positions",
+    "pairs",
+    "padded_pairs",
+    "padded_positions",
+    "instance_tokens",
+    "prefill_step",
+)
+OLD_TERMS = TERMS[:5]  # calibrations written before the later terms (which count 0 there)
+LOAD_TERMS = len(TERMS) - 2  # what a fit row gives; the fixed term and the prefill indicator are not in it
+RANK_TERMS = LOAD_TERMS - 1  # what a simulated rank's load gives (the instance's tokens come from all)
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
+PADDED_FIELDS = ("ext_pad", "dec_pad")  # absent from older recordings: 0
 GAP_CAP_S = 0.02  # a longer gap between two forwards is idle time, not part of the step
 
 
@@ -57,9 +77,16 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
-    """Rows (1, tokens, seqs, kv_positions, pairs) of the loads."""
-    a = np.asarray(loads, dtype=float).reshape(-1, 4)
-    return np.hstack([np.ones((a.shape[0], 1)), a])
+    """Rows (1, tokens, seqs, kv_positions, pairs, padded_pairs, padded_positions, instance_tokens,
+    prefill_step) of the loads (a load of four has no padded terms: 0; one without instance_tokens
+    is an instance of one rank: its tokens; prefill_step is 1 where pairs > 0)."""
+    a = np.asarray(loads, dtype=float)
+    a = a.reshape(len(loads), -1) if len(loads) else a.reshape(0, LOAD_TERMS)
+    width = a.shape[1]
+    a = np.pad(a, ((0, 0), (0, LOAD_TERMS - width)))
+    if width < LOAD_TERMS:
+        a[:, RANK_TERMS] = a[:, 0]
+    return np.hstack([np.ones((a.shape[0], 1)), a, (a[:, 3:4] > 0).astype(float)])
 
 
 @dataclass(frozen=True)
@@ -71,9 +98,17 @@ class StepCalibration:
     steps: int = 0
     rms_s: float = 0.0
     power: float = 1.0  # rows weighted by seconds^-power in the fit
+    median_rel_error: float = 0.0  # the fit's residual: median |predicted - measured| / measured
 
-    def seconds(self, load: Sequence[float]) -> float:
-        return self.coef[0] + sum(c * v for c, v in zip(self.coef[1:], load))
+    def seconds(self, load: Sequence[float], instance_tokens: float | None = None) -> float:
+        """The step time of a load (a fit row, or a rank's load with its instance's tokens apart)."""
+        c = self.coef
+        t = c[0] + sum(k * v for k, v in zip(c[1 : RANK_TERMS + 1], load[:RANK_TERMS]))
+        if len(c) == len(TERMS):
+            if instance_tokens is None:
+                instance_tokens = load[RANK_TERMS] if len(load) > RANK_TERMS else load[0]
+            t += c[LOAD_TERMS] * instance_tokens + (c[-1] if load[3] > 0 else 0.0)
+        return t
 
     def as_dict(self) -> dict:
         return {
@@ -82,6 +117,7 @@ class StepCalibration:
             "source": self.source,
             "steps": self.steps,
             "rms_s": self.rms_s,
+            "median_rel_error": self.median_rel_error,
             "weight_power": self.power,
         }
 
@@ -93,9 +129,9 @@ class StepCalibration:
         where = f"--step-calibration {path}"
         d = read_json(path, "--step-calibration")
         coef = d.get("coef") if isinstance(d, dict) else None
-        if not isinstance(coef, dict) or set(coef) != set(TERMS):
+        if not isinstance(coef, dict) or set(coef) not in (set(TERMS), set(OLD_TERMS)):
             raise ConfigError(f'{where}: expected {{"coef": {{...}}}} with exactly the keys {", ".join(TERMS)}')
-        values = tuple(coef[t] for t in TERMS)
+        values = tuple(coef.get(t, 0.0) for t in TERMS)
         if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
             raise ConfigError(f"{where}: every coefficient must be a finite number")
         if any(v < 0 for v in values):
@@ -103,7 +139,7 @@ class StepCalibration:
         if not any(values):
             raise ConfigError(f"{where}: all coefficients are 0 (every step would take no time)")
         extra = (str(d.get("source", "")), int(d.get("steps", 0)), float(d.get("rms_s", 0.0)))
-        return cls(values, *extra, float(d.get("weight_power", 1.0)))
+        return cls(values, *extra, float(d.get("weight_power", 1.0)), float(d.get("median_rel_error", 0.0)))
 
 
 def fit(
@@ -118,8 +154,10 @@ def fit(
         raise ConfigError("a weighted fit needs every step's seconds > 0")
     w = y**-power if power else np.ones_like(y)
     coef = nnls(x * w[:, None], y * w)
-    rms = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
-    return StepCalibration(tuple(float(c) for c in coef), source, len(y), rms, power)
+    pred = x @ coef
+    rms = float(np.sqrt(np.mean((pred - y) ** 2)))
+    rel = float(np.median(np.abs(pred - y) / y)) if np.all(y > 0) else float("nan")
+    return StepCalibration(tuple(float(c) for c in coef), source, len(y), rms, power, rel)
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -130,7 +168,8 @@ def read_records(path: str | Path) -> list[dict]:
             continue
         try:
             rec = json.loads(line)
-            out.append({k: float(rec[k]) for k in RECORD_FIELDS})
+            row = {k: float(rec[k]) for k in RECORD_FIELDS}
+            out.append(row | {k: float(rec.get(k, 0)) for k in PADDED_FIELDS})
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}:{no}: expected a step record with {', '.join(RECORD_FIELDS)} ({exc})") from None
     return out
@@ -149,10 +188,10 @@ def step_rows(ranks: Sequence[Sequence[dict]], skip: int = 1) -> tuple[list[tupl
         if prev_end is not None and 0 <= t0 - prev_end < GAP_CAP_S:
             s = t1 - prev_end
         prev_end = t1
-        busiest = max(recs, key=lambda x: x["tokens"])
-        if i < skip or busiest["tokens"] <= 0:
+        if i < skip or max(x["tokens"] for x in recs) <= 0:
             continue
-        loads.append((busiest["tokens"], busiest["seqs"], busiest["kv"], busiest["pairs"]))
+        row = tuple(max(x[k] for x in recs) for k in ("tokens", "seqs", "kv", "pairs", *PADDED_FIELDS))
+        loads.append((*row, sum(x["tokens"] for x in recs)))
         seconds.append(s)
     return loads, seconds
 
@@ -169,12 +208,17 @@ def fit_records(runs: Iterable[Sequence[str | Path]], source: str = "", power: f
 
 
 class FittedStepTime:
-    """A StepTimeModel from a `StepCalibration`: each rank's time from its own load, the step the
-    slowest rank's (lockstep); every role is busy for the whole step."""
+    """A StepTimeModel from a `StepCalibration`: a lockstep step's time from each load term's largest
+    over its ranks and the tokens of all of them (as `step_rows` reads the engine's steps); every
+    role is busy for the whole step."""
+
+    padded_loads = True  # the simulated ranks add the padded terms to their loads
 
     def __init__(self, cal: StepCalibration, roles: tuple[str, ...] = ("gpu",)) -> None:
         self.cal, self.roles = cal, roles
 
     def step(self, loads: Sequence[Sequence[float]]) -> tuple[float, tuple[float, ...]]:
-        seconds = max(self.cal.seconds(ld) for ld in loads)
+        total = sum(ld[0] for ld in loads)
+        worst = loads[0] if len(loads) == 1 else tuple(map(max, *loads))  # as step_rows reads a lockstep step
+        seconds = self.cal.seconds(worst, total)
         return seconds, (seconds,) * len(self.roles)

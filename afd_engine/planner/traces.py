@@ -106,14 +106,21 @@ def scale_length(n: int, length_scale: float) -> int:
 
 
 def load_mooncake(
-    path: str | Path, rate_scale: float = 1.0, length_scale: float = 1.0, limit: int | None = None
+    path: str | Path,
+    rate_scale: float = 1.0,
+    length_scale: float = 1.0,
+    limit: int | None = None,
+    output_scale: float | None = None,
 ) -> Trace:
     """Reads a Mooncake-format JSONL trace (`timestamp` ms, `input_length`, `output_length`,
     `hash_ids`). Arrival times are divided by `rate_scale` and measured from the first request;
     lengths are multiplied by `length_scale` (at least one token each), and so is the block size
-    (at least one token), so block ids still cover the same share of each prompt."""
+    (at least one token), so block ids still cover the same share of each prompt. `output_scale`,
+    when given, scales the output lengths instead (a replay that keeps more decode per prompt)."""
     check_scale(rate_scale, "--rate-scale")
     check_scale(length_scale, "--length-scale")
+    out_scale = length_scale if output_scale is None else output_scale
+    check_scale(out_scale, "--output-scale")
     p = Path(path)
     try:
         lines = p.read_text().splitlines()
@@ -140,11 +147,13 @@ def load_mooncake(
             raise ConfigError(f"--trace {path}:{no}: lengths must be >= 1 and the timestamp >= 0")
         t0 = ts if t0 is None else t0
         arrival = (ts - t0) / 1e3 / rate_scale
-        reqs.append(TraceRequest(arrival, scale_length(n_in, length_scale), scale_length(n_out, length_scale), blocks))
+        reqs.append(TraceRequest(arrival, scale_length(n_in, length_scale), scale_length(n_out, out_scale), blocks))
     if not reqs:
         raise ConfigError(f"--trace {path}: no requests in the file")
     reqs.sort(key=lambda r: r.arrival_s)  # (stable: equal timestamps keep file order)
     meta = {"rate_scale": rate_scale, "length_scale": length_scale}
+    if output_scale is not None:
+        meta["output_scale"] = output_scale
     return Trace(reqs, scale_length(MOONCAKE_BLOCK_TOKENS, length_scale), str(path), meta)
 
 

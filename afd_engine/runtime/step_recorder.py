@@ -13,7 +13,9 @@ from collections.abc import Callable
 class StepRecorder:
     """Wraps a runner's `execute`: one JSONL line per step with this rank's load, as the simulator
     counts it (tokens, sequences, KV positions its decodes read, query-key pairs of its prefill
-    chunks), and the monotonic start and end of the forward (`--record-steps`)."""
+    chunks), and the monotonic start and end of the forward (`--record-steps`); then what the
+    CPU attention computes padded (`ext_pad`: query-key pairs of the chunks padded to the longest
+    chunk and context; `dec_pad`: KV positions of the decodes padded to the longest context)."""
 
     def __init__(self, path: str, execute: Callable) -> None:
         self.file = open(path, "w", buffering=1)
@@ -28,10 +30,16 @@ class StepRecorder:
         ext = sum(n for _, n in plan.extend)
         pairs = sum(n * (r.num_cached - n) + n * (n + 1) / 2 for r, n in plan.extend)
         kv = sum(r.num_cached for r in plan.decode)
+        # what the CPU attention computes once padded: every chunk to the longest chunk and the
+        # longest context of the step's chunks, every decode to the longest decode context
+        ext_pad = len(plan.extend) * max((n for _, n in plan.extend), default=0)
+        ext_pad *= max((r.num_cached for r, _ in plan.extend), default=0)
+        dec_pad = len(plan.decode) * max((r.num_cached for r in plan.decode), default=0)
         rec = [self.step, ext + len(plan.decode), len(plan.extend) + len(plan.decode), kv, pairs, t0, t1]
+        rec += [ext_pad, dec_pad]
         self.file.write(json.dumps(dict(zip(STEP_FIELDS, rec))) + "\n")
         self.step += 1
         return out
 
 
-STEP_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
+STEP_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1", "ext_pad", "dec_pad")

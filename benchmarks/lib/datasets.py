@@ -149,14 +149,16 @@ def next_turn(prev: Request, answer: Any, user: str | list[int]) -> Request:
 
 def trace_requests(args: argparse.Namespace) -> list[Request]:
     """A Mooncake-format trace's requests (afd_engine/planner/traces.py reads it: arrival times
-    divided by --trace-rate-scale, lengths times --trace-length-scale), those arriving in
+    divided by --trace-rate-scale, lengths times --trace-length-scale, outputs times
+    --trace-output-scale where given), those arriving in
     [--trace-start, --trace-start + --trace-duration) seconds, each sent at its arrival time. A
     prompt is its block ids' token blocks, one fixed random block per id, cut to its length (and
     filled with its own random tokens where its ids do not cover it): requests that share block ids
     share those prompt tokens, so the prefix cache sees the trace's reuse."""
     from afd_engine.planner.traces import load_mooncake
 
-    trace = load_mooncake(args.trace, args.trace_rate_scale, args.trace_length_scale)
+    output_scale = getattr(args, "trace_output_scale", None)
+    trace = load_mooncake(args.trace, args.trace_rate_scale, args.trace_length_scale, output_scale=output_scale)
     end = args.trace_start + args.trace_duration
     picked = [r for r in trace.requests if args.trace_start <= r.arrival_s < end]
     if not picked:

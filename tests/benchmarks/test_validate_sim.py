@@ -1,4 +1,5 @@
-"""benchmarks/validate_sim.py: the pieces that tie a served run to its simulation (no server here)."""
+"""benchmarks/validate_sim.py: the pieces that tie served runs to their simulation (no server here),
+the table generated into benchmarks/README.md, and (slow tier) its quick variant end to end."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import json
 
 import pytest
 
-from tests.process_helpers import load_bench
+from tests.process_helpers import bench_run, load_bench
 
 vs = load_bench("validate_sim.py")
+KEYS = [k for k, _ in vs.METRICS]
 
 
 def test_kv_pages_from_the_startup_log():
@@ -21,6 +23,8 @@ def test_kv_pages_from_the_startup_log():
 
 
 def test_the_simulated_slice_is_the_one_bench_serving_sends(tmp_path):
+    """Slices are trace seconds; bench_serving replays them on its own clock (divided by the rate
+    scale), prompts and outputs scaled apart."""
     from benchmarks.lib.datasets import trace_requests
 
     path = tmp_path / "t.jsonl"
@@ -29,12 +33,14 @@ def test_the_simulated_slice_is_the_one_bench_serving_sends(tmp_path):
         for i in range(20)
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    args = argparse.Namespace(trace=path, rate_scale=2.0, length_scale=1 / 32)
-    trace, dropped = vs.trace_slice(args, 3.0, 4.0)
+    args = argparse.Namespace(trace=path, rate_scale=2.0, length_scale=1 / 32, output_scale=1 / 8, duration=8.0)
+    assert vs.replay_window(args, 6.0) == (3.0, 4.0)
+    trace, dropped = vs.trace_slice(args, 6.0)
     bench = argparse.Namespace(
         trace=str(path),
         trace_rate_scale=2.0,
         trace_length_scale=1 / 32,
+        trace_output_scale=1 / 8,
         trace_start=3.0,
         trace_duration=4.0,
         random_vocab_size=2048,
@@ -44,22 +50,36 @@ def test_the_simulated_slice_is_the_one_bench_serving_sends(tmp_path):
     assert [(r.arrival_s, r.input_len, r.output_len) for r in trace.requests] == [
         (s.arrival_s, s.prompt_len, s.output_len) for s in sent
     ]
-    assert trace.block_tokens == 16
+    assert trace.block_tokens == 16 and {r.output_len for r in trace.requests} == {8}
 
 
-def test_mean_abs_error():
-    engine = dict.fromkeys((k for k, _ in vs.METRICS), 100.0)
-    sim = {**engine, "ttft_p50_ms": 110.0, "tpot_p90_ms": 70.0}
-    assert vs.mean_abs_error(sim, engine) == pytest.approx((10 + 30) / 5)
+def test_mean_spread_errors_and_verdicts():
+    runs = [dict.fromkeys(KEYS, v) for v in (90.0, 100.0, 110.0)]
+    runs[1]["tpot_p90"] = 130.0  # tpot_p90: 90, 130, 110 -> mean 110, spread 20/110
+    mean, spread = vs.mean_and_spread(runs)
+    assert mean["ttft_p50"] == pytest.approx(100.0) and spread["ttft_p50"] == pytest.approx(10.0)
+    assert mean["tpot_p90"] == pytest.approx(110.0) and spread["tpot_p90"] == pytest.approx(100 * 20 / 110)
+    sim = {**mean, "ttft_p50": 109.0, "ttft_p90": 88.0, "tpot_p90": 126.5}
+    errors = vs.signed_errors(sim, mean)
+    assert errors["ttft_p50"] == pytest.approx(9.0) and errors["ttft_p90"] == pytest.approx(-12.0)
+    assert errors["tpot_p90"] == pytest.approx(15.0) and errors["output_tokens_per_s"] == 0.0
+    # ttft_p90 is 12% off with a spread of 10%: outside; tpot_p90 15% off with a spread of 18.2%
+    assert vs.verdicts(errors, spread) == {
+        "ttft_p50": "within",
+        "ttft_p90": "outside",
+        "tpot_p50": "within",
+        "tpot_p90": "within spread",
+        "output_tokens_per_s": "within",
+    }
+    assert vs.mean_abs_error(sim, mean) == pytest.approx((9 + 12 + 0 + 15 + 0) / 5)
 
 
 def _records(path, rows) -> None:
-    """--record-steps lines: (tokens, seqs, kv, seconds) per step, back to back."""
+    """--record-steps lines: (tokens, seqs, kv, pairs, seconds) per step, back to back."""
     t, lines = 0.0, []
-    for i, (tokens, seqs, kv, secs) in enumerate(rows):
-        lines.append(
-            json.dumps({"step": i, "tokens": tokens, "seqs": seqs, "kv": kv, "pairs": 0, "t0": t, "t1": t + secs})
-        )
+    for i, (tokens, seqs, kv, pairs, secs) in enumerate(rows):
+        rec = {"step": i, "tokens": tokens, "seqs": seqs, "kv": kv, "pairs": pairs, "t0": t, "t1": t + secs}
+        lines.append(json.dumps(rec | {"ext_pad": pairs, "dec_pad": kv}))
         t += secs + 1.0  # idle between steps: only the forward counts
     path.write_text("\n".join(lines) + "\n")
 
@@ -70,11 +90,13 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
     gives a longer TPOT, the same prefill a TTFT no shorter)."""
     assert vs.step_files("pd", "r", 1) == [["r.p"], ["r.d"]]
     assert vs.step_files("single", "r", 1) == [["r"]] and vs.step_files("dp2", "r", 2) == [["r.a0.jsonl", "r.a1.jsonl"]]
-    _records(tmp_path / "r.p", [(n, 1, 0, 0.001 + 1e-5 * n) for n in (16, 64, 256, 512, 100, 32)])
-    _records(tmp_path / "r.d", [(s, s, 40 * s, 0.002 + 1e-4 * s) for s in (1, 2, 4, 8, 3, 6)])
+    prefills = [(n, 1, 0, n * (n + 1) // 2, 0.001 + 1e-5 * n) for n in (16, 64, 256, 512, 100, 32, 8, 200, 300)]
+    _records(tmp_path / "r.p", [(1, 1, 30, 0, 0.0011)] + prefills)  # (the first step is left out: warm-up)
+    _records(tmp_path / "r.d", [(s, s, 40 * s, 0, 0.002 + 1e-4 * s) for s in (1, 1, 2, 4, 8, 3, 6, 5, 7, 9)])
     prefill, decode = vs.fit_calibration("pd", vs.step_files("pd", str(tmp_path / "r"), 1), "test", 0.0)
-    assert prefill.seconds((512, 1, 0, 0)) == pytest.approx(0.001 + 512e-5, rel=1e-6)
-    assert decode.seconds((4, 4, 160, 0)) == pytest.approx(0.002 + 4e-4, rel=1e-6)
+    assert prefill.seconds((512, 1, 0, 512 * 513 // 2, 512 * 513 // 2, 0)) == pytest.approx(0.001 + 512e-5, rel=1e-6)
+    assert decode.seconds((4, 4, 160, 0, 0, 160)) == pytest.approx(0.002 + 4e-4, rel=1e-6)
+    assert prefill.median_rel_error == pytest.approx(0.0, abs=1e-9)
     assert vs.fit_calibration("single", [[str(tmp_path / "r.p")]], "test", 0.0).coef == prefill.coef
 
     monkeypatch.setattr(vs, "kv_bytes_per_token", lambda model: 1024.0)
@@ -84,10 +106,63 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
     trace = Trace(
         [TraceRequest(0.05 * i, 64, 16, (4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3)) for i in range(20)], 16, "test"
     )
-    args = argparse.Namespace(max_num_batched_tokens=2048, workdir=tmp_path)
+    args = argparse.Namespace(max_num_batched_tokens=2048, workdir=tmp_path, page_size=16)
     fast = vs.sim_metrics(trace, 1, 1000, (prefill, decode), ("gpu",), args)
     slow_decode = vs.StepCalibration(tuple(3 * c for c in decode.coef))
     slow = vs.sim_metrics(trace, 1, 1000, (prefill, slow_decode), ("gpu",), args)
-    assert slow["tpot_p50_ms"] > 2 * fast["tpot_p50_ms"] and slow["ttft_p50_ms"] >= fast["ttft_p50_ms"]
+    assert slow["tpot_p50"] > 2 * fast["tpot_p50"] and slow["ttft_p50"] >= fast["ttft_p50"]
     alone = vs.sim_metrics(trace, 1, 1000, prefill, ("gpu",), args)  # one instance, no PD
-    assert alone["tpot_p50_ms"] != fast["tpot_p50_ms"]
+    assert alone["tpot_p50"] != fast["tpot_p50"]
+    # the API server's response time adds to TTFT, not to TPOT
+    later = vs.sim_metrics(trace, 1, 1000, (prefill, decode), ("gpu",), args, (0.0, 0.01))
+    assert later["ttft_p50"] == pytest.approx(fast["ttft_p50"] + 10.0) and later["tpot_p50"] == fast["tpot_p50"]
+
+
+def _results(errors: dict, spread: dict) -> dict:
+    row = {"error_pct": errors, "engine_spread_pct": spread}
+    return {"results": [{"mode": "single", **row}, {"mode": "pd", **row}]}
+
+
+def test_the_readme_table_is_generated_from_a_results_file(tmp_path):
+    errors = {**dict.fromkeys(KEYS, 1.25), "ttft_p90": -12.5}
+    text = vs.table(_results(errors, dict.fromkeys(KEYS, 3.0)))
+    lines = text.splitlines()
+    assert lines[0] == "| mode | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | output tok/s |"
+    assert lines[2] == "| single | +1.2% (3.0%) | **-12.5% (3.0%)** | +1.2% (3.0%) | +1.2% (3.0%) | +1.2% (3.0%) |"
+    assert lines[3].startswith("| PD (prefill + decode) | ")
+    results = tmp_path / "sim_validation_2026-01-01.json"
+    results.write_text(json.dumps(_results(errors, dict.fromkeys(KEYS, 3.0))))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{vs.README_BEGIN}\nold table\n{vs.README_END}\nafter\n")
+    vs.write_readme_table(results, readme)
+    out = readme.read_text()
+    assert out.startswith("before\n") and out.endswith("\nafter\n") and "old table" not in out
+    assert text in out and "sim_validation_2026-01-01.json" in out
+
+
+def test_benchmarks_readme_shows_the_newest_validation():
+    """The table in benchmarks/README.md is the one generated from the newest results file, whose
+    every mode has the five figures of the issue, signed errors and the engine's spread."""
+    newest = vs.newest_results()
+    data = json.loads(newest.read_text())
+    assert {r["mode"] for r in data["results"]} == {"single", "dp2", "afd", "pd"}
+    for r in data["results"]:
+        assert set(r["error_pct"]) == set(r["engine_spread_pct"]) == set(KEYS)
+        assert data["repeats"] >= 3 and len(r["engine_runs"]) == data["repeats"]
+    assert vs.readme_block(newest) in vs.README.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_quick_validation_serves_fits_and_simulates(tmp_path):
+    out = tmp_path / "quick.json"
+    bench_run("validate_sim.py", "--quick", "--workdir", str(tmp_path / "w"), "--json", str(out), timeout=380)
+    data = json.loads(out.read_text())
+    (r,) = data["results"]
+    assert r["mode"] == "single" and len(r["engine_runs"]) == data["repeats"] == 2 and r["failed"] == 0
+    assert r["requests"] > 50 and r["dropped_over_context"] == 0
+    assert set(r["error_pct"]) == set(KEYS) and all(v is not None for v in r["error_pct"].values())
+    # the fit predicts the steps of a run it was not fitted on to within half their time (median)
+    assert r["step_model"]["residual_on_validation_steps"]["median_abs_rel_error"] < 0.5
+    # throughput is set by the arrivals at this load: the simulator must get it within the bound
+    assert abs(r["error_pct"]["output_tokens_per_s"]) <= vs.BOUND_PCT

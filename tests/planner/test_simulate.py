@@ -87,6 +87,25 @@ def test_a_single_token_answer_has_no_tpot_and_meets_any_tpot_slo():
     assert r.summary["attainment"] == 1.0 and r.summary["tpot_s"]["p50"] is None
 
 
+def test_the_front_end_spreads_a_burst_and_the_response_path_delays_every_token():
+    # Three 10-token prompts arrive together. With no front end they share one step (40 ms). With
+    # 5 ms per request the first reaches the engine at 5 ms and steps alone (20 ms, to 25 ms); the
+    # other two arrived meanwhile (10, 15 ms) and share the next step with the first one's decode
+    # (21 tokens: 31 ms, to 56 ms); the first one's last token comes from the step after (3 decodes,
+    # 13 ms, to 69 ms). Every token reaches the client 7 ms after its step: TTFT and e2e grow by
+    # 7 ms, TPOT does not.
+    recs = [(0.0, 10, 3)] * 3
+    together = run(recs, instance())
+    assert [together.ttft[i] for i in range(3)] == [exact(A + 30 * B)] * 3
+    cfg = instance()
+    spread = simulate(from_records(recs, 512), ClusterConfig("t", cfg, frontend_s=0.005, response_s=0.007), SLO(9, 9))
+    assert [spread.ttft[i] for i in range(3)] == [exact(0.032), exact(0.063), exact(0.063)]
+    assert spread.e2e[0] == exact(0.069 + 0.007) and spread.tpot[0] == exact((0.069 - 0.025) / 2)
+    for bad in ({"frontend_s": -1.0}, {"response_s": float("nan")}):
+        with pytest.raises(ConfigError, match="must be >= 0"):
+            simulate(from_records(recs, 512), ClusterConfig("t", cfg, **bad), SLO(9, 9))
+
+
 # (b) prefix cache ----------------------------------------------------------------------------------
 
 
@@ -312,6 +331,9 @@ def test_mooncake_trace_scaling(tmp_path):
     t = load_mooncake(f, rate_scale=2.0, length_scale=0.5)
     assert [r.arrival_s for r in t.requests] == [0.0, 0.25, 1.0]  # (ms from the first) / 1000 / 2
     assert [(r.input_len, r.output_len) for r in t.requests] == [(500, 3), (2, 2), (1, 1)]  # half up, >= 1
+    longer = load_mooncake(f, rate_scale=2.0, length_scale=0.5, output_scale=2.0)  # outputs scaled apart
+    assert [(r.input_len, r.output_len) for r in longer.requests] == [(500, 10), (2, 6), (1, 2)]
+    assert longer.meta["output_scale"] == 2.0 and "output_scale" not in t.meta
     assert t.requests[0].blocks == (0, 1) and t.block_tokens == 256
     tiny = load_mooncake(f, length_scale=0.1)  # 0.3 and 0.1 tokens still make one
     assert [(r.input_len, r.output_len) for r in tiny.requests] == [(100, 1), (1, 1), (1, 1)]

@@ -11,6 +11,7 @@ import pytest
 from afd_engine.cli import main
 from afd_engine.errors import ConfigError
 from afd_engine.planner.step_calibration import (
+    PADDED_FIELDS,
     RECORD_FIELDS,
     TERMS,
     FittedStepTime,
@@ -22,15 +23,23 @@ from afd_engine.planner.step_calibration import (
     step_rows,
 )
 
-COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9)
+COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003)
 
 
 def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     loads = np.column_stack(
-        [rng.integers(1, 2048, n), rng.integers(1, 64, n), rng.integers(0, 50_000, n), rng.integers(0, 2_000_000, n)]
+        [
+            rng.integers(1, 2048, n),
+            rng.integers(1, 64, n),
+            rng.integers(0, 50_000, n),
+            rng.integers(0, 2_000_000, n) * (rng.random(n) < 0.5),  # half the steps decode only
+            rng.integers(0, 4_000_000, n),
+            rng.integers(0, 80_000, n),
+        ]
     ).astype(float)
-    seconds = COEF[0] + loads @ np.array(COEF[1:])
+    loads = np.column_stack([loads, loads[:, 0] + rng.integers(0, 2048, n)])  # the instance's tokens
+    seconds = COEF[0] + loads @ np.array(COEF[1:-1]) + COEF[-1] * (loads[:, 3] > 0)
     return loads, seconds
 
 
@@ -50,22 +59,26 @@ def test_fit_is_non_negative():
     coef = nnls(x, y)
     assert np.all(coef >= 0) and coef[2] == 0.0
     assert fit(*synthetic(10)).coef  # and too few steps is refused
-    with pytest.raises(ConfigError, match="at least 5 steps"):
-        fit([(1, 1, 0, 0)] * 4, [0.1] * 4)
+    with pytest.raises(ConfigError, match="at least 9 steps"):
+        fit([(1, 1, 0, 0)] * 8, [0.1] * 8)
 
 
-def test_fitted_step_time_is_the_slowest_ranks():
+def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
     cal = StepCalibration(COEF)
     model = FittedStepTime(cal, ("attention", "ffn"))
     loads = [(100, 4, 2000.0, 0.0), (512, 1, 0.0, 131_328.0)]  # a decode rank and a prefilling one
-    a = 0.004 + 100 * 3e-5 + 4 * 2e-4 + 2000 * 1e-7
-    b = 0.004 + 512 * 3e-5 + 1 * 2e-4 + 131_328 * 5e-9
+    # (loads without padded terms: 0 there): 512 tokens, 4 sequences, 2000 positions, the pairs,
+    # both ranks' 612 tokens (instance_tokens), and the step prefills
+    want = 0.004 + 512 * 3e-5 + 4 * 2e-4 + 2000 * 1e-7 + 131_328 * 5e-9 + 612 * 1e-5 + 0.003
     seconds, busy = model.step(loads)
-    assert seconds == pytest.approx(max(a, b), abs=1e-12) and b > a
+    assert seconds == pytest.approx(want, abs=1e-12)
     assert busy == (seconds, seconds)
+    alone = 0.004 + 100 * 3e-5 + 4 * 2e-4 + 2000 * 1e-7 + 100 * 1e-5  # one rank: its own load
+    assert model.step(loads[:1])[0] == pytest.approx(alone, abs=1e-12)
 
 
 def _write_steps(path, rows):
+    """Records without the padded fields, as recordings made before them (those count 0)."""
     path.write_text("".join(json.dumps(dict(zip(RECORD_FIELDS, r))) + "\n" for r in rows))
     return str(path)
 
@@ -79,9 +92,10 @@ def test_step_rows_join_lockstep_ranks(tmp_path):
         tmp_path / "a1", [(0, 1, 1, 0, 1, 0.0, 0.4), (1, 3, 3, 9, 0, 0.502, 0.61), (2, 7, 1, 0, 28, 5.0, 5.2)]
     )
     loads, seconds = step_rows([read_records(a), read_records(b)])
-    # step 1: the busiest rank's load; from the previous end (a 1 ms gap) to the last rank's end
+    # step 1: from the previous end (a 1 ms gap) to the last rank's end
     # step 2: after an idle gap only the forward counts
-    assert loads == [(10, 2, 40, 0), (7, 1, 0, 28)]
+    # each term's largest over the ranks; the last, both ranks' tokens
+    assert loads == [(10, 3, 40, 0, 0, 0, 13), (7, 1, 0, 28, 0, 0, 7)]
     assert seconds == pytest.approx([0.11, 0.2])
     rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(12)]
     cal = fit_records([[_write_steps(tmp_path / "s", rows)]], "one rank")
@@ -101,15 +115,19 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
     cal_file = tmp_path / "cal.json"
     StepCalibration(COEF, "test").save(cal_file)
     assert StepCalibration.load(cal_file).coef == COEF
+    old = tmp_path / "old.json"  # written before the padded and prefill terms: those count 0
+    old.write_text(json.dumps({"coef": dict(zip(TERMS[:5], COEF))}))
+    assert StepCalibration.load(old).coef == (*COEF[:5], 0.0, 0.0, 0.0, 0.0)
     args = ["plan", "simulate", "--trace", one_request_trace(tmp_path), "--deployment", "colocated:gpus=1"]
     args += ["--kv-pages", "64", "--step-calibration", str(cal_file), "--json", "-"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["stage_times"].startswith("fitted to this engine's steps")
     d = out["deployments"][0]
-    prefill = COEF[0] + 32 * COEF[1] + COEF[2] + 32 * 33 / 2 * COEF[4]
+    # the chunk's pairs padded to 32 queries x 32 positions; each decode's positions padded to its own
+    prefill = COEF[0] + 32 * (COEF[1] + COEF[7]) + COEF[2] + 32 * 33 / 2 * COEF[4] + 32 * 32 * COEF[5] + COEF[8]
     assert d["ttft_s"]["p50"] == pytest.approx(prefill, rel=1e-9)
-    decode = [COEF[0] + COEF[1] + COEF[2] + kv * COEF[3] for kv in (33, 34, 35)]
+    decode = [COEF[0] + COEF[1] + COEF[7] + COEF[2] + kv * (COEF[3] + COEF[6]) for kv in (33, 34, 35)]
     assert d["tpot_s"]["p50"] == pytest.approx(sum(decode) / 3, rel=1e-9)
 
 
@@ -145,9 +163,13 @@ def test_engine_records_one_line_per_step(tiny_v3, tmp_path):
         )
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(len(recs)))
-    assert all(set(r) == set(RECORD_FIELDS) and r["t1"] >= r["t0"] for r in recs)
+    assert all(set(r) == {*RECORD_FIELDS, *PADDED_FIELDS} and r["t1"] >= r["t0"] for r in recs)
     # step 0: 8 tokens of the 12-token prompt (budget 8), a fresh chunk: 8 * 9 / 2 pairs
     assert (recs[0]["tokens"], recs[0]["seqs"], recs[0]["kv"], recs[0]["pairs"]) == (8, 1, 0, 36)
     # the rest of the first prompt (4 tokens after 8) and the second (3 tokens)
     assert (recs[1]["tokens"], recs[1]["seqs"], recs[1]["pairs"]) == (7, 2, 4 * 8 + 10 + 6)
+    # padded: one 8-token chunk over 8 positions; two chunks padded to 4 queries x 12 positions
+    assert (recs[0]["ext_pad"], recs[0]["dec_pad"], recs[1]["ext_pad"], recs[1]["dec_pad"]) == (64, 0, 96, 0)
+    # the first decode step: both sequences padded to the longer context (12 + 1 cached)
+    assert (recs[2]["seqs"], recs[2]["kv"], recs[2]["ext_pad"], recs[2]["dec_pad"]) == (2, 13 + 4, 0, 2 * 13)
     assert sum(r["tokens"] for r in recs) == 12 + 3 + 2 * 2  # prompts, then 2 decodes each (first token from prefill)

@@ -110,6 +110,13 @@ class Simulation:
         for i, r in enumerate(trace.requests):
             full = min(len(r.blocks), r.input_len // B)
             self.reqs.append(Request(i, r.arrival_s, r.input_len, r.output_len, tuple(r.blocks[:full])))
+        # when each request reaches an instance (through the front end, one at a time); latencies
+        # still count from its arrival
+        self.delivered = [req.arrival for req in self.reqs]
+        if cluster.frontend_s:
+            at = -INF
+            for k, req in enumerate(self.reqs):
+                at = self.delivered[k] = max(req.arrival, at) + cluster.frontend_s
         spec = (cluster.decode or cluster.serving).speculative
         if spec is not None:  # each request's draws, one per verify it can need
             need = np.array([max(req.output_len - 1, 0) for req in self.reqs], dtype=np.int64)
@@ -171,10 +178,10 @@ class Simulation:
             req.decode_rank.try_reserve(t)
 
     def run(self) -> None:
-        reqs, heap, wake = self.reqs, self.heap, self.wake
+        reqs, heap, wake, delivered = self.reqs, self.heap, self.wake, self.delivered
         n, i = len(reqs), 0
         while i < n or heap:
-            ta = reqs[i].arrival if i < n else INF
+            ta = delivered[i] if i < n else INF
             if ta <= (heap[0][0] if heap else INF):
                 self.now = t = ta
                 self._arrive(reqs[i], t)
@@ -192,7 +199,7 @@ class Simulation:
                     obj.first = t
                     obj.decode_rank.activate(obj, t)
             if wake:
-                nxt = min(reqs[i].arrival if i < n else INF, heap[0][0] if heap else INF)
+                nxt = min(delivered[i] if i < n else INF, heap[0][0] if heap else INF)
                 if nxt > t:
                     for g in list(wake.values()):
                         if not g.busy:

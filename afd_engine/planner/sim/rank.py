@@ -8,10 +8,15 @@ A step costs the simulation time in proportion to the ranks with work, not to th
 rank keeps its decoders' context-length sum, and which of them need a new KV page in which step,
 incrementally. With sparse attention (`attention_topk` K) it also keeps the sum of min(context, K)
 over its decoders, the decoders still short of K, and the step at which each of them reaches K.
+Where the step-time model prices padding (`padded_loads`, a fit of this engine's CPU steps), a load
+also carries the query-key pairs of its prefill chunks padded to the longest chunk and context,
+and the decoders' positions padded to the longest context (found in a heap keyed by each decoder's
+context less its decode steps, which stays fixed while it decodes).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
@@ -80,6 +85,8 @@ class Rank(RankCache):
         self.attended, self.n_below = 0, 0
         self.reach_k_at: dict[int, list[tuple[Request, int]]] = {}
         self.chunk_attended = 0.0  # this step's prefill pairs attended to (sparse attention)
+        self.padded = bool(getattr(cfg.step_time, "padded_loads", False))
+        self.longest: list[tuple[int, int, int, Request]] = []  # (-(t0 - s0), i, epoch, decoder)
         self.buckets: list[set[Request]] = [set() for _ in range(self.P)]  # decoders needing a page at step % P
         self.finish_at: dict[int, list[tuple[Request, int]]] = {}
         self.chunks: list[tuple[Request, int]] = []
@@ -133,6 +140,8 @@ class Rank(RankCache):
         self.buckets[req.phase].add(req)
         self.n_dec += 1
         self.ctx += req.kv
+        if self.padded:
+            heapq.heappush(self.longest, (s - req.kv, req.i, req.epoch, req))
         if self.K:
             self.attended += min(req.kv, self.K)
             if req.kv < self.K:  # its KV grows by one a step from this one on: K after K - kv steps
@@ -246,7 +255,24 @@ class Rank(RankCache):
         """This step's load (step_time.Load) from its token rows, sequences and prefill pairs."""
         if self.K:
             return tokens, seqs, self.ctx, pairs, self.attended, self.chunk_attended
+        if self.padded:
+            return tokens, seqs, self.ctx, pairs, *self._padded()
         return tokens, seqs, self.ctx, pairs
+
+    def _padded(self) -> tuple[float, float]:
+        """(prefill pairs padded to the longest chunk and context, decode positions padded to the
+        longest context) of the step being planned."""
+        ext = 0.0
+        if self.chunks:
+            q = max(n for _, n in self.chunks)
+            ext = float(len(self.chunks) * q * max(req.kv + n for req, n in self.chunks))
+        heap = self.longest
+        while heap and (heap[0][3].epoch != heap[0][2] or heap[0][3].state != DECODE):
+            heapq.heappop(heap)  # a decoder that left since
+        if not self.n_dec or not heap:
+            return ext, 0.0
+        # a decoder's context at step s is t0 + (s - s0) + 1; the heap's head has the largest t0 - s0
+        return ext, float(self.n_dec * (self.group.steps - heap[0][0] + 1))
 
     def _gained(self, req: Request, steps: int) -> int:
         """Tokens a decoder gained in its first `steps` decode steps: one each."""

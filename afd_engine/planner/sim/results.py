@@ -56,8 +56,9 @@ def simulate(trace: Trace, cluster: ClusterConfig, slo: SLO) -> SimResult:
     wall = time.perf_counter() - wall
     reqs = sim.reqs
     arrival = np.array([r.arrival for r in reqs])
-    first = np.array([r.first for r in reqs])
-    finish = np.array([r.finish if r.outcome == "ok" else INF for r in reqs])
+    # what a client sees: every token reaches it `response_s` after the step that made it ended
+    first = np.array([r.first for r in reqs]) + cluster.response_s
+    finish = np.array([r.finish if r.outcome == "ok" else INF for r in reqs]) + cluster.response_s
     outs = np.array([r.output_len for r in reqs])
     ok = np.array([r.outcome == "ok" for r in reqs])
     ttft = np.where(ok, first - arrival, INF)
