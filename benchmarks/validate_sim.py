@@ -12,7 +12,7 @@ behind the router, `afd serve --pd`) it
    simulator's error against the engine's mean beside the engine's own spread.
 
     python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~28 min
-    python -m benchmarks.validate_sim --quick          # single mode, short slices (~1.5 min)
+    python -m benchmarks.validate_sim --quick          # single mode, short slices, one run (~40 s)
     python -m benchmarks.validate_sim --table PATH     # the markdown table of a results file
 
 The slices are seconds of the trace's own clock (300 s each by default), replayed `--rate-scale`
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=18230)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "afd-validate-sim")
     p.add_argument("--reuse", action="store_true", help="no serving: refit and resimulate the runs in --workdir")
-    p.add_argument("--quick", action="store_true", help="single mode, 40 trace seconds per slice, 2 repeats")
+    p.add_argument("--quick", action="store_true", help="single mode, 32 trace seconds per slice, 1 run (no spread)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     p.add_argument(
         "--table", nargs="?", const="", default=None, metavar="PATH", help="print the table of a results file"
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(json.loads(path.read_text())), end="")
         return 0
     if args.quick:
-        args.modes, args.duration, args.repeats = "single", 40.0, 2
+        args.modes, args.duration, args.repeats = "single", 32.0, 1
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
