@@ -11,7 +11,7 @@ behind the router, `afd serve --pd`) it
    budget, page size and router (PD: the KV link of KV_LINK), and reports, per figure, the
    simulator's error against the engine's mean beside the engine's own spread.
 
-    python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~28 min
+    python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~23 min
     python -m benchmarks.validate_sim --quick          # single mode, short slices, one run (~40 s)
     python -m benchmarks.validate_sim --table PATH     # the markdown table of a results file
 
@@ -46,7 +46,7 @@ from afd_engine.planner.simulate import SLO, ClusterConfig, InstanceConfig, KVLi
 from afd_engine.planner.step_calibration import (  # noqa: E402
     FittedStepTime,
     StepCalibration,
-    fit_records,
+    fit,
     read_records,
     step_rows,
 )
@@ -168,19 +168,24 @@ def step_files(mode: str, rec: str, ranks: int) -> list[list[str]]:
     return [[rec] if mode == "single" else [f"{rec}.a{i}.jsonl" for i in range(ranks)]]
 
 
-def fit_instances(files: list[list[str]], source: str, power: float) -> tuple[StepCalibration, ...]:
-    """The step-time fit of each instance of a run (PD: prefill's, then decode's)."""
-    return tuple(fit_records([group], source, power) for group in files)
+def instance_rows(files: list[list[str]]) -> list[tuple[list, list]]:
+    """(loads, seconds) of the steps of each instance of a run (PD: prefill's, then decode's)."""
+    return [step_rows([read_records(f) for f in group]) for group in files]
+
+
+def fit_instances(rows: list[tuple[list, list]], source: str, power: float) -> tuple[StepCalibration, ...]:
+    """The step-time fit of each instance of a run, from its `instance_rows`."""
+    return tuple(fit(loads, seconds, source, power) for loads, seconds in rows)
 
 
 def fit_calibration(mode: str, files: list[list[str]], source: str, power: float):
     """The step-time fit of a run: one, or (prefill's, decode's) for PD."""
-    fits = fit_instances(files, source, power)
-    return fits if mode == "pd" else fits[0]
+    return per_instance(mode, fit_instances(instance_rows(files), source, power))
 
 
-def per_instance(mode: str, items: list):
-    """What the JSON records per instance: a list for PD, the one item otherwise."""
+def per_instance(mode: str, items):
+    """Per instance: all the items for PD (a tuple of fits is what the simulation takes), the one
+    item otherwise."""
     return items if mode == "pd" else items[0]
 
 
@@ -266,13 +271,12 @@ def sim_metrics(
     }
 
 
-def step_residual(files: list[list[str]], cal) -> dict:
-    """How the fitted step time predicts the steps of another run: the median relative error per
-    step, and the busy seconds measured and predicted."""
+def step_residual(rows: list[tuple[list, list]], cal) -> dict:
+    """How the fitted step time predicts the steps of a run (its `instance_rows`): the median
+    relative error per step, and the busy seconds measured and predicted."""
     cals = cal if isinstance(cal, tuple) else (cal,)
     pred, secs = [], []
-    for group, one in zip(files, cals):
-        loads, s = step_rows([read_records(f) for f in group])
+    for (loads, s), one in zip(rows, cals):
         pred += [one.seconds(ld) for ld in loads]
         secs += s
     rel = sorted(abs(a - b) / b for a, b in zip(pred, secs))
@@ -310,17 +314,18 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path) -> dict:
     cal_trace, _ = trace_slice(args, args.cal_start)
     cal_engine = engine_figures(cal_run["bench"])
     source = f"{mode}: trace seconds [{args.cal_start:g}, +{args.duration:g})"
+    cal_rows = instance_rows(cal_run["files"])
     candidates, fits = [], {}
     for power in POWERS:
-        fits[power] = fit_instances(cal_run["files"], source, power)
-        one = per_instance_cal(mode, fits[power])
+        fits[power] = fit_instances(cal_rows, source, power)
+        one = per_instance(mode, fits[power])
         for api in itertools.product(FRONTEND_S, RESPONSE_S):
             sim = sim_metrics(cal_trace, ranks, min(cal_run["pages"]), one, roles, args, api)
             err = mean_abs_error(sim, cal_engine)
             candidates.append({"weight_power": power, "api": api, "calibration_slice_error_pct": err})
     chosen = min(candidates, key=lambda c: c["calibration_slice_error_pct"])
     best, api = chosen["weight_power"], chosen["api"]
-    cal = per_instance_cal(mode, fits[best])
+    cal = per_instance(mode, fits[best])
     for suffix, one in zip(["_prefill", "_decode"] if mode == "pd" else [""], fits[best]):
         one.save(work / f"step_calibration{suffix}.json")
     # 2. the validation slice, on a fresh server each time
@@ -338,8 +343,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path) -> dict:
         "kv_pages_per_rank": runs[0]["pages"],
         "step_model": {
             "fit": per_instance(mode, [x.as_dict() for x in fits[best]]),
-            "residual_on_calibration_steps": step_residual(cal_run["files"], cal),
-            "residual_on_validation_steps": step_residual(runs[0]["files"], cal),
+            "residual_on_calibration_steps": step_residual(cal_rows, cal),
+            "residual_on_validation_steps": step_residual(instance_rows(runs[0]["files"]), cal),
         },
         "api_server": {"frontend_ms_per_request": api[0] * 1e3, "response_ms": api[1] * 1e3},
         "calibration_slice_error_pct": chosen["calibration_slice_error_pct"],
@@ -356,11 +361,6 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path) -> dict:
         "error_pct": errors,
         "verdict": verdicts(errors, spread),
     }
-
-
-def per_instance_cal(mode: str, fits: tuple[StepCalibration, ...]):
-    """What the simulation takes: (prefill's, decode's) for PD, the one fit otherwise."""
-    return fits if mode == "pd" else fits[0]
 
 
 NAMES = {"single": "single", "dp2": "colocated dp2", "afd": "AFD 1A + 1F", "pd": "PD (prefill + decode)"}
