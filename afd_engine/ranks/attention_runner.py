@@ -424,10 +424,12 @@ class PipelineRunner(StepRunner):
             self.executor.to_local = self.server.endpoint.to_local
 
     def _micro_batches(self, num_seqs: int) -> int:
-        """This step's micro-batch count: --micro-batches, or fewer where a lone attention rank
-        has fewer sequences (an empty micro-batch still costs a message per layer and peer; with
-        several attention ranks the count stays fixed, as they plan their steps apart)."""
-        if len(self.peers) > 0:
+        """This step's micro-batch count: --micro-batches, or fewer where the deployment has one
+        attention rank and it has fewer sequences (an empty micro-batch still costs a message per
+        layer and peer). With several attention ranks the count stays fixed, as they plan their
+        steps apart: also on a survivor whose peers are all lost, since it plans a step before the
+        round that may admit a replacement into that very step."""
+        if self.spec.topology.num_senders > 1:
             return self.n
         return max(1, min(self.n, num_seqs))
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from afd_engine.ranks.attention_runner import PipelineRunner
 from afd_engine.ranks.ffn_worker import DescriptorMismatchError, check_descriptors
 
 
@@ -54,10 +57,6 @@ def test_a_closing_attention_rank_flushes_its_shutdown_descriptor_by_closing_its
     """The shutdown descriptor may still wait on a sender thread when the runner closes (--transport
     torch): without closing the transport, the process can exit first and an FFN rank sees its
     connection drop instead of the shutdown (it exits 1)."""
-    from types import SimpleNamespace
-
-    from afd_engine.ranks.attention_runner import PipelineRunner
-
     runner = PipelineRunner.__new__(PipelineRunner)
     runner.transport = transport = _RecordingTransport()
     runner.recovery = SimpleNamespace(close=lambda: None, ffn=[2, 3])
@@ -65,3 +64,19 @@ def test_a_closing_attention_rank_flushes_its_shutdown_descriptor_by_closing_its
     runner.server, runner.step_id, runner.sender = None, 5, SimpleNamespace(endpoint=0)
     runner.close()
     assert transport.log == [("send", 2, "step", True), ("send", 3, "step", True), ("close",)]
+
+
+@pytest.mark.parametrize(
+    "senders, live_peers, seqs, expected",
+    [
+        (1, [], 2, 2),  # a deployment of one attention rank plans no empty micro-batch
+        (1, [], 7, 3),
+        (2, [1], 2, 3),  # several plan the configured count, each without the others' sequences
+        # a survivor whose peers are all lost, too: it prepares a step before the round that may
+        # admit a replacement into it, and the FFN ranks refuse counts that disagree
+        (2, [], 2, 3),
+    ],
+)
+def test_attention_ranks_of_one_deployment_plan_one_micro_batch_count(senders, live_peers, seqs, expected):
+    runner = SimpleNamespace(n=3, peers=live_peers, spec=SimpleNamespace(topology=SimpleNamespace(num_senders=senders)))
+    assert PipelineRunner._micro_batches(runner, seqs) == expected
