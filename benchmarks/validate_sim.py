@@ -145,7 +145,7 @@ def bench(port: int, start: float, args: argparse.Namespace, out: Path) -> dict:
     cmd += ["--trace-rate-scale", str(args.rate_scale), "--trace-length-scale", str(args.length_scale)]
     cmd += ["--trace-output-scale", str(args.output_scale)]
     cmd += ["--trace-start", str(at), "--trace-duration", str(duration), "--random-vocab-size", str(VOCAB)]
-    cmd += ["--disable-tqdm", "--output-file", str(out)]
+    cmd += ["--disable-tqdm", "--output-file", str(out), "--output-details"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     return json.loads(out.read_text().splitlines()[-1])
 

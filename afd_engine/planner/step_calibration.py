@@ -9,12 +9,14 @@ seconds) rows and fits
 
     step_s = c0 + c1 * tokens + c2 * seqs + c3 * kv_positions + c4 * pairs
                  + c5 * padded_pairs + c6 * padded_positions + c7 * instance_tokens
-                 + c8 * [the step prefills]
+                 + c8 * [the step prefills] + c9 * padded_pairs^2
 
 by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute
 error (the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much
 as 1 s prefill steps); benchmarks/validate_sim.py picks the power that best reproduces the
-calibration run's latencies. A step's seconds are its forward plus
+calibration run's latencies. The square term is there because the padded attention's score
+tensors outgrow the caches: fitted linearly on steps of up to 8M padded pairs, a step of 13M took
+2.1 s where the fit said 1.6 s. A step's seconds are its forward plus
 the gap since the previous forward ended, when that gap is short (the scheduling the engine did not
 hide); a longer gap means the engine was idle and only the forward counts. For a deployment of
 several attention ranks the i-th records of the ranks are the same lockstep step: the step's
@@ -48,10 +50,14 @@ TERMS = (
     "padded_positions",
     "instance_tokens",
     "prefill_step",
+    "padded_pairs_sq",
 )
-OLD_TERMS = TERMS[:5]  # calibrations written before the later terms (which count 0 there)
-LOAD_TERMS = len(TERMS) - 2  # what a fit row gives; the fixed term and the prefill indicator are not in it
+# calibrations written before the later terms (which count 0 there): the first five, then nine
+OLD_TERMS = (TERMS[:5], TERMS[:9])
+LOAD_TERMS = TERMS.index("instance_tokens")  # what a fit row gives (the fixed and derived terms are not in it)
 RANK_TERMS = LOAD_TERMS - 1  # what a simulated rank's load gives (the instance's tokens come from all)
+PADDED_PAIRS = TERMS.index("padded_pairs") - 1  # its place in a load
+PREFILL, SQUARE = TERMS.index("prefill_step"), TERMS.index("padded_pairs_sq")
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
 PADDED_FIELDS = ("ext_pad", "dec_pad")  # absent from older recordings: 0
 GAP_CAP_S = 0.02  # a longer gap between two forwards is idle time, not part of the step
@@ -59,8 +65,13 @@ GAP_CAP_S = 0.02  # a longer gap between two forwards is idle time, not part of 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares for a few columns: the best unconstrained fit over every subset
-    of columns whose solution is non-negative (exact, and cheap for 5 terms)."""
+    of columns whose solution is non-negative (exact, and cheap for 10 terms). The columns are
+    solved at unit norm (a square term is some 1e14 where the fixed one is 1), the coefficients
+    given back in the columns' own units."""
     n = x.shape[1]
+    norms = np.linalg.norm(x, axis=0)
+    norms[norms == 0] = 1.0
+    x = x / norms
     best, best_err = np.zeros(n), float(np.sum(y * y))
     for k in range(1, n + 1):
         for cols in itertools.combinations(range(n), k):
@@ -73,20 +84,21 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
                 full = np.zeros(n)
                 full[list(cols)] = coef
                 best, best_err = full, err
-    return best
+    return best / norms
 
 
 def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
     """Rows (1, tokens, seqs, kv_positions, pairs, padded_pairs, padded_positions, instance_tokens,
-    prefill_step) of the loads (a load of four has no padded terms: 0; one without instance_tokens
-    is an instance of one rank: its tokens; prefill_step is 1 where pairs > 0)."""
+    prefill_step, padded_pairs_sq) of the loads (a load of four has no padded terms: 0; one without
+    instance_tokens is an instance of one rank: its tokens; prefill_step is 1 where pairs > 0)."""
     a = np.asarray(loads, dtype=float)
     a = a.reshape(len(loads), -1) if len(loads) else a.reshape(0, LOAD_TERMS)
     width = a.shape[1]
     a = np.pad(a, ((0, 0), (0, LOAD_TERMS - width)))
     if width < LOAD_TERMS:
         a[:, RANK_TERMS] = a[:, 0]
-    return np.hstack([np.ones((a.shape[0], 1)), a, (a[:, 3:4] > 0).astype(float)])
+    padded = a[:, PADDED_PAIRS : PADDED_PAIRS + 1]
+    return np.hstack([np.ones((a.shape[0], 1)), a, (a[:, 3:4] > 0).astype(float), padded * padded])
 
 
 @dataclass(frozen=True)
@@ -102,17 +114,19 @@ class StepCalibration:
 
     def seconds(self, load: Sequence[float], instance_tokens: float | None = None) -> float:
         """The step time of a load (a fit row, or a rank's load with its instance's tokens apart)."""
-        c = self.coef
+        c = (*self.coef, *(0.0,) * (len(TERMS) - len(self.coef)))  # (fewer: from before the later terms)
         t = c[0] + sum(k * v for k, v in zip(c[1 : RANK_TERMS + 1], load[:RANK_TERMS]))
-        if len(c) == len(TERMS):
-            if instance_tokens is None:
-                instance_tokens = load[RANK_TERMS] if len(load) > RANK_TERMS else load[0]
-            t += c[LOAD_TERMS] * instance_tokens + (c[-1] if load[3] > 0 else 0.0)
+        if instance_tokens is None:
+            instance_tokens = load[RANK_TERMS] if len(load) > RANK_TERMS else load[0]
+        padded = load[PADDED_PAIRS] if len(load) > PADDED_PAIRS else 0.0
+        t += c[LOAD_TERMS] * instance_tokens + (c[PREFILL] if load[3] > 0 else 0.0) + c[SQUARE] * padded * padded
         return t
 
     def as_dict(self) -> dict:
         return {
-            "model": "step_s = " + " + ".join(f"c_{t}*{t}" if t != "fixed" else "c_fixed" for t in TERMS),
+            "model": "step_s = "
+            + " + ".join(f"c_{t}*{t}" if t != "fixed" else "c_fixed" for t in TERMS)
+            + " (padded_pairs_sq = padded_pairs^2)",
             "coef": dict(zip(TERMS, self.coef)),
             "source": self.source,
             "steps": self.steps,
@@ -129,7 +143,7 @@ class StepCalibration:
         where = f"--step-calibration {path}"
         d = read_json(path, "--step-calibration")
         coef = d.get("coef") if isinstance(d, dict) else None
-        if not isinstance(coef, dict) or set(coef) not in (set(TERMS), set(OLD_TERMS)):
+        if not isinstance(coef, dict) or set(coef) not in [set(TERMS), *map(set, OLD_TERMS)]:
             raise ConfigError(f'{where}: expected {{"coef": {{...}}}} with exactly the keys {", ".join(TERMS)}')
         values = tuple(coef.get(t, 0.0) for t in TERMS)
         if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):

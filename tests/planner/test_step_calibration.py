@@ -23,7 +23,7 @@ from afd_engine.planner.step_calibration import (
     step_rows,
 )
 
-COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003)
+COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17)
 
 
 def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -39,7 +39,7 @@ def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         ]
     ).astype(float)
     loads = np.column_stack([loads, loads[:, 0] + rng.integers(0, 2048, n)])  # the instance's tokens
-    seconds = COEF[0] + loads @ np.array(COEF[1:-1]) + COEF[-1] * (loads[:, 3] > 0)
+    seconds = COEF[0] + loads @ np.array(COEF[1:-2]) + COEF[-2] * (loads[:, 3] > 0) + COEF[-1] * loads[:, 4] ** 2
     return loads, seconds
 
 
@@ -59,8 +59,8 @@ def test_fit_is_non_negative():
     coef = nnls(x, y)
     assert np.all(coef >= 0) and coef[2] == 0.0
     assert fit(*synthetic(10)).coef  # and too few steps is refused
-    with pytest.raises(ConfigError, match="at least 9 steps"):
-        fit([(1, 1, 0, 0)] * 8, [0.1] * 8)
+    with pytest.raises(ConfigError, match="at least 10 steps"):
+        fit([(1, 1, 0, 0)] * 9, [0.1] * 9)
 
 
 def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
@@ -117,7 +117,9 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
     assert StepCalibration.load(cal_file).coef == COEF
     old = tmp_path / "old.json"  # written before the padded and prefill terms: those count 0
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:5], COEF))}))
-    assert StepCalibration.load(old).coef == (*COEF[:5], 0.0, 0.0, 0.0, 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:5], 0.0, 0.0, 0.0, 0.0, 0.0)
+    old.write_text(json.dumps({"coef": dict(zip(TERMS[:9], COEF))}))  # before the square term
+    assert StepCalibration.load(old).coef == (*COEF[:9], 0.0)
     args = ["plan", "simulate", "--trace", one_request_trace(tmp_path), "--deployment", "colocated:gpus=1"]
     args += ["--kv-pages", "64", "--step-calibration", str(cal_file), "--json", "-"]
     assert main(args) == 0
@@ -125,7 +127,15 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
     assert out["stage_times"].startswith("fitted to this engine's steps")
     d = out["deployments"][0]
     # the chunk's pairs padded to 32 queries x 32 positions; each decode's positions padded to its own
-    prefill = COEF[0] + 32 * (COEF[1] + COEF[7]) + COEF[2] + 32 * 33 / 2 * COEF[4] + 32 * 32 * COEF[5] + COEF[8]
+    prefill = (
+        COEF[0]
+        + 32 * (COEF[1] + COEF[7])
+        + COEF[2]
+        + 32 * 33 / 2 * COEF[4]
+        + 32 * 32 * COEF[5]
+        + COEF[8]
+        + (32 * 32) ** 2 * COEF[9]
+    )
     assert d["ttft_s"]["p50"] == pytest.approx(prefill, rel=1e-9)
     decode = [COEF[0] + COEF[1] + COEF[7] + COEF[2] + kv * (COEF[3] + COEF[6]) for kv in (33, 34, 35)]
     assert d["tpot_s"]["p50"] == pytest.approx(sum(decode) / 3, rel=1e-9)
