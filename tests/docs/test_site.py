@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from docs_hooks.readmes import PAGES, absorbed
 from tests.conftest import ROOT
-
-sys.path.insert(0, str(ROOT))
-from docs_hooks.readmes import PAGES, absorbed  # noqa: E402
 
 
 def make_docs_command(site: Path) -> list[str]:
