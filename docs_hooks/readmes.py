@@ -1,6 +1,6 @@
-"""mkdocs hook: the benchmarks and planner READMEs live beside their code, and the site carries them
-as pages of its own (`reference/benchmarks.md`, `reference/planner.md`), so that a reader of the
-site reaches every table and method without a clone. Links relative to a README's folder (its
+"""mkdocs hook: the benchmarks, planner and deploy READMEs live beside their code, and the site
+carries them as pages of its own (under `reference/`, see PAGES), so that a reader of the site
+reaches every table and method without a clone. Links relative to a README's folder (its
 results files, say) become repository paths in code, since the site does not carry those files;
 links into docs/ stay links."""
 
@@ -14,7 +14,7 @@ from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# site page -> (README, the folder its relative links start from)
+# site page -> the README it is made from (its relative links start from the README's folder)
 PAGES = {
     "reference/benchmarks.md": "benchmarks/README.md",
     "reference/planner.md": "afd_engine/planner/README.md",

@@ -112,9 +112,13 @@ class StepCalibration:
     power: float = 1.0  # rows weighted by seconds^-power in the fit
     median_rel_error: float = 0.0  # the fit's residual: median |predicted - measured| / measured
 
+    def __post_init__(self) -> None:  # fewer coefficients: from before the later terms, which count 0
+        if len(self.coef) < len(TERMS):
+            object.__setattr__(self, "coef", (*self.coef, *(0.0,) * (len(TERMS) - len(self.coef))))
+
     def seconds(self, load: Sequence[float], instance_tokens: float | None = None) -> float:
         """The step time of a load (a fit row, or a rank's load with its instance's tokens apart)."""
-        c = (*self.coef, *(0.0,) * (len(TERMS) - len(self.coef)))  # (fewer: from before the later terms)
+        c = self.coef
         t = c[0] + sum(k * v for k, v in zip(c[1 : RANK_TERMS + 1], load[:RANK_TERMS]))
         if instance_tokens is None:
             instance_tokens = load[RANK_TERMS] if len(load) > RANK_TERMS else load[0]

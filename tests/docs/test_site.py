@@ -28,12 +28,12 @@ def make_docs_command(site: Path) -> list[str]:
 @pytest.fixture
 def project(tmp_path):
     """What the site is built from, copied so that a test may break it."""
-    for name in ["mkdocs.yml", "docs", "docs_hooks", *{r.split("/")[0] for r in PAGES.values()}]:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
-        else:
-            shutil.copy(src, tmp_path / name)
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path)
+    for folder in ["docs", "docs_hooks"]:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for readme in PAGES.values():
+        (tmp_path / readme).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / readme, tmp_path / readme)
     return tmp_path
 
 
