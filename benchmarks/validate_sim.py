@@ -11,6 +11,13 @@ behind the router, `afd serve --pd`) it
    budget, page size and router (PD: the KV link of KV_LINK), and reports, per figure, the
    simulator's error against the engine's mean beside the engine's own spread.
 
+Each fit weights its steps so that every kind of step (decode-only, short, medium and long prefill)
+gets its busy time closest (`balanced_fit`). What the step records do not show is set on the
+calibration slices alone: the front end's time per request and response time, one pair for all
+the modes run behind the same front end (single, dp2 and AFD: the API server; PD: its router in
+front of two instances' servers), the pair whose calibration-slice simulations are closest to the
+engine's runs over those modes.
+
     python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~23 min
     python -m benchmarks.validate_sim --quick          # single mode, short slices, one run (~40 s)
     python -m benchmarks.validate_sim --table PATH     # the markdown table of a results file
@@ -46,7 +53,8 @@ from afd_engine.planner.simulate import SLO, ClusterConfig, InstanceConfig, KVLi
 from afd_engine.planner.step_calibration import (  # noqa: E402
     FittedStepTime,
     StepCalibration,
-    fit,
+    balanced_fit,
+    kind_ratios,
     read_records,
     step_rows,
 )
@@ -74,9 +82,11 @@ MODES = {
 # benchmarks/results/pd_dsv3-4k_2026-11-26.json), and a fixed 0.5 ms per transfer for the messages
 # around it (assumed, not measured); the bytes per token are the model's.
 KV_LINK_BPS, KV_LINK_LATENCY_S = 1.6e9, 0.5e-3
-POWERS = (0.0, 0.25, 0.5, 1.0)  # fit weightings tried (rows weighted by seconds^-power)
-# the API server's time per request and response time tried (ClusterConfig.frontend_s, .response_s)
-FRONTEND_S = (0.0, 0.25e-3, 0.5e-3, 1e-3)
+# the front end's time per request and response time tried (ClusterConfig.frontend_s, .response_s)
+FRONTEND_S = (0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3)
+# the modes whose requests pass the same front end share its constants: the API server in front of
+# the ranks, or PD's router in front of two instances' servers
+FRONT_ENDS = {"single": "api server", "dp2": "api server", "afd": "api server", "pd": "pd router"}
 RESPONSE_S = (0.0, 5e-3, 10e-3, 15e-3, 20e-3)
 # the five figures compared: (key in the results file, bench_serving's key); latencies in ms
 METRICS = (
@@ -173,14 +183,15 @@ def instance_rows(files: list[list[str]]) -> list[tuple[list, list]]:
     return [step_rows([read_records(f) for f in group]) for group in files]
 
 
-def fit_instances(rows: list[tuple[list, list]], source: str, power: float) -> tuple[StepCalibration, ...]:
-    """The step-time fit of each instance of a run, from its `instance_rows`."""
-    return tuple(fit(loads, seconds, source, power) for loads, seconds in rows)
+def fit_instances(rows: list[tuple[list, list]], source: str) -> tuple[StepCalibration, ...]:
+    """The step-time fit of each instance of a run (its `instance_rows`), each weighted on its own
+    (`balanced_fit`)."""
+    return tuple(balanced_fit(loads, seconds, source) for loads, seconds in rows)
 
 
-def fit_calibration(mode: str, files: list[list[str]], source: str, power: float):
+def fit_calibration(mode: str, files: list[list[str]], source: str):
     """The step-time fit of a run: one, or (prefill's, decode's) for PD."""
-    return per_instance(mode, fit_instances(instance_rows(files), source, power))
+    return per_instance(mode, fit_instances(instance_rows(files), source))
 
 
 def per_instance(mode: str, items):
@@ -303,53 +314,83 @@ def served_run(mode: str, args: argparse.Namespace, model: Path, work: Path, nam
     }
 
 
-def run_mode(mode: str, args: argparse.Namespace, model: Path) -> dict:
+def engine_runs(mode: str, args: argparse.Namespace, model: Path) -> dict:
+    """The engine's runs of a mode: the calibration slice once, then the validation slice on a fresh
+    server `--repeats` times."""
     work = args.workdir / mode
     work.mkdir(parents=True, exist_ok=True)
-    flags, ranks, roles = MODES[mode]
-    # 1. the calibration slice, its steps fitted; the weighting of the fit, and the API server's
-    #    time per request and response time, whose simulation of that slice is closest to the
-    #    engine's run
-    cal_run = served_run(mode, args, model, work, "cal", args.cal_start)
+    t = time.monotonic()
+    cal = served_run(mode, args, model, work, "cal", args.cal_start)
+    runs = [served_run(mode, args, model, work, f"val{i}", args.val_start) for i in range(args.repeats)]
+    return {"mode": mode, "cal": cal, "val": runs, "wall_s": time.monotonic() - t}
+
+
+def calibrate(served: dict, args: argparse.Namespace) -> dict:
+    """The step-time fit of a mode's calibration run, and for each of the API server's constants
+    tried the simulation's mean |error| on the calibration slice."""
+    mode, cal_run = served["mode"], served["cal"]
+    _, ranks, roles = MODES[mode]
     cal_trace, _ = trace_slice(args, args.cal_start)
     cal_engine = engine_figures(cal_run["bench"])
     source = f"{mode}: trace seconds [{args.cal_start:g}, +{args.duration:g})"
-    cal_rows = instance_rows(cal_run["files"])
-    candidates, fits = [], {}
-    for power in POWERS:
-        fits[power] = fit_instances(cal_rows, source, power)
-        one = per_instance(mode, fits[power])
-        for api in itertools.product(FRONTEND_S, RESPONSE_S):
-            sim = sim_metrics(cal_trace, ranks, min(cal_run["pages"]), one, roles, args, api)
-            err = mean_abs_error(sim, cal_engine)
-            candidates.append({"weight_power": power, "api": api, "calibration_slice_error_pct": err})
-    chosen = min(candidates, key=lambda c: c["calibration_slice_error_pct"])
-    best, api = chosen["weight_power"], chosen["api"]
-    cal = per_instance(mode, fits[best])
-    for suffix, one in zip(["_prefill", "_decode"] if mode == "pd" else [""], fits[best]):
+    rows = instance_rows(cal_run["files"])
+    fits = fit_instances(rows, source)
+    errors = {}
+    for api in itertools.product(FRONTEND_S, RESPONSE_S):
+        sim = sim_metrics(cal_trace, ranks, min(cal_run["pages"]), per_instance(mode, fits), roles, args, api)
+        errors[api] = mean_abs_error(sim, cal_engine)
+    return {"fits": fits, "errors": errors, "rows": rows, "engine": cal_engine}
+
+
+def choose_api(calibrations: list[dict]) -> tuple[float, float]:
+    """The front end's (time per request, response time) for these modes' calibrations: the pair
+    whose calibration-slice errors sum lowest over them. Chosen over several modes' runs it does
+    not follow one run's noise in the tails."""
+    apis = list(itertools.product(FRONTEND_S, RESPONSE_S))
+    return min(apis, key=lambda api: sum(c["errors"][api] for c in calibrations))
+
+
+def choose_apis(served: list[dict], calibrations: list[dict]) -> dict[str, tuple[float, float]]:
+    """Per mode, the constants `choose_api` picks over all the modes run behind its front end."""
+    out = {}
+    for front in {FRONT_ENDS[s["mode"]] for s in served}:
+        group = [c for s, c in zip(served, calibrations) if FRONT_ENDS[s["mode"]] == front]
+        api = choose_api(group)
+        out |= {s["mode"]: api for s in served if FRONT_ENDS[s["mode"]] == front}
+    return out
+
+
+def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: argparse.Namespace) -> dict:
+    """The simulation of a mode's validation slice at the API server's constants `api`, against the
+    engine's mean over the validation runs."""
+    mode, runs = served["mode"], served["val"]
+    flags, ranks, roles = MODES[mode]
+    cal = per_instance(mode, calib["fits"])
+    work = args.workdir / mode
+    for suffix, one in zip(["_prefill", "_decode"] if mode == "pd" else [""], calib["fits"]):
         one.save(work / f"step_calibration{suffix}.json")
-    # 2. the validation slice, on a fresh server each time
-    runs = [served_run(mode, args, model, work, f"val{i}", args.val_start) for i in range(args.repeats)]
     figures = [engine_figures(r["bench"]) for r in runs]
     mean, spread = mean_and_spread(figures)
-    # 3. its simulation
     trace, dropped = trace_slice(args, args.val_start)
-    pages = min(runs[0]["pages"])
-    sim = sim_metrics(trace, ranks, pages, cal, roles, args, api)
+    sim = sim_metrics(trace, ranks, min(runs[0]["pages"]), cal, roles, args, api)
     errors = signed_errors(sim, mean)
     return {
         "mode": mode,
         "serve_flags": flags,
         "kv_pages_per_rank": runs[0]["pages"],
         "step_model": {
-            "fit": per_instance(mode, [x.as_dict() for x in fits[best]]),
-            "residual_on_calibration_steps": step_residual(cal_rows, cal),
+            "fit": per_instance(mode, [x.as_dict() for x in calib["fits"]]),
+            # predicted / measured busy seconds per kind of step, on the calibration run
+            "kind_ratios": per_instance(
+                mode, [kind_ratios(f, *r) for f, r in zip(calib["fits"], calib["rows"])]
+            ),
+            "residual_on_calibration_steps": step_residual(calib["rows"], cal),
             "residual_on_validation_steps": step_residual(instance_rows(runs[0]["files"]), cal),
         },
         "api_server": {"frontend_ms_per_request": api[0] * 1e3, "response_ms": api[1] * 1e3},
-        "calibration_slice_error_pct": chosen["calibration_slice_error_pct"],
-        "candidates_tried": len(candidates),
-        "calibration_run": cal_engine,
+        "calibration_slice_error_pct": calib["errors"][api],
+        "candidates_tried": len(calib["errors"]),
+        "calibration_run": calib["engine"],
         "requests": runs[0]["bench"]["completed"],
         "failed": sum(r["bench"]["failed"] for r in runs),
         "dropped_over_context": dropped,
@@ -360,6 +401,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path) -> dict:
         "simulation": sim,
         "error_pct": errors,
         "verdict": verdicts(errors, spread),
+        "wall_s": served["wall_s"],
     }
 
 
@@ -457,12 +499,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("the calibration and validation slices overlap")
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = model_dir(args.workdir)
-    results, t_all = [], time.monotonic()
+    t_all = time.monotonic()
+    served = []
     for mode in modes:
-        t = time.monotonic()
-        results.append(run_mode(mode, args, model))
-        results[-1]["wall_s"] = time.monotonic() - t
-        print_table(results[-1:])
+        served.append(engine_runs(mode, args, model))
+        print(f"{mode}: engine runs done in {served[-1]['wall_s']:.0f} s", flush=True)
+    calibrations = [calibrate(s, args) for s in served]
+    apis = choose_apis(served, calibrations)
+    results = [validate_mode(s, c, apis[s["mode"]], args) for s, c in zip(served, calibrations)]
     out = {
         "what": "afd plan simulate (step time fitted on a calibration slice) vs the engine's mean over repeated runs",
         "num_threads": 1,
@@ -473,7 +517,17 @@ def main(argv: list[str] | None = None) -> int:
         "calibration_slice_trace_s": [args.cal_start, args.cal_start + args.duration],
         "validation_slice_trace_s": [args.val_start, args.val_start + args.duration],
         "repeats": args.repeats,
-        "refit_of_earlier_runs": args.reuse,  # --reuse: the engine's runs in --workdir, fitted and simulated anew
+        "refit_of_earlier_runs": args.reuse,
+        # the front end's constants, chosen once over the calibration runs of the modes behind it
+        "front_ends": {
+            front: {
+                "modes": [m for m in modes if FRONT_ENDS[m] == front],
+                "frontend_ms_per_request": apis[m][0] * 1e3,
+                "response_ms": apis[m][1] * 1e3,
+            }
+            for m in modes
+            for front in [FRONT_ENDS[m]]
+        },  # --reuse: the engine's runs in --workdir, fitted and simulated anew
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "page_size": args.page_size,
         "context": CONTEXT,

@@ -13,8 +13,9 @@ seconds) rows and fits
 
 by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute
 error (the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much
-as 1 s prefill steps); benchmarks/validate_sim.py picks the power that best reproduces the
-calibration run's latencies. The square term is there because the padded attention's score
+as 1 s prefill steps). `balanced_fit` picks the power whose fit gets the busy time of every kind of
+step closest: decode-only steps and steps that prefill few, some or many tokens (a fit that misses
+the short prefill steps of a burst's first request changes how the rest of the burst is batched). The square term is there because the padded attention's score
 tensors outgrow the caches: fitted linearly on steps of up to 8M padded pairs, a step of 13M took
 2.1 s where the fit said 1.6 s. A step's seconds are its forward plus
 the gap since the previous forward ended, when that gap is short (the scheduling the engine did not
@@ -61,6 +62,11 @@ PREFILL, SQUARE = TERMS.index("prefill_step"), TERMS.index("padded_pairs_sq")
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
 PADDED_FIELDS = ("ext_pad", "dec_pad")  # absent from older recordings: 0
 GAP_CAP_S = 0.02  # a longer gap between two forwards is idle time, not part of the step
+# the kinds of step `balanced_fit` weighs: decode-only, then prefilling up to 32, up to 256, more tokens
+PREFILL_KIND_TOKENS = (32, 256)
+KINDS = ("decode", "prefill<=32", "prefill<=256", "prefill>256")
+BALANCE_POWERS = (0.0, 0.25, 0.5, 0.75, 1.0)
+MIN_KIND_STEPS = 10  # a kind with fewer steps is not weighed
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -176,6 +182,39 @@ def fit(
     rms = float(np.sqrt(np.mean((pred - y) ** 2)))
     rel = float(np.median(np.abs(pred - y) / y)) if np.all(y > 0) else float("nan")
     return StepCalibration(tuple(float(c) for c in coef), source, len(y), rms, power, rel)
+
+
+def step_kinds(loads: Sequence[Sequence[float]]) -> np.ndarray:
+    """Each load's index in KINDS: decode-only (no query-key pairs), else by its tokens."""
+    a = design(loads)
+    pre = a[:, PREFILL] > 0
+    return np.where(pre, 1 + np.searchsorted(np.array(PREFILL_KIND_TOKENS), a[:, 1], side="left"), 0)
+
+
+def kind_ratios(cal: StepCalibration, loads: Sequence[Sequence[float]], seconds: Sequence[float]) -> dict:
+    """Predicted over measured busy seconds per kind of step (KINDS with at least MIN_KIND_STEPS)."""
+    kinds, secs = step_kinds(loads), np.asarray(seconds, dtype=float)
+    pred = design(loads) @ np.asarray(cal.coef)
+    out = {}
+    for k, name in enumerate(KINDS):
+        m = kinds == k
+        if m.sum() >= MIN_KIND_STEPS and secs[m].sum() > 0:
+            out[name] = float(pred[m].sum() / secs[m].sum())
+    return out
+
+
+def balanced_fit(
+    loads: Sequence[Sequence[float]], seconds: Sequence[float], source: str = "", powers: Sequence[float] = BALANCE_POWERS
+) -> StepCalibration:
+    """Of the fits weighted by seconds^-power for each of `powers`, the one whose worst kind of
+    step (`kind_ratios`) has its busy time closest to measured (|log ratio|; ties: the first)."""
+    fits = [fit(loads, seconds, source, p) for p in powers]
+
+    def worst(cal: StepCalibration) -> float:
+        ratios = kind_ratios(cal, loads, seconds).values()
+        return max((abs(math.log(r)) if r > 0 else math.inf for r in ratios), default=0.0)
+
+    return min(fits, key=worst)
 
 
 def read_records(path: str | Path) -> list[dict]:

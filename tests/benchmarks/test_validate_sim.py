@@ -93,11 +93,11 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
     prefills = [(n, 1, 0, n * (n + 1) // 2, 0.001 + 1e-5 * n) for n in (16, 64, 256, 512, 100, 32, 8, 200, 300, 400)]
     _records(tmp_path / "r.p", [(1, 1, 30, 0, 0.0011)] + prefills)  # (the first step is left out: warm-up)
     _records(tmp_path / "r.d", [(s, s, 40 * s, 0, 0.002 + 1e-4 * s) for s in (1, 1, 2, 4, 8, 3, 6, 5, 7, 9, 10)])
-    prefill, decode = vs.fit_calibration("pd", vs.step_files("pd", str(tmp_path / "r"), 1), "test", 0.0)
+    prefill, decode = vs.fit_calibration("pd", vs.step_files("pd", str(tmp_path / "r"), 1), "test")
     assert prefill.seconds((512, 1, 0, 512 * 513 // 2, 512 * 513 // 2, 0)) == pytest.approx(0.001 + 512e-5, rel=1e-6)
     assert decode.seconds((4, 4, 160, 0, 0, 160)) == pytest.approx(0.002 + 4e-4, rel=1e-6)
     assert prefill.median_rel_error == pytest.approx(0.0, abs=1e-9)
-    assert vs.fit_calibration("single", [[str(tmp_path / "r.p")]], "test", 0.0).coef == prefill.coef
+    assert vs.fit_calibration("single", [[str(tmp_path / "r.p")]], "test").coef == prefill.coef
 
     monkeypatch.setattr(vs, "kv_bytes_per_token", lambda model: 1024.0)
     monkeypatch.setattr(vs, "model_dir", lambda workdir: tmp_path)
@@ -116,6 +116,18 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
     # the API server's response time adds to TTFT, not to TPOT
     later = vs.sim_metrics(trace, 1, 1000, (prefill, decode), ("gpu",), args, (0.0, 0.01))
     assert later["ttft_p50"] == pytest.approx(fast["ttft_p50"] + 10.0) and later["tpot_p50"] == fast["tpot_p50"]
+
+
+def test_the_api_server_constants_are_chosen_once_over_all_modes(monkeypatch):
+    """One (time per request, response time) for every mode: the pair whose calibration errors sum
+    lowest over the modes, not each mode's own best pair."""
+    monkeypatch.setattr(vs, "FRONTEND_S", (0.0, 1e-3, 2e-3))
+    monkeypatch.setattr(vs, "RESPONSE_S", (0.0,))
+    a, b, c = (0.0, 0.0), (1e-3, 0.0), (2e-3, 0.0)
+    one = {"errors": {a: 3.0, b: 4.0, c: 9.0}}  # prefers a by 1 point
+    two = {"errors": {a: 7.0, b: 2.0, c: 1.0}}  # prefers c, b is 1 point worse
+    assert vs.choose_api([one]) == a and vs.choose_api([two]) == c
+    assert vs.choose_api([one, two]) == b  # 4 + 2 < 3 + 7, 9 + 1
 
 
 def _results(errors: dict, spread: dict) -> dict:

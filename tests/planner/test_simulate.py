@@ -130,6 +130,51 @@ def test_cache_aware_router_prefers_the_rank_holding_the_prefix():
     assert run(recs, instance(replicas=2), block_tokens=4).ttft[2] == exact(A + 10 * B)
 
 
+def test_a_burst_sharing_a_first_block_follows_its_first_request():
+    # Three prompts sharing block 5 arrive together at two idle instances. The router records a
+    # prompt's blocks when it routes it (as the engine's does), so the second and third match the
+    # first's block 5 on instance 0 and join it there, in one step of 30 tokens, before anything is
+    # cached; routing by what the caches held would have sent the second to the idle instance 1.
+    recs = [(0.0, 10, 1, (5, 6, 1)), (0.0, 10, 1, (5, 7, 2)), (0.0, 10, 1, (5, 8, 3))]
+    r = run(recs, instance(replicas=2), block_tokens=4)
+    assert list(r.ttft) == [exact(A + 30 * B)] * 3
+    assert r.summary["prefix_hit_rate"] == 0.0
+
+
+def test_the_routers_record_matches_the_engines():
+    """The simulator's cache_aware router and the engine's (control/load_balance.py) pick the same
+    rank for the same stream of prompts and finishes, with their records bounded alike."""
+    import random
+
+    from afd_engine.control.load_balance import CacheAwareBalancer
+    from afd_engine.planner.sim.request import Request
+    from afd_engine.planner.sim.router import Domain
+
+    rng = random.Random(7)
+    bs, ranks = 4, 3
+    engine, sim = CacheAwareBalancer(ranks, bs, max_blocks=24), Domain("cache_aware", max_blocks=24)
+    for _ in range(ranks):
+        sim.add(object())
+    live, picked = [], []
+    for i in range(400):
+        # prompts grow from a few shared roots: block n holds 4 tokens equal to path[n]; its key,
+        # like a trace's block id, names the whole prefix up to it
+        path = [rng.randrange(4)] + [rng.randrange(6) for _ in range(rng.randrange(8))]
+        keys = tuple(tuple(path[: n + 1]) for n in range(len(path)))
+        tokens = [t for t in path for _ in range(bs)] + [99, 99]  # a partial block: not recorded
+        req = Request(i, 0.0, len(tokens), 1, keys)
+        want = engine.route(str(i), tokens)
+        got = sim.ranks.index(sim.route(req, len(keys)))
+        picked.append(want)
+        assert got == want, i
+        live.append((str(i), got))
+        while live and rng.random() < 0.45:  # some finish, in any order
+            rid, rank = live.pop(rng.randrange(len(live)))
+            engine.finished(rid)
+            sim.load[rank] -= 1
+    assert len(set(picked)) == ranks and sum(map(len, sim.sent)) <= 24 * ranks
+
+
 def test_lpm_admits_the_longest_cached_prefix_first():
     # One request runs at a time. While the first decodes, a request without any cached prefix and
     # one sharing the first's two blocks wait; lpm takes the cached one first, fcfs the older one.

@@ -16,10 +16,13 @@ from afd_engine.planner.step_calibration import (
     TERMS,
     FittedStepTime,
     StepCalibration,
+    balanced_fit,
     fit,
     fit_records,
+    kind_ratios,
     nnls,
     read_records,
+    step_kinds,
     step_rows,
 )
 
@@ -50,6 +53,39 @@ def test_fit_recovers_known_coefficients(power):
     assert cal.steps == 200 and cal.rms_s < 1e-12 and cal.power == power
     for got, want in zip(cal.coef, COEF):
         assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+def test_step_kinds():
+    # decode-only (no pairs), then prefills of 32, 33 and 257 tokens (a load of four: tokens, seqs, kv, pairs)
+    loads = [(5, 5, 200, 0), (32, 1, 0, 528), (33, 2, 40, 561), (257, 3, 0, 9000)]
+    assert step_kinds(loads).tolist() == [0, 1, 2, 3]
+
+
+def test_balanced_fit_gets_every_kind_of_step_closest():
+    """Decode steps, short prefills with a cost of their own and long ones growing faster than the
+    terms: weighting by absolute error (power 0) misses the short prefills by 8%, by relative error
+    (power 1) the long ones by 3.6%; the balanced fit takes the weighting whose worst kind is closest."""
+    rng = np.random.default_rng(1)
+    loads, secs = [], []
+    for s in rng.integers(1, 16, 400):
+        loads.append((s, s, 40 * s, 0))
+        secs.append(0.002 + 1e-4 * s)
+    for t in rng.integers(8, 33, 30):
+        loads.append((t, 1, 0, t * t / 2))
+        secs.append(0.004 + 2e-5 * t)
+    for t in rng.integers(300, 2048, 20):
+        loads.append((t, 1, 0, t * t / 2))
+        secs.append(1e-5 * t**1.5)
+
+    def worst(cal):
+        return max(abs(np.log(r)) for r in kind_ratios(cal, loads, secs).values())
+
+    by_power = {p: worst(fit(loads, secs, "x", p)) for p in (0.0, 0.25, 0.5, 0.75, 1.0)}
+    assert by_power[0.0] > np.log(1.07) and by_power[1.0] > np.log(1.03)
+    best = balanced_fit(loads, secs, "x")
+    assert best.power == min(by_power, key=by_power.get) == 0.75
+    assert worst(best) < np.log(1.011)
+    assert set(kind_ratios(best, loads, secs)) == {"decode", "prefill<=32", "prefill>256"}  # no medium steps
 
 
 def test_fit_is_non_negative():

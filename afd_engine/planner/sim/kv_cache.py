@@ -15,15 +15,11 @@ from afd_engine.planner.sim.request import Block, Request
 
 
 class RankCache:
-    """The KV pages and prefix cache of rank `lid` of a router's domain. `index` is the router's
-    record of which ranks hold which trace block (shared by the domain's ranks), kept in step with
-    what this cache holds; `seq` is the simulation's counter, which stamps how recently a block was
-    used."""
+    """The KV pages and prefix cache of rank `lid` of a router's domain; `seq` is the simulation's
+    counter, which stamps how recently a block was used."""
 
-    def __init__(
-        self, index: dict[object, set[int]], lid: int, cfg: InstanceConfig, block_tokens: int, seq: Iterator[int]
-    ) -> None:
-        self.index, self.lid, self.seq = index, lid, seq
+    def __init__(self, lid: int, cfg: InstanceConfig, block_tokens: int, seq: Iterator[int]) -> None:
+        self.lid, self.seq = lid, seq
         self.P, self.B = cfg.page_tokens, block_tokens
         self.bp = -(-self.B // self.P)  # pages of one cached block
         self.capacity, self.used, self.evictable = cfg.kv_pages, 0, 0
@@ -51,11 +47,6 @@ class RankCache:
             if b is None or b.ref or b.children or b.stamp != stamp:
                 continue  # stale entry
             del cache[key]
-            holders = self.index.get(key)
-            if holders is not None:
-                holders.discard(self.lid)
-                if not holders:
-                    del self.index[key]
             freed += bp
             if b.parent is not None:
                 p = cache[b.parent]
@@ -106,7 +97,6 @@ class RankCache:
         if not self.caching or upto <= req.held:
             return
         cache, bp, stamp, B, P = self.cache, self.bp, next(self.seq), self.B, self.P
-        index, n_trace = self.index, len(req.keys)
         parent = req.key(req.held - 1) if req.held else None
         for n in range(req.held, upto):
             key = req.key(n)
@@ -121,12 +111,6 @@ class RankCache:
                 self.used += bp
                 if parent is not None:
                     cache[parent].children += 1
-                if n < n_trace:
-                    holders = index.get(key)
-                    if holders is None:
-                        index[key] = {self.lid}
-                    else:
-                        holders.add(self.lid)
             parent = key
         old = -(-req.priv // P)
         req.priv -= (upto - req.held) * B

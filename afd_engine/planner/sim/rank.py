@@ -69,10 +69,9 @@ class Rank(RankCache):
     """One attention rank: its scheduler, over the KV pool and prefix cache it inherits."""
 
     def __init__(self, sim: Host, group: Instance, domain: Domain[Rank], cfg: InstanceConfig, role: str) -> None:
-        super().__init__(domain.index, len(domain.ranks), cfg, sim.block_tokens, sim.seq)
+        super().__init__(len(domain.ranks), cfg, sim.block_tokens, sim.seq)
         self.sim, self.group, self.domain, self.role = sim, group, domain, role
-        domain.ranks.append(self)
-        domain.load.append(0)
+        domain.add(self)
         self.max_tokens, self.max_running, self.policy = cfg.max_batch_tokens, cfg.max_running, cfg.policy
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # admission order: the last is preempted first
