@@ -13,10 +13,10 @@ behind the router, `afd serve --pd`) it
 
 Each fit weights its steps so that every kind of step (decode-only, short, medium and long prefill)
 gets its busy time closest (`balanced_fit`). What the step records do not show is set on the
-calibration slices alone: the front end's time per request and response time, one pair for all
-the modes run behind the same front end (single, dp2 and AFD: the API server; PD: its router in
-front of two instances' servers), the pair whose calibration-slice simulations are closest to the
-engine's runs over those modes.
+calibration slices alone, one pair for all the modes run behind the same front end (single, dp2
+and AFD: the API server; PD: its router in front of two instances' servers): the front end's time
+per request, which sets how a burst is batched, is the one whose simulations prefill in as many
+steps as the engine did; its response time the one whose calibration-slice figures come closest.
 
     python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~23 min
     python -m benchmarks.validate_sim --quick          # single mode, short slices, one run (~40 s)
@@ -32,7 +32,6 @@ simulated slice and counted (the engine truncates them).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import re
 import shutil
@@ -83,11 +82,11 @@ MODES = {
 # around it (assumed, not measured); the bytes per token are the model's.
 KV_LINK_BPS, KV_LINK_LATENCY_S = 1.6e9, 0.5e-3
 # the front end's time per request and response time tried (ClusterConfig.frontend_s, .response_s)
-FRONTEND_S = (0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3)
+FRONTEND_S = tuple(ms * 1e-3 for ms in (0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0))
+RESPONSE_S = tuple(ms * 1e-3 for ms in (0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0))
 # the modes whose requests pass the same front end share its constants: the API server in front of
 # the ranks, or PD's router in front of two instances' servers
 FRONT_ENDS = {"single": "api server", "dp2": "api server", "afd": "api server", "pd": "pd router"}
-RESPONSE_S = (0.0, 5e-3, 10e-3, 15e-3, 20e-3)
 # the five figures compared: (key in the results file, bench_serving's key); latencies in ms
 METRICS = (
     ("ttft_p50", "median_ttft_ms"),
@@ -277,6 +276,7 @@ def sim_metrics(
         "tpot_p90": d["tpot_s"]["p90"] * 1e3,
         "output_tokens_per_s": d["output_tokens_per_s"],
         "steps": d["steps"],
+        "prefill_steps": d["prefill_steps"],
         "preemptions": d["preemptions"],
         "prefix_hit_rate": d["prefix_hit_rate"],
     }
@@ -326,28 +326,50 @@ def engine_runs(mode: str, args: argparse.Namespace, model: Path) -> dict:
 
 
 def calibrate(served: dict, args: argparse.Namespace) -> dict:
-    """The step-time fit of a mode's calibration run, and for each of the API server's constants
-    tried the simulation's mean |error| on the calibration slice."""
+    """The step-time fit of a mode's calibration run, the engine's count of prefill steps in it,
+    and the simulation of the calibration slice at each front-end time per request tried (with no
+    response time: that only adds to every TTFT, see `with_response`)."""
     mode, cal_run = served["mode"], served["cal"]
     _, ranks, roles = MODES[mode]
     cal_trace, _ = trace_slice(args, args.cal_start)
-    cal_engine = engine_figures(cal_run["bench"])
     source = f"{mode}: trace seconds [{args.cal_start:g}, +{args.duration:g})"
     rows = instance_rows(cal_run["files"])
     fits = fit_instances(rows, source)
-    errors = {}
-    for api in itertools.product(FRONTEND_S, RESPONSE_S):
-        sim = sim_metrics(cal_trace, ranks, min(cal_run["pages"]), per_instance(mode, fits), roles, args, api)
-        errors[api] = mean_abs_error(sim, cal_engine)
-    return {"fits": fits, "errors": errors, "rows": rows, "engine": cal_engine}
+    one, pages = per_instance(mode, fits), min(cal_run["pages"])
+    by_frontend = {fe: sim_metrics(cal_trace, ranks, pages, one, roles, args, (fe, 0.0)) for fe in FRONTEND_S}
+    return {
+        "fits": fits,
+        "rows": rows,
+        "engine": engine_figures(cal_run["bench"]),
+        "engine_prefill_steps": sum(1 for loads, _ in rows for load in loads if load[3] > 0),
+        "by_frontend": by_frontend,
+    }
+
+
+def with_response(sim: dict, response_s: float) -> dict:
+    """A simulation's figures had every token reached the client `response_s` later: TTFTs shift
+    by it, TPOT and throughput do not (planner/sim/results.py)."""
+    return sim | {k: sim[k] + response_s * 1e3 for k in ("ttft_p50", "ttft_p90")}
 
 
 def choose_api(calibrations: list[dict]) -> tuple[float, float]:
-    """The front end's (time per request, response time) for these modes' calibrations: the pair
-    whose calibration-slice errors sum lowest over them. Chosen over several modes' runs it does
-    not follow one run's noise in the tails."""
-    apis = list(itertools.product(FRONTEND_S, RESPONSE_S))
-    return min(apis, key=lambda api: sum(c["errors"][api] for c in calibrations))
+    """The front end's (time per request, response time) for these modes' calibrations. The time
+    per request sets how a burst is batched: the one whose simulations of the calibration slices
+    prefill in as many steps as the engine did (summed relative miss over the modes). The response
+    time then is the one whose calibration-slice figures come closest (mean |error| summed over
+    the modes). Neither follows one run's noise in the latency tails."""
+
+    def step_miss(fe: float) -> float:
+        return sum(
+            abs(c["by_frontend"][fe]["prefill_steps"] - c["engine_prefill_steps"]) / max(c["engine_prefill_steps"], 1)
+            for c in calibrations
+        )
+
+    fe = min(FRONTEND_S, key=step_miss)
+    return fe, min(
+        RESPONSE_S,
+        key=lambda r: sum(mean_abs_error(with_response(c["by_frontend"][fe], r), c["engine"]) for c in calibrations),
+    )
 
 
 def choose_apis(served: list[dict], calibrations: list[dict]) -> dict[str, tuple[float, float]]:
@@ -388,8 +410,11 @@ def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: arg
             "residual_on_validation_steps": step_residual(instance_rows(runs[0]["files"]), cal),
         },
         "api_server": {"frontend_ms_per_request": api[0] * 1e3, "response_ms": api[1] * 1e3},
-        "calibration_slice_error_pct": calib["errors"][api],
-        "candidates_tried": len(calib["errors"]),
+        "calibration_slice_error_pct": mean_abs_error(with_response(calib["by_frontend"][api[0]], api[1]), calib["engine"]),
+        "calibration_prefill_steps": {
+            "engine": calib["engine_prefill_steps"],
+            "simulation": calib["by_frontend"][api[0]]["prefill_steps"],
+        },
         "calibration_run": calib["engine"],
         "requests": runs[0]["bench"]["completed"],
         "failed": sum(r["bench"]["failed"] for r in runs),

@@ -118,16 +118,33 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
     assert later["ttft_p50"] == pytest.approx(fast["ttft_p50"] + 10.0) and later["tpot_p50"] == fast["tpot_p50"]
 
 
-def test_the_api_server_constants_are_chosen_once_over_all_modes(monkeypatch):
-    """One (time per request, response time) for every mode: the pair whose calibration errors sum
-    lowest over the modes, not each mode's own best pair."""
+def test_the_front_end_constants_are_chosen_once_over_the_modes_behind_it(monkeypatch):
+    """The time per request is the one whose simulations prefill in as many steps as the engine
+    did, summed over the modes behind the front end (not each mode's own best); the response time,
+    which shifts every TTFT, the one whose calibration figures then come closest."""
     monkeypatch.setattr(vs, "FRONTEND_S", (0.0, 1e-3, 2e-3))
-    monkeypatch.setattr(vs, "RESPONSE_S", (0.0,))
-    a, b, c = (0.0, 0.0), (1e-3, 0.0), (2e-3, 0.0)
-    one = {"errors": {a: 3.0, b: 4.0, c: 9.0}}  # prefers a by 1 point
-    two = {"errors": {a: 7.0, b: 2.0, c: 1.0}}  # prefers c, b is 1 point worse
-    assert vs.choose_api([one]) == a and vs.choose_api([two]) == c
-    assert vs.choose_api([one, two]) == b  # 4 + 2 < 3 + 7, 9 + 1
+    monkeypatch.setattr(vs, "RESPONSE_S", (0.0, 0.01, 0.02))
+
+    def calib(engine_steps, sim_steps, ttft):
+        sims = {
+            fe: {**dict.fromkeys(KEYS, 100.0), "ttft_p50": t, "ttft_p90": t, "prefill_steps": n}
+            for fe, n, t in zip(vs.FRONTEND_S, sim_steps, ttft)
+        }
+        return {"engine": dict.fromkeys(KEYS, 100.0), "engine_prefill_steps": engine_steps, "by_frontend": sims}
+
+    # one prefers 0 ms (100 steps, matched), two 2 ms; 1 ms misses one by 10% and two by 5%: the
+    # least summed miss. At 1 ms both simulate TTFTs of 80 ms where the engine had 100: + 20 ms.
+    one = calib(100, (100, 110, 130), (90.0, 80.0, 70.0))
+    two = calib(200, (150, 190, 200), (90.0, 80.0, 70.0))
+    assert vs.choose_api([one]) == (0.0, 0.01) and vs.choose_api([two]) == (2e-3, 0.02)
+    assert vs.choose_api([one, two]) == (1e-3, 0.02)
+    assert vs.with_response({"ttft_p50": 80.0, "ttft_p90": 90.0, "tpot_p50": 3.0}, 0.02) == {
+        "ttft_p50": 100.0,
+        "ttft_p90": 110.0,
+        "tpot_p50": 3.0,
+    }
+    served = [{"mode": m} for m in ("single", "pd", "afd")]
+    assert vs.choose_apis(served, [one, two, two]) == {"single": (1e-3, 0.02), "afd": (1e-3, 0.02), "pd": (2e-3, 0.02)}
 
 
 def _results(errors: dict, spread: dict) -> dict:

@@ -33,6 +33,7 @@ class Group:
         self.active: dict[int, Rank] = {}
         self.busy = False
         self.steps = 0
+        self.prefill_steps = 0  # steps in which some rank prefilled
         self.planned: list[Rank] = []
         self.stepping_s = 0.0
         self.role_busy = [0.0] * len(self.model.roles)
@@ -65,6 +66,8 @@ class Group:
         if not seconds > 0:
             raise ConfigError(f"the step time model gave {seconds!r} s for a step; it must be > 0")
         self.steps += 1
+        if any(ld[3] > 0 for ld in loads):
+            self.prefill_steps += 1
         self.busy = True
         self.stepping_s += seconds
         for k, b in enumerate(busy):

@@ -111,6 +111,7 @@ def simulate(trace: Trace, cluster: ClusterConfig, slo: SLO) -> SimResult:
         "prefix_hit_rate": sum(r.hit_tokens for r in ranks) / prompt if prompt else 0.0,
         "evicted_pages": sum(r.evicted for r in ranks),
         "steps": sum(g.steps for g in sim.groups),
+        "prefill_steps": sum(g.prefill_steps for g in sim.groups),
         "wall_s": wall,
     }
     drafting = [r for r in ranks if isinstance(r, DraftingRank)]
