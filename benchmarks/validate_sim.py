@@ -76,6 +76,11 @@ MODES = {
     ),
     "pd": (["--pd", "--prefill-mode", "single", "--decode-mode", "single"], 1, ("gpu",)),
 }
+# A second calibration run, of the same slice, for a mode whose router may leave a rank idle through
+# the whole calibration slice (every request of the trace shares its first block, and cache_aware
+# follows it to one rank until that rank is 32 requests ahead): round robin keeps both ranks busy,
+# so that the fit can price a lockstep step in which both work (its other_busy_ranks term).
+CAL_EXTRA = {"dp2": ["--load-balance-method", "round_robin"]}
 # PD's KV transfer on this machine (builtin backend, shared memory between the instances): bytes per
 # second from bench_pd's transfer figures (1.6-1.7 GB/s, 1.2 MB per request in 0.7 ms:
 # benchmarks/results/pd_dsv3-4k_2026-11-26.json), and a fixed 0.5 ms per transfer for the messages
@@ -116,12 +121,15 @@ def kv_pages(log: str) -> list[int]:
     return [int(x) for x in re.findall(r"rank \d+ ready: .*? (\d+) KV pages", log)]
 
 
-def serve(model: Path, mode: str, port: int, args: argparse.Namespace, log: Path, record: str | None) -> Server:
-    """One `afd serve` in its own process group, healthy; SIGINT stops it (SIGKILL 30 s later)."""
+def serve(
+    model: Path, mode: str, port: int, args: argparse.Namespace, log: Path, record: str | None, extra: list[str] = ()
+) -> Server:
+    """One `afd serve` in its own process group, healthy; SIGINT stops it (SIGKILL 30 s later);
+    `extra`: more flags."""
     cmd = afd_command("serve", "--model-path", str(model), "--port", str(port), "--num-threads", "1")
     cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     cmd += ["--page-size", str(args.page_size), "--kv-cache-memory-mb", str(args.kv_cache_memory_mb)]
-    cmd += MODES[mode][0]
+    cmd += [*MODES[mode][0], *extra]
     if record and mode == "pd":  # each instance records its own steps
         cmd += ["--prefill-args", f"--record-steps {record}.p", "--decode-args", f"--record-steps {record}.d"]
     elif record:
@@ -299,12 +307,14 @@ def step_residual(rows: list[tuple[list, list]], cal) -> dict:
     }
 
 
-def served_run(mode: str, args: argparse.Namespace, model: Path, work: Path, name: str, start: float) -> dict:
-    """One fresh server replaying the slice at `start` with its steps recorded (reused with --reuse):
-    the bench record, the KV pages per rank and the step files."""
+def served_run(
+    mode: str, args: argparse.Namespace, model: Path, work: Path, name: str, start: float, extra: list[str] = ()
+) -> dict:
+    """One fresh server (with the flags `extra` too) replaying the slice at `start` with its steps
+    recorded (reused with --reuse): the bench record, the KV pages per rank and the step files."""
     rec, log, out = str(work / f"{name}.steps"), work / f"serve_{name}.log", work / f"{name}_bench.jsonl"
     if not args.reuse:
-        with serve(model, mode, args.port, args, log, rec) as srv:
+        with serve(model, mode, args.port, args, log, rec, extra) as srv:
             ready_pages(srv)
             bench(args.port, start, args, out)
     return {
@@ -315,14 +325,15 @@ def served_run(mode: str, args: argparse.Namespace, model: Path, work: Path, nam
 
 
 def engine_runs(mode: str, args: argparse.Namespace, model: Path) -> dict:
-    """The engine's runs of a mode: the calibration slice once, then the validation slice on a fresh
-    server `--repeats` times."""
+    """The engine's runs of a mode: the calibration slice once (twice for a mode in CAL_EXTRA, the
+    second time with those flags), then the validation slice on a fresh server `--repeats` times."""
     work = args.workdir / mode
     work.mkdir(parents=True, exist_ok=True)
     t = time.monotonic()
     cal = served_run(mode, args, model, work, "cal", args.cal_start)
+    extra = [served_run(mode, args, model, work, "cal_extra", args.cal_start, CAL_EXTRA[mode])] if mode in CAL_EXTRA else []
     runs = [served_run(mode, args, model, work, f"val{i}", args.val_start) for i in range(args.repeats)]
-    return {"mode": mode, "cal": cal, "val": runs, "wall_s": time.monotonic() - t}
+    return {"mode": mode, "cal": cal, "cal_extra": extra, "val": runs, "wall_s": time.monotonic() - t}
 
 
 def calibrate(served: dict, args: argparse.Namespace) -> dict:
@@ -334,12 +345,18 @@ def calibrate(served: dict, args: argparse.Namespace) -> dict:
     cal_trace, _ = trace_slice(args, args.cal_start)
     source = f"{mode}: trace seconds [{args.cal_start:g}, +{args.duration:g})"
     rows = instance_rows(cal_run["files"])
-    fits = fit_instances(rows, source)
+    fit_rows = [list(r) for r in rows]
+    for run in served["cal_extra"]:  # the same instances' steps under another router
+        source += " twice, the second time with " + " ".join(CAL_EXTRA[mode])
+        for mine, (loads, seconds) in zip(fit_rows, instance_rows(run["files"])):
+            mine[0], mine[1] = mine[0] + loads, mine[1] + seconds
+    fit_rows = [tuple(r) for r in fit_rows]
+    fits = fit_instances(fit_rows, source)
     one, pages = per_instance(mode, fits), min(cal_run["pages"])
     by_frontend = {fe: sim_metrics(cal_trace, ranks, pages, one, roles, args, (fe, 0.0)) for fe in FRONTEND_S}
     return {
         "fits": fits,
-        "rows": rows,
+        "rows": fit_rows,  # the steps fitted
         "engine": engine_figures(cal_run["bench"]),
         "engine_prefill_steps": sum(1 for loads, _ in rows for load in loads if load[3] > 0),
         "by_frontend": by_frontend,

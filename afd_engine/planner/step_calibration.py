@@ -9,14 +9,14 @@ seconds) rows and fits
 
     step_s = c0 + c1 * tokens + c2 * seqs + c3 * kv_positions + c4 * pairs
                  + c5 * padded_pairs + c6 * padded_positions + c7 * instance_tokens
-                 + c8 * [the step prefills] + c9 * padded_pairs^2
+                 + c8 * [the step prefills] + c9 * padded_pairs^2 + c10 * other_busy_ranks
 
 by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute
 error (the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much
 as 1 s prefill steps). `balanced_fit` picks the power whose fit gets the busy time of every kind of
 step closest: decode-only steps and steps that prefill few, some or many tokens (a fit that misses
-the short prefill steps of a burst's first request changes how the rest of the burst is batched). The square term is there because the padded attention's score
-tensors outgrow the caches: fitted linearly on steps of up to 8M padded pairs, a step of 13M took
+the short prefill steps of a burst's first request changes how the rest of the burst is batched).
+The square term is there because the padded attention's score tensors outgrow the caches: fitted linearly on steps of up to 8M padded pairs, a step of 13M took
 2.1 s where the fit said 1.6 s. A step's seconds are its forward plus
 the gap since the previous forward ended, when that gap is short (the scheduling the engine did not
 hide); a longer gap means the engine was idle and only the forward counts. For a deployment of
@@ -24,7 +24,10 @@ several attention ranks the i-th records of the ranks are the same lockstep step
 seconds are the longest, its load each term's largest over the ranks (a rank that prefills makes
 the step a prefill step even when another has more tokens), and `instance_tokens` the tokens of all
 its ranks (colocated ranks each run their experts for every rank's tokens; for one rank it equals
-`tokens`). `FittedStepTime` reads a simulated step the same way.
+`tokens`), and `other_busy_ranks` how many ranks besides one had tokens (on this 2-core machine a
+dp2 decode step with both ranks busy took 4.5 ms where one busy rank with as many tokens took 2.7;
+a calibration where one rank never works cannot price it: its coefficient stays 0).
+`FittedStepTime` reads a simulated step the same way.
 """
 
 from __future__ import annotations
@@ -52,13 +55,16 @@ TERMS = (
     "instance_tokens",
     "prefill_step",
     "padded_pairs_sq",
+    "other_busy_ranks",
 )
-# calibrations written before the later terms (which count 0 there): the first five, then nine
-OLD_TERMS = (TERMS[:5], TERMS[:9])
-LOAD_TERMS = TERMS.index("instance_tokens")  # what a fit row gives (the fixed and derived terms are not in it)
+# calibrations written before the later terms (which count 0 there): the first five, nine, ten
+OLD_TERMS = (TERMS[:5], TERMS[:9], TERMS[:10])
+LOAD_TERMS = TERMS.index("instance_tokens")  # a fit row: these load terms, then the busy ranks
+ROW_WIDTH = LOAD_TERMS + 1
 RANK_TERMS = LOAD_TERMS - 1  # what a simulated rank's load gives (the instance's tokens come from all)
 PADDED_PAIRS = TERMS.index("padded_pairs") - 1  # its place in a load
 PREFILL, SQUARE = TERMS.index("prefill_step"), TERMS.index("padded_pairs_sq")
+OTHER_BUSY = TERMS.index("other_busy_ranks")
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
 PADDED_FIELDS = ("ext_pad", "dec_pad")  # absent from older recordings: 0
 GAP_CAP_S = 0.02  # a longer gap between two forwards is idle time, not part of the step
@@ -76,11 +82,12 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     given back in the columns' own units."""
     n = x.shape[1]
     norms = np.linalg.norm(x, axis=0)
+    live = [j for j in range(n) if norms[j] > 0]  # an all-zero column gets 0
     norms[norms == 0] = 1.0
     x = x / norms
     best, best_err = np.zeros(n), float(np.sum(y * y))
-    for k in range(1, n + 1):
-        for cols in itertools.combinations(range(n), k):
+    for k in range(1, len(live) + 1):
+        for cols in itertools.combinations(live, k):
             sub = x[:, cols]
             coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
             if np.any(coef < 0):
@@ -95,16 +102,21 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
     """Rows (1, tokens, seqs, kv_positions, pairs, padded_pairs, padded_positions, instance_tokens,
-    prefill_step, padded_pairs_sq) of the loads (a load of four has no padded terms: 0; one without
-    instance_tokens is an instance of one rank: its tokens; prefill_step is 1 where pairs > 0)."""
+    prefill_step, padded_pairs_sq, other_busy_ranks) of the loads, each (tokens, seqs, kv, pairs,
+    padded_pairs, padded_positions, instance_tokens, busy_ranks): a load of four has no padded
+    terms (0), one without instance_tokens is an instance of one rank (its tokens, one busy rank);
+    prefill_step is 1 where pairs > 0."""
     a = np.asarray(loads, dtype=float)
-    a = a.reshape(len(loads), -1) if len(loads) else a.reshape(0, LOAD_TERMS)
+    a = a.reshape(len(loads), -1) if len(loads) else a.reshape(0, ROW_WIDTH)
     width = a.shape[1]
-    a = np.pad(a, ((0, 0), (0, LOAD_TERMS - width)))
+    a = np.pad(a, ((0, 0), (0, ROW_WIDTH - width)))
     if width < LOAD_TERMS:
         a[:, RANK_TERMS] = a[:, 0]
+    if width < ROW_WIDTH:
+        a[:, LOAD_TERMS] = 1.0
     padded = a[:, PADDED_PAIRS : PADDED_PAIRS + 1]
-    return np.hstack([np.ones((a.shape[0], 1)), a, (a[:, 3:4] > 0).astype(float), padded * padded])
+    prefill = (a[:, 3:4] > 0).astype(float)
+    return np.hstack([np.ones((a.shape[0], 1)), a[:, :LOAD_TERMS], prefill, padded * padded, a[:, LOAD_TERMS:] - 1.0])
 
 
 @dataclass(frozen=True)
@@ -122,15 +134,17 @@ class StepCalibration:
         if len(self.coef) < len(TERMS):
             object.__setattr__(self, "coef", (*self.coef, *(0.0,) * (len(TERMS) - len(self.coef))))
 
-    def seconds(self, load: Sequence[float], instance_tokens: float | None = None) -> float:
-        """The step time of a load (a fit row, or a rank's load with its instance's tokens apart)."""
+    def seconds(self, load: Sequence[float], instance_tokens: float | None = None, busy_ranks: int = 1) -> float:
+        """The step time of a load: a fit row, or a rank's load with its instance's tokens and busy
+        ranks apart."""
         c = self.coef
         t = c[0] + sum(k * v for k, v in zip(c[1 : RANK_TERMS + 1], load[:RANK_TERMS]))
         if instance_tokens is None:
             instance_tokens = load[RANK_TERMS] if len(load) > RANK_TERMS else load[0]
+            busy_ranks = load[LOAD_TERMS] if len(load) > LOAD_TERMS else busy_ranks
         padded = load[PADDED_PAIRS] if len(load) > PADDED_PAIRS else 0.0
         t += c[LOAD_TERMS] * instance_tokens + (c[PREFILL] if load[3] > 0 else 0.0) + c[SQUARE] * padded * padded
-        return t
+        return t + c[OTHER_BUSY] * (busy_ranks - 1)
 
     def as_dict(self) -> dict:
         return {
@@ -248,7 +262,7 @@ def step_rows(ranks: Sequence[Sequence[dict]], skip: int = 1) -> tuple[list[tupl
         if i < skip or max(x["tokens"] for x in recs) <= 0:
             continue
         row = tuple(max(x[k] for x in recs) for k in ("tokens", "seqs", "kv", "pairs", *PADDED_FIELDS))
-        loads.append((*row, sum(x["tokens"] for x in recs)))
+        loads.append((*row, sum(x["tokens"] for x in recs), sum(1 for x in recs if x["tokens"] > 0)))
         seconds.append(s)
     return loads, seconds
 
@@ -277,5 +291,5 @@ class FittedStepTime:
     def step(self, loads: Sequence[Sequence[float]]) -> tuple[float, tuple[float, ...]]:
         total = sum(ld[0] for ld in loads)
         worst = loads[0] if len(loads) == 1 else tuple(map(max, *loads))  # as step_rows reads a lockstep step
-        seconds = self.cal.seconds(worst, total)
+        seconds = self.cal.seconds(worst, total, sum(1 for ld in loads if ld[0] > 0))
         return seconds, (seconds,) * len(self.roles)

@@ -26,7 +26,7 @@ from afd_engine.planner.step_calibration import (
     step_rows,
 )
 
-COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17)
+COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4)
 
 
 def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -41,8 +41,10 @@ def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
             rng.integers(0, 80_000, n),
         ]
     ).astype(float)
-    loads = np.column_stack([loads, loads[:, 0] + rng.integers(0, 2048, n)])  # the instance's tokens
-    seconds = COEF[0] + loads @ np.array(COEF[1:-2]) + COEF[-2] * (loads[:, 3] > 0) + COEF[-1] * loads[:, 4] ** 2
+    # the instance's tokens, and its busy ranks
+    loads = np.column_stack([loads, loads[:, 0] + rng.integers(0, 2048, n), rng.integers(1, 4, n)])
+    seconds = COEF[0] + loads[:, :7] @ np.array(COEF[1:8]) + COEF[8] * (loads[:, 3] > 0)
+    seconds += COEF[9] * loads[:, 4] ** 2 + COEF[10] * (loads[:, 7] - 1)
     return loads, seconds
 
 
@@ -94,9 +96,9 @@ def test_fit_is_non_negative():
     y = x @ np.array([1.0, 2.0, -0.5])
     coef = nnls(x, y)
     assert np.all(coef >= 0) and coef[2] == 0.0
-    assert fit(*synthetic(10)).coef  # and too few steps is refused
-    with pytest.raises(ConfigError, match="at least 10 steps"):
-        fit([(1, 1, 0, 0)] * 9, [0.1] * 9)
+    assert fit(*synthetic(11)).coef  # and too few steps is refused
+    with pytest.raises(ConfigError, match="at least 11 steps"):
+        fit([(1, 1, 0, 0)] * 10, [0.1] * 10)
 
 
 def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
@@ -104,8 +106,8 @@ def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
     model = FittedStepTime(cal, ("attention", "ffn"))
     loads = [(100, 4, 2000.0, 0.0), (512, 1, 0.0, 131_328.0)]  # a decode rank and a prefilling one
     # (loads without padded terms: 0 there): 512 tokens, 4 sequences, 2000 positions, the pairs,
-    # both ranks' 612 tokens (instance_tokens), and the step prefills
-    want = 0.004 + 512 * 3e-5 + 4 * 2e-4 + 2000 * 1e-7 + 131_328 * 5e-9 + 612 * 1e-5 + 0.003
+    # both ranks' 612 tokens (instance_tokens), the step prefills, and a second busy rank
+    want = 0.004 + 512 * 3e-5 + 4 * 2e-4 + 2000 * 1e-7 + 131_328 * 5e-9 + 612 * 1e-5 + 0.003 + 7e-4
     seconds, busy = model.step(loads)
     assert seconds == pytest.approx(want, abs=1e-12)
     assert busy == (seconds, seconds)
@@ -130,8 +132,8 @@ def test_step_rows_join_lockstep_ranks(tmp_path):
     loads, seconds = step_rows([read_records(a), read_records(b)])
     # step 1: from the previous end (a 1 ms gap) to the last rank's end
     # step 2: after an idle gap only the forward counts
-    # each term's largest over the ranks; the last, both ranks' tokens
-    assert loads == [(10, 3, 40, 0, 0, 0, 13), (7, 1, 0, 28, 0, 0, 7)]
+    # each term's largest over the ranks; then both ranks' tokens, and how many ranks had tokens
+    assert loads == [(10, 3, 40, 0, 0, 0, 13, 2), (7, 1, 0, 28, 0, 0, 7, 1)]
     assert seconds == pytest.approx([0.11, 0.2])
     rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(12)]
     cal = fit_records([[_write_steps(tmp_path / "s", rows)]], "one rank")
@@ -153,9 +155,11 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
     assert StepCalibration.load(cal_file).coef == COEF
     old = tmp_path / "old.json"  # written before the padded and prefill terms: those count 0
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:5], COEF))}))
-    assert StepCalibration.load(old).coef == (*COEF[:5], 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 6)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:9], COEF))}))  # before the square term
-    assert StepCalibration.load(old).coef == (*COEF[:9], 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:9], 0.0, 0.0)
+    old.write_text(json.dumps({"coef": dict(zip(TERMS[:10], COEF))}))  # before the busy ranks
+    assert StepCalibration.load(old).coef == (*COEF[:10], 0.0)
     args = ["plan", "simulate", "--trace", one_request_trace(tmp_path), "--deployment", "colocated:gpus=1"]
     args += ["--kv-pages", "64", "--step-calibration", str(cal_file), "--json", "-"]
     assert main(args) == 0
