@@ -18,7 +18,7 @@ and AFD: the API server; PD: its router in front of two instances' servers): the
 per request, which sets how a burst is batched, is the one whose simulations prefill in as many
 steps as the engine did; its response time the one whose calibration-slice figures come closest.
 
-    python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~23 min
+    python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~24 min
     python -m benchmarks.validate_sim --quick          # single mode, short slices, one run (~40 s)
     python -m benchmarks.validate_sim --table PATH     # the markdown table of a results file
 
