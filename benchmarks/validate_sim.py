@@ -331,7 +331,9 @@ def engine_runs(mode: str, args: argparse.Namespace, model: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     t = time.monotonic()
     cal = served_run(mode, args, model, work, "cal", args.cal_start)
-    extra = [served_run(mode, args, model, work, "cal_extra", args.cal_start, CAL_EXTRA[mode])] if mode in CAL_EXTRA else []
+    extra = (
+        [served_run(mode, args, model, work, "cal_extra", args.cal_start, CAL_EXTRA[mode])] if mode in CAL_EXTRA else []
+    )
     runs = [served_run(mode, args, model, work, f"val{i}", args.val_start) for i in range(args.repeats)]
     return {"mode": mode, "cal": cal, "cal_extra": extra, "val": runs, "wall_s": time.monotonic() - t}
 
@@ -420,14 +422,14 @@ def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: arg
         "step_model": {
             "fit": per_instance(mode, [x.as_dict() for x in calib["fits"]]),
             # predicted / measured busy seconds per kind of step, on the calibration run
-            "kind_ratios": per_instance(
-                mode, [kind_ratios(f, *r) for f, r in zip(calib["fits"], calib["rows"])]
-            ),
+            "kind_ratios": per_instance(mode, [kind_ratios(f, *r) for f, r in zip(calib["fits"], calib["rows"])]),
             "residual_on_calibration_steps": step_residual(calib["rows"], cal),
             "residual_on_validation_steps": step_residual(instance_rows(runs[0]["files"]), cal),
         },
         "api_server": {"frontend_ms_per_request": api[0] * 1e3, "response_ms": api[1] * 1e3},
-        "calibration_slice_error_pct": mean_abs_error(with_response(calib["by_frontend"][api[0]], api[1]), calib["engine"]),
+        "calibration_slice_error_pct": mean_abs_error(
+            with_response(calib["by_frontend"][api[0]], api[1]), calib["engine"]
+        ),
         "calibration_prefill_steps": {
             "engine": calib["engine_prefill_steps"],
             "simulation": calib["by_frontend"][api[0]]["prefill_steps"],

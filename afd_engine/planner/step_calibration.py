@@ -11,23 +11,23 @@ seconds) rows and fits
                  + c5 * padded_pairs + c6 * padded_positions + c7 * instance_tokens
                  + c8 * [the step prefills] + c9 * padded_pairs^2 + c10 * other_busy_ranks
 
-by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute
-error (the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much
-as 1 s prefill steps). `balanced_fit` picks the power whose fit gets the busy time of every kind of
-step closest: decode-only steps and steps that prefill few, some or many tokens (a fit that misses
-the short prefill steps of a burst's first request changes how the rest of the burst is batched).
-The square term is there because the padded attention's score tensors outgrow the caches: fitted linearly on steps of up to 8M padded pairs, a step of 13M took
-2.1 s where the fit said 1.6 s. A step's seconds are its forward plus
-the gap since the previous forward ended, when that gap is short (the scheduling the engine did not
-hide); a longer gap means the engine was idle and only the forward counts. For a deployment of
-several attention ranks the i-th records of the ranks are the same lockstep step: the step's
-seconds are the longest, its load each term's largest over the ranks (a rank that prefills makes
-the step a prefill step even when another has more tokens), and `instance_tokens` the tokens of all
-its ranks (colocated ranks each run their experts for every rank's tokens; for one rank it equals
-`tokens`), and `other_busy_ranks` how many ranks besides one had tokens (on this 2-core machine a
-dp2 decode step with both ranks busy took 4.5 ms where one busy rank with as many tokens took 2.7;
-a calibration where one rank never works cannot price it: its coefficient stays 0).
-`FittedStepTime` reads a simulated step the same way.
+by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute error
+(the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much as 1
+s prefill steps). `balanced_fit` picks the power whose fit gets the busy time of every kind of step
+closest: decode-only steps and steps that prefill few, some or many tokens (a fit that misses the
+short prefill steps of a burst's first request changes how the rest of the burst is batched). The
+square term is there because the padded attention's score tensors outgrow the caches: fitted
+linearly on steps of up to 8M padded pairs, a step of 13M took 2.1 s where the fit said 1.6 s. A
+step's seconds are its forward plus the gap since the previous forward ended, when that gap is short
+(the scheduling the engine did not hide); a longer gap means the engine was idle and only the
+forward counts. For a deployment of several attention ranks the i-th records of the ranks are the
+same lockstep step: the step's seconds are the longest, its load each term's largest over the ranks
+(a rank that prefills makes the step a prefill step even when another has more tokens), and
+`instance_tokens` the tokens of all its ranks (colocated ranks each run their experts for every
+rank's tokens; for one rank it equals `tokens`), and `other_busy_ranks` how many ranks besides one
+had tokens (on this 2-core machine a dp2 decode step with both ranks busy took 4.5 ms where a fit
+without the term said 2.8; a calibration where one rank never works cannot price it: its
+coefficient stays 0). `FittedStepTime` reads a simulated step the same way.
 """
 
 from __future__ import annotations
@@ -218,7 +218,10 @@ def kind_ratios(cal: StepCalibration, loads: Sequence[Sequence[float]], seconds:
 
 
 def balanced_fit(
-    loads: Sequence[Sequence[float]], seconds: Sequence[float], source: str = "", powers: Sequence[float] = BALANCE_POWERS
+    loads: Sequence[Sequence[float]],
+    seconds: Sequence[float],
+    source: str = "",
+    powers: Sequence[float] = BALANCE_POWERS,
 ) -> StepCalibration:
     """Of the fits weighted by seconds^-power for each of `powers`, the one whose worst kind of
     step (`kind_ratios`) has its busy time closest to measured (|log ratio|; ties: the first)."""
