@@ -402,7 +402,7 @@ def choose_apis(served: list[dict], calibrations: list[dict]) -> dict[str, tuple
 
 
 def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: argparse.Namespace) -> dict:
-    """The simulation of a mode's validation slice at the API server's constants `api`, against the
+    """The simulation of a mode's validation slice at the front end's constants `api`, against the
     engine's mean over the validation runs."""
     mode, runs = served["mode"], served["val"]
     flags, ranks, roles = MODES[mode]

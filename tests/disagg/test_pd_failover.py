@@ -225,26 +225,43 @@ def metric(text: str, name: str) -> float:
     return sum(float(m.rsplit(" ", 1)[1]) for m in text.splitlines() if m.startswith(name))
 
 
+# A stream's length in the kill test: its requests are placed one at a time (each once the router
+# counts the one before), which took about 0.1 s each on the 2-core machine, and a 300-token stream
+# of the tiny model could end (0.5 s) before the seventh was placed. Long streams need a longer
+# context than the tiny model's 512 tokens.
+KILL_TEST_TOKENS = 1500
+
+
+@pytest.fixture(scope="module")
+def long_v3(tmp_path_factory) -> str:
+    """The tiny DeepSeek-V3 checkpoint with a 2,048-token context."""
+    from afd_engine.tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("v3-long")
+    return str(make_tiny_model(out, overrides={"max_position_embeddings": 2048}))
+
+
 @pytest.mark.timeout(600)
-def test_a_decode_instance_killed_mid_stream_costs_the_clients_nothing(tiny_v3):
+def test_a_decode_instance_killed_mid_stream_costs_the_clients_nothing(long_v3):
     """One prefill and two decode instances; kill -9 of one decode instance while streams (chat,
     completions, /generate; greedy and seeded; a chat of two choices) and a JSON request run on
     both: every request ends with the text of the undisturbed run, no error event, one stream id,
     usage counted once for the original prompt and all tokens; the surviving instances end idle."""
-    prefill = prefill_server(tiny_v3)
+    prefill = prefill_server(long_v3)
     started = [prefill]
     try:
-        decode = [Server(tiny_v3, "--disaggregation-mode", "decode", *INSTANCE) for _ in range(2)]
+        decode = [Server(long_v3, "--disaggregation-mode", "decode", *INSTANCE) for _ in range(2)]
         started += decode
         router = Router([prefill], decode)
         started.append(router)
         names = list(REQUESTS)
-        want, threads = run_all(router.url, names, 300)
+        want, threads = run_all(router.url, names, KILL_TEST_TOKENS)
         join(threads)
         assert all(not w[3] for w in want.values()), want
 
         events = threading.Semaphore(0)
-        got, threads = run_all(router.url, names, 300, events, lambda n: sum(router.in_flight(d) for d in decode) == n)
+        placed = lambda n: sum(router.in_flight(d) for d in decode) == n  # noqa: E731
+        got, threads = run_all(router.url, names, KILL_TEST_TOKENS, events, placed)
         for _ in STREAMS:
             assert events.acquire(timeout=60)
         # the chat of two choices, /generate, a greedy completion and the JSON request run there
