@@ -346,13 +346,14 @@ def calibrate(served: dict, args: argparse.Namespace) -> dict:
     _, ranks, roles = MODES[mode]
     cal_trace, _ = trace_slice(args, args.cal_start)
     source = f"{mode}: trace seconds [{args.cal_start:g}, +{args.duration:g})"
-    rows = instance_rows(cal_run["files"])
-    fit_rows = [list(r) for r in rows]
-    for run in served["cal_extra"]:  # the same instances' steps under another router
+    if served["cal_extra"]:
         source += " twice, the second time with " + " ".join(CAL_EXTRA[mode])
-        for mine, (loads, seconds) in zip(fit_rows, instance_rows(run["files"])):
-            mine[0], mine[1] = mine[0] + loads, mine[1] + seconds
-    fit_rows = [tuple(r) for r in fit_rows]
+    rows = instance_rows(cal_run["files"])
+    # each instance's steps of every calibration run (the extra one: the same instances under another router)
+    per_run = [rows] + [instance_rows(run["files"]) for run in served["cal_extra"]]
+    fit_rows = [
+        ([ld for loads, _ in inst for ld in loads], [s for _, secs in inst for s in secs]) for inst in zip(*per_run)
+    ]
     fits = fit_instances(fit_rows, source)
     one, pages = per_instance(mode, fits), min(cal_run["pages"])
     by_frontend = {fe: sim_metrics(cal_trace, ranks, pages, one, roles, args, (fe, 0.0)) for fe in FRONTEND_S}

@@ -200,21 +200,28 @@ def fit(
 
 def step_kinds(loads: Sequence[Sequence[float]]) -> np.ndarray:
     """Each load's index in KINDS: decode-only (no query-key pairs), else by its tokens."""
-    a = design(loads)
-    pre = a[:, PREFILL] > 0
-    return np.where(pre, 1 + np.searchsorted(np.array(PREFILL_KIND_TOKENS), a[:, 1], side="left"), 0)
+    return _kinds(design(loads))
 
 
-def kind_ratios(cal: StepCalibration, loads: Sequence[Sequence[float]], seconds: Sequence[float]) -> dict:
-    """Predicted over measured busy seconds per kind of step (KINDS with at least MIN_KIND_STEPS)."""
-    kinds, secs = step_kinds(loads), np.asarray(seconds, dtype=float)
-    pred = design(loads) @ np.asarray(cal.coef)
+def _kinds(x: np.ndarray) -> np.ndarray:
+    """`step_kinds` of the rows of a `design`."""
+    return np.where(x[:, PREFILL] > 0, 1 + np.searchsorted(np.array(PREFILL_KIND_TOKENS), x[:, 1], side="left"), 0)
+
+
+def _kind_ratios(coef: Sequence[float], x: np.ndarray, kinds: np.ndarray, secs: np.ndarray) -> dict:
+    pred = x @ np.asarray(coef)
     out = {}
     for k, name in enumerate(KINDS):
         m = kinds == k
         if m.sum() >= MIN_KIND_STEPS and secs[m].sum() > 0:
             out[name] = float(pred[m].sum() / secs[m].sum())
     return out
+
+
+def kind_ratios(cal: StepCalibration, loads: Sequence[Sequence[float]], seconds: Sequence[float]) -> dict:
+    """Predicted over measured busy seconds per kind of step (KINDS with at least MIN_KIND_STEPS)."""
+    x = design(loads)
+    return _kind_ratios(cal.coef, x, _kinds(x), np.asarray(seconds, dtype=float))
 
 
 def balanced_fit(
@@ -225,13 +232,14 @@ def balanced_fit(
 ) -> StepCalibration:
     """Of the fits weighted by seconds^-power for each of `powers`, the one whose worst kind of
     step (`kind_ratios`) has its busy time closest to measured (|log ratio|; ties: the first)."""
-    fits = [fit(loads, seconds, source, p) for p in powers]
+    x, secs = design(loads), np.asarray(seconds, dtype=float)
+    kinds = _kinds(x)
 
     def worst(cal: StepCalibration) -> float:
-        ratios = kind_ratios(cal, loads, seconds).values()
+        ratios = _kind_ratios(cal.coef, x, kinds, secs).values()
         return max((abs(math.log(r)) if r > 0 else math.inf for r in ratios), default=0.0)
 
-    return min(fits, key=worst)
+    return min((fit(loads, seconds, source, p) for p in powers), key=worst)
 
 
 def read_records(path: str | Path) -> list[dict]:

@@ -30,12 +30,11 @@ class Domain(Generic[R]):
         self.max_blocks = max_blocks
         self.turn = 0
 
-    def add(self, rank: R) -> int:
-        """Adds a rank; its index in the domain."""
+    def add(self, rank: R) -> None:
+        """Adds a rank (its index in the domain: the ranks before it)."""
         self.ranks.append(rank)
         self.load.append(0)
         self.sent.append(OrderedDict())
-        return len(self.ranks) - 1
 
     def route(self, req: Request, limit: int) -> R:
         """cache_aware: the rank the longest prefix of req was sent to (least loaded among equals),
