@@ -186,8 +186,10 @@ def step_files(mode: str, rec: str, ranks: int) -> list[list[str]]:
 
 
 def instance_rows(files: list[list[str]]) -> list[tuple[list, list]]:
-    """(loads, seconds) of the steps of each instance of a run (PD: prefill's, then decode's)."""
-    return [step_rows([read_records(f) for f in group]) for group in files]
+    """(loads, seconds) of the steps of each instance of a run (PD: prefill's, then decode's), each
+    step marked where another instance was computing as it started (`step_rows`' peers)."""
+    recs = [[read_records(f) for f in group] for group in files]
+    return [step_rows(mine, peers=[o for j, o in enumerate(recs) if j != i]) for i, mine in enumerate(recs)]
 
 
 def fit_instances(rows: list[tuple[list, list]], source: str) -> tuple[StepCalibration, ...]:
@@ -416,16 +418,20 @@ def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: arg
     trace, dropped = trace_slice(args, args.val_start)
     sim = sim_metrics(trace, ranks, min(runs[0]["pages"]), cal, roles, args, api)
     errors = signed_errors(sim, mean)
+    val_rows = instance_rows(runs[0]["files"])
     return {
         "mode": mode,
         "serve_flags": flags,
         "kv_pages_per_rank": runs[0]["pages"],
         "step_model": {
             "fit": per_instance(mode, [x.as_dict() for x in calib["fits"]]),
-            # predicted / measured busy seconds per kind of step, on the calibration run
-            "kind_ratios": per_instance(mode, [kind_ratios(f, *r) for f, r in zip(calib["fits"], calib["rows"])]),
+            # predicted / measured busy seconds per kind of step, on the first validation run (on
+            # the calibration runs each kind is scaled to 1: kind_scale)
+            "kind_ratios_on_validation_steps": per_instance(
+                mode, [kind_ratios(f, *r) for f, r in zip(calib["fits"], val_rows)]
+            ),
             "residual_on_calibration_steps": step_residual(calib["rows"], cal),
-            "residual_on_validation_steps": step_residual(instance_rows(runs[0]["files"]), cal),
+            "residual_on_validation_steps": step_residual(val_rows, cal),
         },
         "api_server": {"frontend_ms_per_request": api[0] * 1e3, "response_ms": api[1] * 1e3},
         "calibration_slice_error_pct": mean_abs_error(

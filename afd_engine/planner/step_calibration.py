@@ -10,6 +10,7 @@ seconds) rows and fits
     step_s = c0 + c1 * tokens + c2 * seqs + c3 * kv_positions + c4 * pairs
                  + c5 * padded_pairs + c6 * padded_positions + c7 * instance_tokens
                  + c8 * [the step prefills] + c9 * padded_pairs^2 + c10 * other_busy_ranks
+                 + c11 * [another instance was computing when the step started]
 
 by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute error
 (the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much as 1
@@ -27,7 +28,11 @@ same lockstep step: the step's seconds are the longest, its load each term's lar
 rank's tokens; for one rank it equals `tokens`), and `other_busy_ranks` how many ranks besides one
 had tokens (on this 2-core machine a dp2 decode step with both ranks busy took 4.5 ms where a fit
 without the term said 2.8; a calibration where one rank never works cannot price it: its
-coefficient stays 0). `FittedStepTime` reads a simulated step the same way.
+coefficient stays 0). `peer_busy` is 1 where another instance of the deployment was in a forward
+when the step started (`step_rows`' `peers`): instances that share CPUs slow each other (on this
+2-core machine a PD decode step took 0.4-0.5 ms longer, about 40%, while the prefill instance
+computed); instances on their own hardware fit it to 0. `FittedStepTime` reads a simulated step the
+same way.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import itertools
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -56,15 +61,16 @@ TERMS = (
     "prefill_step",
     "padded_pairs_sq",
     "other_busy_ranks",
+    "peer_busy",
 )
-# calibrations written before the later terms (which count 0 there): the first five, nine, ten
-OLD_TERMS = (TERMS[:5], TERMS[:9], TERMS[:10])
-LOAD_TERMS = TERMS.index("instance_tokens")  # a fit row: these load terms, then the busy ranks
-ROW_WIDTH = LOAD_TERMS + 1
+# calibrations written before the later terms (which count 0 there): the first five, nine, ten, eleven
+OLD_TERMS = (TERMS[:5], TERMS[:9], TERMS[:10], TERMS[:11])
+LOAD_TERMS = TERMS.index("instance_tokens")  # a fit row: these load terms, the busy ranks, peer_busy
+ROW_WIDTH = LOAD_TERMS + 2
 RANK_TERMS = LOAD_TERMS - 1  # what a simulated rank's load gives (the instance's tokens come from all)
 PADDED_PAIRS = TERMS.index("padded_pairs") - 1  # its place in a load
 PREFILL, SQUARE = TERMS.index("prefill_step"), TERMS.index("padded_pairs_sq")
-OTHER_BUSY = TERMS.index("other_busy_ranks")
+OTHER_BUSY, PEER_BUSY = TERMS.index("other_busy_ranks"), TERMS.index("peer_busy")
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
 PADDED_FIELDS = ("ext_pad", "dec_pad")  # absent from older recordings: 0
 GAP_CAP_S = 0.02  # a longer gap between two forwards is idle time, not part of the step
@@ -102,21 +108,23 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
     """Rows (1, tokens, seqs, kv_positions, pairs, padded_pairs, padded_positions, instance_tokens,
-    prefill_step, padded_pairs_sq, other_busy_ranks) of the loads, each (tokens, seqs, kv, pairs,
-    padded_pairs, padded_positions, instance_tokens, busy_ranks): a load of four has no padded
-    terms (0), one without instance_tokens is an instance of one rank (its tokens, one busy rank);
-    prefill_step is 1 where pairs > 0."""
+    prefill_step, padded_pairs_sq, other_busy_ranks, peer_busy) of the loads, each (tokens, seqs,
+    kv, pairs, padded_pairs, padded_positions, instance_tokens, busy_ranks, peer_busy): a load of
+    four has no padded terms (0), one without instance_tokens is an instance of one rank (its
+    tokens, one busy rank), one without peer_busy has no peer computing; prefill_step is 1 where
+    pairs > 0."""
     a = np.asarray(loads, dtype=float)
     a = a.reshape(len(loads), -1) if len(loads) else a.reshape(0, ROW_WIDTH)
     width = a.shape[1]
     a = np.pad(a, ((0, 0), (0, ROW_WIDTH - width)))
     if width < LOAD_TERMS:
         a[:, RANK_TERMS] = a[:, 0]
-    if width < ROW_WIDTH:
+    if width <= LOAD_TERMS:
         a[:, LOAD_TERMS] = 1.0
     padded = a[:, PADDED_PAIRS : PADDED_PAIRS + 1]
     prefill = (a[:, 3:4] > 0).astype(float)
-    return np.hstack([np.ones((a.shape[0], 1)), a[:, :LOAD_TERMS], prefill, padded * padded, a[:, LOAD_TERMS:] - 1.0])
+    others = a[:, LOAD_TERMS : LOAD_TERMS + 1] - 1.0
+    return np.hstack([np.ones((a.shape[0], 1)), a[:, :LOAD_TERMS], prefill, padded * padded, others, a[:, -1:]])
 
 
 @dataclass(frozen=True)
@@ -129,22 +137,30 @@ class StepCalibration:
     rms_s: float = 0.0
     power: float = 1.0  # rows weighted by seconds^-power in the fit
     median_rel_error: float = 0.0  # the fit's residual: median |predicted - measured| / measured
+    kind_scale: tuple[float, ...] = ()  # per kind of step (KINDS), a factor on the line (none: 1)
 
     def __post_init__(self) -> None:  # fewer coefficients: from before the later terms, which count 0
         if len(self.coef) < len(TERMS):
             object.__setattr__(self, "coef", (*self.coef, *(0.0,) * (len(TERMS) - len(self.coef))))
 
-    def seconds(self, load: Sequence[float], instance_tokens: float | None = None, busy_ranks: int = 1) -> float:
-        """The step time of a load: a fit row, or a rank's load with its instance's tokens and busy
-        ranks apart."""
+    def seconds(
+        self, load: Sequence[float], instance_tokens: float | None = None, busy_ranks: int = 1, peer_busy: bool = False
+    ) -> float:
+        """The step time of a load: a fit row, or a rank's load with its instance's tokens, busy
+        ranks and whether a peer instance computes apart."""
         c = self.coef
         t = c[0] + sum(k * v for k, v in zip(c[1 : RANK_TERMS + 1], load[:RANK_TERMS]))
         if instance_tokens is None:
             instance_tokens = load[RANK_TERMS] if len(load) > RANK_TERMS else load[0]
             busy_ranks = load[LOAD_TERMS] if len(load) > LOAD_TERMS else busy_ranks
+            peer_busy = len(load) > LOAD_TERMS + 1 and load[LOAD_TERMS + 1] > 0
         padded = load[PADDED_PAIRS] if len(load) > PADDED_PAIRS else 0.0
         t += c[LOAD_TERMS] * instance_tokens + (c[PREFILL] if load[3] > 0 else 0.0) + c[SQUARE] * padded * padded
-        return t + c[OTHER_BUSY] * (busy_ranks - 1)
+        t += c[OTHER_BUSY] * (busy_ranks - 1) + (c[PEER_BUSY] if peer_busy else 0.0)
+        if self.kind_scale:
+            kind = 0 if load[3] <= 0 else 1 + sum(load[0] > k for k in PREFILL_KIND_TOKENS)
+            t *= self.kind_scale[kind]
+        return t
 
     def as_dict(self) -> dict:
         return {
@@ -157,6 +173,7 @@ class StepCalibration:
             "rms_s": self.rms_s,
             "median_rel_error": self.median_rel_error,
             "weight_power": self.power,
+            "kind_scale": dict(zip(KINDS, self.kind_scale or (1.0,) * len(KINDS))),
         }
 
     def save(self, path: str | Path) -> None:
@@ -176,8 +193,15 @@ class StepCalibration:
             raise ConfigError(f"{where}: every coefficient must be >= 0 (a step cannot take negative time)")
         if not any(values):
             raise ConfigError(f"{where}: all coefficients are 0 (every step would take no time)")
+        scale = d.get("kind_scale", dict.fromkeys(KINDS, 1.0))  # files from before it: 1
+        if not isinstance(scale, dict) or set(scale) != set(KINDS):
+            raise ConfigError(f'{where}: "kind_scale" must have exactly the keys {", ".join(KINDS)}')
+        factors = tuple(scale[k] for k in KINDS)
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf for v in factors):
+            raise ConfigError(f"{where}: every kind_scale factor must be a finite number > 0")
         extra = (str(d.get("source", "")), int(d.get("steps", 0)), float(d.get("rms_s", 0.0)))
-        return cls(values, *extra, float(d.get("weight_power", 1.0)), float(d.get("median_rel_error", 0.0)))
+        power, rel = float(d.get("weight_power", 1.0)), float(d.get("median_rel_error", 0.0))
+        return cls(values, *extra, power, rel, tuple(float(v) for v in factors))
 
 
 def fit(
@@ -208,8 +232,12 @@ def _kinds(x: np.ndarray) -> np.ndarray:
     return np.where(x[:, PREFILL] > 0, 1 + np.searchsorted(np.array(PREFILL_KIND_TOKENS), x[:, 1], side="left"), 0)
 
 
-def _kind_ratios(coef: Sequence[float], x: np.ndarray, kinds: np.ndarray, secs: np.ndarray) -> dict:
+def _kind_ratios(
+    coef: Sequence[float], x: np.ndarray, kinds: np.ndarray, secs: np.ndarray, scale: Sequence[float] = ()
+) -> dict:
     pred = x @ np.asarray(coef)
+    if scale:
+        pred = pred * np.asarray(scale)[kinds]
     out = {}
     for k, name in enumerate(KINDS):
         m = kinds == k
@@ -221,7 +249,7 @@ def _kind_ratios(coef: Sequence[float], x: np.ndarray, kinds: np.ndarray, secs: 
 def kind_ratios(cal: StepCalibration, loads: Sequence[Sequence[float]], seconds: Sequence[float]) -> dict:
     """Predicted over measured busy seconds per kind of step (KINDS with at least MIN_KIND_STEPS)."""
     x = design(loads)
-    return _kind_ratios(cal.coef, x, _kinds(x), np.asarray(seconds, dtype=float))
+    return _kind_ratios(cal.coef, x, _kinds(x), np.asarray(seconds, dtype=float), cal.kind_scale)
 
 
 def balanced_fit(
@@ -231,7 +259,9 @@ def balanced_fit(
     powers: Sequence[float] = BALANCE_POWERS,
 ) -> StepCalibration:
     """Of the fits weighted by seconds^-power for each of `powers`, the one whose worst kind of
-    step (`kind_ratios`) has its busy time closest to measured (|log ratio|; ties: the first)."""
+    step (`kind_ratios`) has its busy time closest to measured (|log ratio|; ties: the first);
+    then each kind of step scaled so that its busy time is the measured (`kind_scale`: a fit that
+    weighs relative errors comes out low, by about 5% on this engine's steps, in every kind)."""
     x, secs = design(loads), np.asarray(seconds, dtype=float)
     kinds = _kinds(x)
 
@@ -239,7 +269,9 @@ def balanced_fit(
         ratios = _kind_ratios(cal.coef, x, kinds, secs).values()
         return max((abs(math.log(r)) if r > 0 else math.inf for r in ratios), default=0.0)
 
-    return min((fit(loads, seconds, source, p) for p in powers), key=worst)
+    best = min((fit(loads, seconds, source, p) for p in powers), key=worst)
+    ratios = _kind_ratios(best.coef, x, kinds, secs)
+    return replace(best, kind_scale=tuple(1.0 / ratios[k] if ratios.get(k, 0) > 0 else 1.0 for k in KINDS))
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -257,10 +289,34 @@ def read_records(path: str | Path) -> list[dict]:
     return out
 
 
-def step_rows(ranks: Sequence[Sequence[dict]], skip: int = 1) -> tuple[list[tuple], list[float]]:
+def computing_at(ranks: Sequence[Sequence[dict]], times: np.ndarray) -> np.ndarray:
+    """Whether one of these ranks (one instance's records, each rank's in step order) was in a step
+    at each of `times`: as `step_rows` counts a step, from the previous forward's end when the gap
+    was short (the scheduling between forwards), else from its own start, to its end."""
+    out = np.zeros(len(times), dtype=bool)
+    for recs in ranks:
+        t0 = np.array([r["t0"] for r in recs])
+        t1 = np.array([r["t1"] for r in recs])
+        gap = t0[1:] - t1[:-1]
+        start = t0.copy()
+        start[1:] = np.where((gap >= 0) & (gap < GAP_CAP_S), t1[:-1], t0[1:])
+        k = np.searchsorted(start, times, side="right") - 1
+        out |= (k >= 0) & (times < t1[np.maximum(k, 0)])
+    return out
+
+
+def step_rows(
+    ranks: Sequence[Sequence[dict]], skip: int = 1, peers: Sequence[Sequence[Sequence[dict]]] = ()
+) -> tuple[list[tuple], list[float]]:
     """(loads, seconds) of the lockstep steps of one run, from each rank's records (in step order);
-    the first `skip` steps (warm-up) are left out."""
+    the first `skip` steps (warm-up) are left out. `peers`: the records of the deployment's other
+    instances (each its ranks'), on the same clock: a step's peer_busy is whether one of them was
+    in a forward when the step started."""
     n = min(len(r) for r in ranks)
+    starts = np.array([min(r[i]["t0"] for r in ranks) for i in range(n)])
+    peer = np.zeros(n, dtype=bool)
+    for inst in peers:
+        peer |= computing_at(inst, starts)
     loads, seconds = [], []
     prev_end = None
     for i in range(n):
@@ -273,7 +329,8 @@ def step_rows(ranks: Sequence[Sequence[dict]], skip: int = 1) -> tuple[list[tupl
         if i < skip or max(x["tokens"] for x in recs) <= 0:
             continue
         row = tuple(max(x[k] for x in recs) for k in ("tokens", "seqs", "kv", "pairs", *PADDED_FIELDS))
-        loads.append((*row, sum(x["tokens"] for x in recs), sum(1 for x in recs if x["tokens"] > 0)))
+        busy = sum(1 for x in recs if x["tokens"] > 0)
+        loads.append((*row, sum(x["tokens"] for x in recs), busy, float(peer[i])))
         seconds.append(s)
     return loads, seconds
 
@@ -292,15 +349,16 @@ def fit_records(runs: Iterable[Sequence[str | Path]], source: str = "", power: f
 class FittedStepTime:
     """A StepTimeModel from a `StepCalibration`: a lockstep step's time from each load term's largest
     over its ranks and the tokens of all of them (as `step_rows` reads the engine's steps); every
-    role is busy for the whole step."""
+    role is busy for the whole step. `peer_busy`: another instance is computing as the step starts."""
 
     padded_loads = True  # the simulated ranks add the padded terms to their loads
+    prices_peers = True  # the simulation says whether another instance computes (loop.Group.start)
 
     def __init__(self, cal: StepCalibration, roles: tuple[str, ...] = ("gpu",)) -> None:
         self.cal, self.roles = cal, roles
 
-    def step(self, loads: Sequence[Sequence[float]]) -> tuple[float, tuple[float, ...]]:
+    def step(self, loads: Sequence[Sequence[float]], peer_busy: bool = False) -> tuple[float, tuple[float, ...]]:
         total = sum(ld[0] for ld in loads)
         worst = loads[0] if len(loads) == 1 else tuple(map(max, *loads))  # as step_rows reads a lockstep step
-        seconds = self.cal.seconds(worst, total, sum(1 for ld in loads if ld[0] > 0))
+        seconds = self.cal.seconds(worst, total, sum(1 for ld in loads if ld[0] > 0), peer_busy)
         return seconds, (seconds,) * len(self.roles)

@@ -28,6 +28,7 @@ from afd_engine.planner.simulate import (
     simulate,
 )
 from afd_engine.planner.stages import StageModel
+from afd_engine.planner.step_calibration import TERMS, FittedStepTime, StepCalibration
 from afd_engine.planner.traces import from_records, load_mooncake, poisson
 
 A, B = 0.010, 0.001  # a step: 10 ms + 1 ms per token
@@ -233,18 +234,48 @@ def pd(prefill_budget: int = 2048) -> ClusterConfig:
 
 
 def test_pd_ttft_includes_the_kv_transfer():
-    # Prefill: one 10-token step; its KV (10 tokens, 10 kB) crosses the link in 10 ms, then the
-    # first token arrives after the link's 2 ms latency; the decode instance makes tokens 2 and 3.
+    # Prefill: one 10-token step; its KV (10 tokens, 10 kB) crosses the link in 10 ms, and with the
+    # link's 2 ms latency the first token reaches the decode instance, which makes tokens 2 and 3;
+    # as the engine's decode side, it sends the first token out with the second.
     trace = from_records([(0.0, 10, 3, (1, 2, 3)), (1.0, 10, 2, (1, 2, 7))], block_tokens=4)
     r = simulate(trace, pd(), SLO(10, 10))
-    ttft = (A + 10 * B) + 10 * 1000 / 1e6 + 0.002
-    assert r.ttft[0] == exact(ttft)
-    assert r.tpot[0] == exact(DA + DB)
-    assert r.e2e[0] == exact(ttft + 2 * (DA + DB))
+    kv = (A + 10 * B) + 10 * 1000 / 1e6 + 0.002
+    assert r.ttft[0] == exact(kv + DA + DB)
+    assert r.tpot[0] == exact((DA + DB) / 2)
+    assert r.e2e[0] == exact(kv + 2 * (DA + DB))
     # The second shares blocks 1, 2 (8 tokens) with the first on both sides: 2 tokens prefilled,
     # 2 tokens of KV sent.
-    assert r.ttft[1] == exact((A + 2 * B) + 2 * 1000 / 1e6 + 0.002)
+    assert r.ttft[1] == exact((A + 2 * B) + 2 * 1000 / 1e6 + 0.002 + DA + DB)
     assert r.gpus == 2
+
+
+def test_pd_first_token_goes_out_with_the_second():
+    # Request 0 decodes alone from 32 ms (20 ms prefill, 10 ms of KV, 2 ms latency), one 5.5 ms
+    # step after another. Request 1's KV lands at 132 ms, inside the step that started at
+    # 32 + 18 x 5.5 = 131 ms; it joins the next (136.5 ms, 6 ms with two tokens), and as the
+    # engine's decode side (which hands a first token on with that step's outputs) its first token
+    # goes out with its second, when that step ends; its third comes one step later.
+    trace = from_records([(0.0, 10, 100, (1, 2)), (0.1, 10, 3, (5, 6))], block_tokens=4)
+    r = simulate(trace, pd(), SLO(10, 10))
+    assert r.ttft[0] == exact(0.032 + DA + DB)
+    assert r.ttft[1] == exact(0.032 + 19 * (DA + DB) + (DA + 2 * DB) - 0.1)
+    assert r.tpot[1] == exact((DA + 2 * DB) / 2)
+
+
+def test_a_fitted_step_pays_for_another_instance_computing_as_it_starts():
+    # The decode instance's fit: 5 ms a step, 4 ms more when another instance is in a step as it
+    # starts (instances sharing CPUs, step_calibration's peer_busy). Request 0 decodes from 32 ms,
+    # 5 ms a step; request 1's 22 ms prefill step runs over [100, 122) ms: the decode steps that
+    # start at 102, 111 and 120 ms take 9 ms; all its other 96 steps 5 ms.
+    coef = [0.0] * len(TERMS)
+    coef[0], coef[TERMS.index("peer_busy")] = 0.005, 0.004
+    decode = instance(step_time=FittedStepTime(StepCalibration(tuple(coef))))
+    cluster = ClusterConfig("pd", instance(), decode, LINK)
+    trace = from_records([(0.0, 10, 100, (1, 2)), (0.1, 12, 2, (5, 6, 7))], block_tokens=4)
+    r = simulate(trace, cluster, SLO(10, 10))
+    assert r.e2e[0] == exact(0.032 + 96 * 0.005 + 3 * 0.009)
+    alone = simulate(from_records([(0.0, 10, 100, (1, 2))], block_tokens=4), cluster, SLO(10, 10))
+    assert alone.e2e[0] == exact(0.032 + 99 * 0.005)
 
 
 def test_pd_streams_each_chunks_kv_as_it_is_computed():
@@ -252,7 +283,7 @@ def test_pd_streams_each_chunks_kv_as_it_is_computed():
     # idle link), so only the last chunk's 2 ms and the latency come after the prompt is done.
     r = simulate(from_records([(0.0, 10, 2)]), pd(prefill_budget=4), SLO(10, 10))
     t3 = 2 * (A + 4 * B) + (A + 2 * B)
-    assert r.ttft[0] == exact(t3 + 2 * 1000 / 1e6 + 0.002)
+    assert r.ttft[0] == exact(t3 + 2 * 1000 / 1e6 + 0.002 + DA + DB)  # out with the second token
 
 
 def test_kv_link_from_the_network_model():

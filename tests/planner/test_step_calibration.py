@@ -11,6 +11,7 @@ import pytest
 from afd_engine.cli import main
 from afd_engine.errors import ConfigError
 from afd_engine.planner.step_calibration import (
+    KINDS,
     PADDED_FIELDS,
     RECORD_FIELDS,
     TERMS,
@@ -26,7 +27,7 @@ from afd_engine.planner.step_calibration import (
     step_rows,
 )
 
-COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4)
+COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4, 4e-4)
 
 
 def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -41,10 +42,12 @@ def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
             rng.integers(0, 80_000, n),
         ]
     ).astype(float)
-    # the instance's tokens, and its busy ranks
-    loads = np.column_stack([loads, loads[:, 0] + rng.integers(0, 2048, n), rng.integers(1, 4, n)])
+    # the instance's tokens, its busy ranks, and whether another instance was computing
+    loads = np.column_stack(
+        [loads, loads[:, 0] + rng.integers(0, 2048, n), rng.integers(1, 4, n), rng.integers(0, 2, n)]
+    )
     seconds = COEF[0] + loads[:, :7] @ np.array(COEF[1:8]) + COEF[8] * (loads[:, 3] > 0)
-    seconds += COEF[9] * loads[:, 4] ** 2 + COEF[10] * (loads[:, 7] - 1)
+    seconds += COEF[9] * loads[:, 4] ** 2 + COEF[10] * (loads[:, 7] - 1) + COEF[11] * loads[:, 8]
     return loads, seconds
 
 
@@ -86,8 +89,15 @@ def test_balanced_fit_gets_every_kind_of_step_closest():
     assert by_power[0.0] > np.log(1.07) and by_power[1.0] > np.log(1.03)
     best = balanced_fit(loads, secs, "x")
     assert best.power == min(by_power, key=by_power.get) == 0.75
-    assert worst(best) < np.log(1.011)
-    assert set(kind_ratios(best, loads, secs)) == {"decode", "prefill<=32", "prefill>256"}  # no medium steps
+    line = fit(loads, secs, "x", 0.75)
+    assert worst(line) < np.log(1.011) and best.coef == line.coef
+    # then each kind is scaled to its measured busy time; a kind without steps keeps its line
+    raw = kind_ratios(line, loads, secs)
+    assert set(raw) == {"decode", "prefill<=32", "prefill>256"}  # no medium steps
+    assert best.kind_scale == pytest.approx((1 / raw["decode"], 1 / raw["prefill<=32"], 1.0, 1 / raw["prefill>256"]))
+    assert all(r == pytest.approx(1.0, rel=1e-12) for r in kind_ratios(best, loads, secs).values())
+    load = (300, 1, 0, 45_000)  # a long prefill step: its line times its kind's factor
+    assert best.seconds(load) == pytest.approx(line.seconds(load) * best.kind_scale[3], rel=1e-12)
 
 
 def test_fit_is_non_negative():
@@ -96,9 +106,9 @@ def test_fit_is_non_negative():
     y = x @ np.array([1.0, 2.0, -0.5])
     coef = nnls(x, y)
     assert np.all(coef >= 0) and coef[2] == 0.0
-    assert fit(*synthetic(11)).coef  # and too few steps is refused
-    with pytest.raises(ConfigError, match="at least 11 steps"):
-        fit([(1, 1, 0, 0)] * 10, [0.1] * 10)
+    assert fit(*synthetic(12)).coef  # and too few steps is refused
+    with pytest.raises(ConfigError, match="at least 12 steps"):
+        fit([(1, 1, 0, 0)] * 11, [0.1] * 11)
 
 
 def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
@@ -111,6 +121,7 @@ def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
     seconds, busy = model.step(loads)
     assert seconds == pytest.approx(want, abs=1e-12)
     assert busy == (seconds, seconds)
+    assert model.step(loads, peer_busy=True)[0] == pytest.approx(want + 4e-4, abs=1e-12)  # another instance computes
     alone = 0.004 + 100 * 3e-5 + 4 * 2e-4 + 2000 * 1e-7 + 100 * 1e-5  # one rank: its own load
     assert model.step(loads[:1])[0] == pytest.approx(alone, abs=1e-12)
 
@@ -133,11 +144,25 @@ def test_step_rows_join_lockstep_ranks(tmp_path):
     # step 1: from the previous end (a 1 ms gap) to the last rank's end
     # step 2: after an idle gap only the forward counts
     # each term's largest over the ranks; then both ranks' tokens, and how many ranks had tokens
-    assert loads == [(10, 3, 40, 0, 0, 0, 13, 2), (7, 1, 0, 28, 0, 0, 7, 1)]
+    assert loads == [(10, 3, 40, 0, 0, 0, 13, 2, 0.0), (7, 1, 0, 28, 0, 0, 7, 1, 0.0)]
     assert seconds == pytest.approx([0.11, 0.2])
-    rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(12)]
+    # another instance on the same clock, in a forward from 5.0 s: step 2 started while it computed,
+    # step 1 (at 0.501 s) between its forwards [0.2, 0.501) and [0.6, 0.7)
+    peer = _write_steps(
+        tmp_path / "p", [(0, 4, 1, 0, 10, 0.2, 0.501), (1, 4, 1, 0, 10, 0.6, 0.7), (2, 9, 1, 0, 45, 4.9, 5.3)]
+    )
+    peered, _ = step_rows([read_records(a), read_records(b)], peers=[[read_records(peer)]])
+    assert [row[-1] for row in peered] == [0.0, 1.0]
+    # a peer whose next forward starts 15 ms after its last ended was in a step through the gap
+    # (its scheduling, as step_rows counts a step), so step 1, starting in it, sees it computing
+    near = _write_steps(
+        tmp_path / "q", [(0, 4, 1, 0, 10, 0.2, 0.495), (1, 4, 1, 0, 10, 0.51, 0.6), (2, 9, 1, 0, 45, 4.9, 5.3)]
+    )
+    peered, _ = step_rows([read_records(a), read_records(b)], peers=[[read_records(near)]])
+    assert [row[-1] for row in peered] == [1.0, 1.0]
+    rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(13)]
     cal = fit_records([[_write_steps(tmp_path / "s", rows)]], "one rank")
-    assert cal.steps == 11 and cal.source == "one rank"
+    assert cal.steps == 12 and cal.source == "one rank"
     (tmp_path / "bad").write_text('{"step": 0}\n')
     with pytest.raises(ConfigError, match="bad:1: expected a step record"):
         read_records(tmp_path / "bad")
@@ -151,15 +176,19 @@ def one_request_trace(tmp_path) -> str:
 
 def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
     cal_file = tmp_path / "cal.json"
+    StepCalibration(COEF, "test", kind_scale=(1.0, 1.1, 0.9, 1.2)).save(cal_file)
+    assert StepCalibration.load(cal_file).kind_scale == (1.0, 1.1, 0.9, 1.2)
     StepCalibration(COEF, "test").save(cal_file)
     assert StepCalibration.load(cal_file).coef == COEF
     old = tmp_path / "old.json"  # written before the padded and prefill terms: those count 0
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:5], COEF))}))
-    assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 6)
+    assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 7)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:9], COEF))}))  # before the square term
-    assert StepCalibration.load(old).coef == (*COEF[:9], 0.0, 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:9], 0.0, 0.0, 0.0)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:10], COEF))}))  # before the busy ranks
-    assert StepCalibration.load(old).coef == (*COEF[:10], 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:10], 0.0, 0.0)
+    old.write_text(json.dumps({"coef": dict(zip(TERMS[:11], COEF))}))  # before peer_busy
+    assert StepCalibration.load(old).coef == (*COEF[:11], 0.0)
     args = ["plan", "simulate", "--trace", one_request_trace(tmp_path), "--deployment", "colocated:gpus=1"]
     args += ["--kv-pages", "64", "--step-calibration", str(cal_file), "--json", "-"]
     assert main(args) == 0
@@ -189,6 +218,8 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
         (json.dumps({"coef": dict.fromkeys(TERMS, "x")}), "finite number"),
         (json.dumps({"coef": {**dict.fromkeys(TERMS, 0.0), "tokens": -1.0}}), ">= 0"),
         (json.dumps({"coef": dict.fromkeys(TERMS, 0.0)}), "all coefficients are 0"),
+        (json.dumps({"coef": dict.fromkeys(TERMS, 1.0), "kind_scale": {"decode": 1.0}}), '"kind_scale" must have'),
+        (json.dumps({"coef": dict.fromkeys(TERMS, 1.0), "kind_scale": dict.fromkeys(KINDS, 0.0)}), "finite number > 0"),
     ],
 )
 def test_cli_refuses_a_malformed_step_calibration(tmp_path, capsys, text, msg):

@@ -28,6 +28,7 @@ class Group:
     def __init__(self, sim: Simulation, cfg: InstanceConfig, role: str, name: str) -> None:
         self.sim, self.cfg, self.role, self.name = sim, cfg, role, name
         self.model = cfg.step_time
+        self.peers = bool(getattr(self.model, "prices_peers", False))  # its steps depend on other instances
         self.spec = cfg.speculative
         self.ranks: list[Rank] = []
         self.active: dict[int, Rank] = {}
@@ -57,7 +58,8 @@ class Group:
             planned.append(rank)
         if not loads:
             return
-        seconds, busy = self.model.step(loads)
+        # a model fitted on instances that shared CPUs prices another one computing meanwhile
+        seconds, busy = self.model.step(loads, self.sim.computing > 0) if self.peers else self.model.step(loads)
         if self.spec is not None:  # the MTP module's draft passes after the verify
             chain = [ld for ld in (rank.draft_load() for rank in planned) if ld is not None]
             extra, extra_busy = draft_time(self.model, self.spec, loads, chain, (seconds, busy))
@@ -69,6 +71,7 @@ class Group:
         if any(ld[3] > 0 for ld in loads):
             self.prefill_steps += 1
         self.busy = True
+        self.sim.computing += 1
         self.stepping_s += seconds
         for k, b in enumerate(busy):
             self.role_busy[k] += b
@@ -80,6 +83,7 @@ class Group:
             rank.commit(s, t)
         self.planned.clear()
         self.busy = False
+        self.sim.computing -= 1
         self.last_end = t
         if self.active:
             self.sim.wake[id(self)] = self
@@ -101,6 +105,7 @@ class Simulation:
         self.heap: list = []
         self.wake: dict[int, Group] = {}
         self.groups: list[Group] = []
+        self.computing = 0  # instances in a step now
         self.done = 0
         self.serving = Domain(cluster.router)
         self.decoding = Domain(cluster.router) if cluster.decode is not None else None
@@ -198,8 +203,7 @@ class Simulation:
                         for rank in obj.ranks:
                             if rank.incoming:
                                 rank.try_reserve(t)
-                else:
-                    obj.first = t
+                else:  # the first token reaches the client with the second (Rank.activate)
                     obj.decode_rank.activate(obj, t)
             if wake:
                 nxt = min(delivered[i] if i < n else INF, heap[0][0] if heap else INF)

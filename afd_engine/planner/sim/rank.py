@@ -77,6 +77,7 @@ class Rank(RankCache):
         self.running: dict[int, Request] = {}  # admission order: the last is preempted first
         self.prefilling: dict[int, Request] = {}
         self.joining: list[Request] = []  # start decoding at the next step
+        self.first_out: list[Request] = []  # PD: first tokens that go out when this step ends
         self.n_dec, self.ctx = 0, 0  # decoders and the sum of their KV lengths
         # sparse attention: the sum of min(KV length, K) over decoders, those below K, and the step
         # at which each of those reaches K
@@ -186,10 +187,13 @@ class Rank(RankCache):
         self.domain.load[self.lid] -= 1
 
     def activate(self, req: Request, t: float) -> None:
-        """req's KV and first token arrived: it decodes from the next step."""
+        """req's KV and first token arrived: it decodes from the next step, and its first token
+        goes out with the second, when that step ends (the engine's decode side hands it on with
+        the step's outputs)."""
         self.reserved -= 1
         req.kv, req.gen, req.held, req.priv = req.input_len, 1, req.d_held, req.d_priv
         if req.output_len <= 1:
+            req.first = t
             self._release(req, req.kv)
             self.domain.load[self.lid] -= 1
             self.sim.finished(req, t, "ok")
@@ -210,6 +214,8 @@ class Rank(RankCache):
         """Plans step s as the engine's scheduler does; returns this rank's load, None if idle."""
         if self.joining:
             for req in self.joining:
+                if req.first == INF:  # PD: its first token goes out when this step ends (activate)
+                    self.first_out.append(req)
                 self._start_decode(req, s)
             self.joining.clear()
         rows = self._decode_rows(s)
@@ -368,6 +374,10 @@ class Rank(RankCache):
 
     def commit(self, s: int, t: float) -> None:
         """Step s ended at t: decodes got their tokens, chunks their KV; some requests are done."""
+        if self.first_out:
+            for req in self.first_out:
+                req.first = t
+            self.first_out.clear()
         done = self.finish_at.pop(s, None)
         if done:
             for req, epoch in done:
