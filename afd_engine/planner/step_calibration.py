@@ -28,8 +28,9 @@ same lockstep step: the step's seconds are the longest, its load each term's lar
 rank's tokens; for one rank it equals `tokens`), and `other_busy_ranks` how many ranks besides one
 had tokens (on this 2-core machine a dp2 decode step with both ranks busy took 4.5 ms where a fit
 without the term said 2.8; a calibration where one rank never works cannot price it: its
-coefficient stays 0). `peer_busy` is 1 where another instance of the deployment was in a forward
-when the step started (`step_rows`' `peers`): instances that share CPUs slow each other (on this
+coefficient stays 0). `peer_busy` is 1 where another instance of the deployment was in a step
+(as counted here: from the end of its previous forward when the gap was short) when the step's
+forward started (`step_rows`' `peers`): instances that share CPUs slow each other (on this
 2-core machine a PD decode step took 0.4-0.5 ms longer, about 40%, while the prefill instance
 computed); instances on their own hardware fit it to 0. `FittedStepTime` reads a simulated step the
 same way.
@@ -37,6 +38,7 @@ same way.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -158,8 +160,7 @@ class StepCalibration:
         t += c[LOAD_TERMS] * instance_tokens + (c[PREFILL] if load[3] > 0 else 0.0) + c[SQUARE] * padded * padded
         t += c[OTHER_BUSY] * (busy_ranks - 1) + (c[PEER_BUSY] if peer_busy else 0.0)
         if self.kind_scale:
-            kind = 0 if load[3] <= 0 else 1 + sum(load[0] > k for k in PREFILL_KIND_TOKENS)
-            t *= self.kind_scale[kind]
+            t *= self.kind_scale[0 if load[3] <= 0 else 1 + bisect.bisect_left(PREFILL_KIND_TOKENS, load[0])]
         return t
 
     def as_dict(self) -> dict:
@@ -289,18 +290,23 @@ def read_records(path: str | Path) -> list[dict]:
     return out
 
 
+def step_starts(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
+    """Where each of a run's consecutive forwards [t0, t1) begins as a step: at the previous
+    forward's end when the gap was short (the scheduling between forwards), else at its own start."""
+    start = t0.copy()
+    gap = t0[1:] - t1[:-1]
+    start[1:] = np.where((gap >= 0) & (gap < GAP_CAP_S), t1[:-1], t0[1:])
+    return start
+
+
 def computing_at(ranks: Sequence[Sequence[dict]], times: np.ndarray) -> np.ndarray:
     """Whether one of these ranks (one instance's records, each rank's in step order) was in a step
-    at each of `times`: as `step_rows` counts a step, from the previous forward's end when the gap
-    was short (the scheduling between forwards), else from its own start, to its end."""
+    (`step_starts` to its forward's end) at each of `times`."""
     out = np.zeros(len(times), dtype=bool)
     for recs in ranks:
         t0 = np.array([r["t0"] for r in recs])
         t1 = np.array([r["t1"] for r in recs])
-        gap = t0[1:] - t1[:-1]
-        start = t0.copy()
-        start[1:] = np.where((gap >= 0) & (gap < GAP_CAP_S), t1[:-1], t0[1:])
-        k = np.searchsorted(start, times, side="right") - 1
+        k = np.searchsorted(step_starts(t0, t1), times, side="right") - 1
         out |= (k >= 0) & (times < t1[np.maximum(k, 0)])
     return out
 
@@ -309,29 +315,25 @@ def step_rows(
     ranks: Sequence[Sequence[dict]], skip: int = 1, peers: Sequence[Sequence[Sequence[dict]]] = ()
 ) -> tuple[list[tuple], list[float]]:
     """(loads, seconds) of the lockstep steps of one run, from each rank's records (in step order);
-    the first `skip` steps (warm-up) are left out. `peers`: the records of the deployment's other
-    instances (each its ranks'), on the same clock: a step's peer_busy is whether one of them was
-    in a forward when the step started."""
+    the first `skip` steps (warm-up) are left out. A step lasts from `step_starts` to its last
+    rank's end. `peers`: the records of the deployment's other instances (each its ranks'), on the
+    same clock: a step's peer_busy is whether one of them was in a step as its forward started."""
     n = min(len(r) for r in ranks)
-    starts = np.array([min(r[i]["t0"] for r in ranks) for i in range(n)])
+    t0 = np.array([min(r[i]["t0"] for r in ranks) for i in range(n)])
+    t1 = np.array([max(r[i]["t1"] for r in ranks) for i in range(n)])
+    secs = t1 - step_starts(t0, t1)
     peer = np.zeros(n, dtype=bool)
     for inst in peers:
-        peer |= computing_at(inst, starts)
+        peer |= computing_at(inst, t0)
     loads, seconds = [], []
-    prev_end = None
     for i in range(n):
         recs = [r[i] for r in ranks]
-        t0, t1 = min(x["t0"] for x in recs), max(x["t1"] for x in recs)
-        s = t1 - t0
-        if prev_end is not None and 0 <= t0 - prev_end < GAP_CAP_S:
-            s = t1 - prev_end
-        prev_end = t1
         if i < skip or max(x["tokens"] for x in recs) <= 0:
             continue
         row = tuple(max(x[k] for x in recs) for k in ("tokens", "seqs", "kv", "pairs", *PADDED_FIELDS))
         busy = sum(1 for x in recs if x["tokens"] > 0)
         loads.append((*row, sum(x["tokens"] for x in recs), busy, float(peer[i])))
-        seconds.append(s)
+        seconds.append(float(secs[i]))
     return loads, seconds
 
 
