@@ -7,16 +7,18 @@ behind the router, `afd serve --pd`) it
    the fit's residual on those steps (PD: one fit per instance);
 2. serves it afresh `--repeats` times, replaying a different (validation) slice each time: the
    engine's figures are the runs' mean, their spread the largest distance of one run from it;
-3. simulates the validation slice once with the fitted step time, the server's KV pages, token
-   budget, page size and router (PD: the KV link of KV_LINK), and reports, per figure, the
-   simulator's error against the engine's mean beside the engine's own spread.
+3. simulates the validation slice with the fitted step time, the server's KV pages, token budget,
+   page size and router (PD: the KV link of KV_LINK, and the decode instance's step times drawn
+   around its fit in STEP_DRAWS simulations: DRAWN), and reports, per figure, the simulator's
+   error against the engine's mean beside the engine's own spread.
 
 Each fit weights its steps so that every kind of step (decode-only, short, medium and long prefill)
 gets its busy time closest (`balanced_fit`). What the step records do not show is set on the
 calibration slices alone, one pair for all the modes run behind the same front end (single, dp2
 and AFD: the API server; PD: its router in front of two instances' servers): the front end's time
 per request, which sets how a burst is batched, is the one whose simulations prefill in as many
-steps as the engine did; its response time the one whose calibration-slice figures come closest.
+steps as the engine did; its response time, which every TTFT carries, the median over the
+calibration requests of the engine's TTFT minus the simulated one, request by request.
 
     python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~24 min
     python -m benchmarks.validate_sim --quick          # single mode, short slices, one run (~40 s)
@@ -42,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks.lib.results import write_json
 from benchmarks.lib.server import Server, afd_command
@@ -86,9 +90,17 @@ CAL_EXTRA = {"dp2": ["--load-balance-method", "round_robin"]}
 # benchmarks/results/pd_dsv3-4k_2026-11-26.json), and a fixed 0.5 ms per transfer for the messages
 # around it (assumed, not measured); the bytes per token are the model's.
 KV_LINK_BPS, KV_LINK_LATENCY_S = 1.6e9, 0.5e-3
-# the front end's time per request and response time tried (ClusterConfig.frontend_s, .response_s)
+# the front end's time per request tried (ClusterConfig.frontend_s)
 FRONTEND_S = tuple(ms * 1e-3 for ms in (0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0))
-RESPONSE_S = tuple(ms * 1e-3 for ms in (0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0))
+# Per mode, the instances whose steps' times are drawn around the fit (FittedStepTime's rng) in
+# STEP_DRAWS simulations, the figures the mean over them. Under PD the two instances share this
+# machine's cores, and a request's TPOT, which the decode instance's steps make, is mostly the
+# run's chance: between two runs of the same slice its correlation is 0.1-0.3 (0.7-0.95 in the
+# other modes, where one simulation with the fitted times stands for every run; TTFTs correlate
+# 0.7-0.95 in every mode, PD's included), so a run's TPOT tail is wider than that of a simulation
+# whose steps all take the fitted time.
+DRAWN = {"pd": (False, True)}  # (prefill instance, decode instance)
+STEP_DRAWS = 8
 # the modes whose requests pass the same front end share its constants: the API server in front of
 # the ranks, or PD's router in front of two instances' servers
 FRONT_ENDS = {"single": "api server", "dp2": "api server", "afd": "api server", "pd": "pd router"}
@@ -254,42 +266,91 @@ def kv_bytes_per_token(model: Path) -> float:
     return float(cfg.num_layers * cfg.kv_cache_dim * 4)
 
 
-def sim_metrics(
-    trace: Trace, ranks: int, pages: int, cal, roles, args: argparse.Namespace, api: tuple[float, float] = (0.0, 0.0)
-) -> dict:
-    """The simulation of `trace`; `cal` is one calibration, or (prefill's, decode's) for PD; `api`:
-    the API server's (time per request, response time) (ClusterConfig.frontend_s, .response_s)."""
+def simulations(
+    trace: Trace,
+    ranks: int,
+    pages: int,
+    cal,
+    roles,
+    args: argparse.Namespace,
+    api: tuple[float, float] = (0.0, 0.0),
+    drawn: tuple[bool, ...] = (),
+) -> list:
+    """The simulation of `trace` (a SimResult); where `drawn` marks an instance, STEP_DRAWS of them
+    with that instance's step times drawn around the fit (seeds 0, 1, ...). `cal` is one
+    calibration, or (prefill's, decode's) for PD; `api`: the API server's (time per request,
+    response time) (ClusterConfig.frontend_s, .response_s)."""
     cals = cal if isinstance(cal, tuple) else (cal,)
-    cfgs = [
-        InstanceConfig(
-            ranks=ranks,
-            step_time=FittedStepTime(c, roles),
-            kv_pages=pages,
-            gpus=ranks + (1 if "ffn" in roles else 0),
-            page_tokens=args.page_size,
-            max_batch_tokens=args.max_num_batched_tokens,
-            max_running=256,
-            policy="lpm",
-        )
-        for c in cals
+    out = []
+    for seed in range(STEP_DRAWS) if any(drawn) else [None]:
+        rng = None if seed is None else np.random.default_rng(seed)
+        cfgs = [
+            InstanceConfig(
+                ranks=ranks,
+                step_time=FittedStepTime(c, roles, rng if i < len(drawn) and drawn[i] else None),
+                kv_pages=pages,
+                gpus=ranks + (1 if "ffn" in roles else 0),
+                page_tokens=args.page_size,
+                max_batch_tokens=args.max_num_batched_tokens,
+                max_running=256,
+                policy="lpm",
+            )
+            for i, c in enumerate(cals)
+        ]
+        if len(cfgs) == 2:
+            link = KVLink(kv_bytes_per_token(model_dir(args.workdir)), KV_LINK_BPS, KV_LINK_LATENCY_S)
+            cluster = ClusterConfig("sim", cfgs[0], cfgs[1], link, "cache_aware", *api)
+        else:
+            cluster = ClusterConfig("sim", cfgs[0], None, None, "cache_aware", *api)
+        out.append(simulate(trace, cluster, SLO(5.0, 0.05)))
+    return out
+
+
+def sim_figures(results: list) -> dict:
+    """The figures of simulations: each the mean over them."""
+    ds = [r.as_dict() for r in results]
+    one = [
+        {
+            "ttft_p50": d["ttft_s"]["p50"] * 1e3,
+            "ttft_p90": d["ttft_s"]["p90"] * 1e3,
+            "tpot_p50": d["tpot_s"]["p50"] * 1e3,
+            "tpot_p90": d["tpot_s"]["p90"] * 1e3,
+            "output_tokens_per_s": d["output_tokens_per_s"],
+            "steps": d["steps"],
+            "prefill_steps": d["prefill_steps"],
+            "preemptions": d["preemptions"],
+            "prefix_hit_rate": d["prefix_hit_rate"],
+        }
+        for d in ds
     ]
-    if len(cfgs) == 2:
-        link = KVLink(kv_bytes_per_token(model_dir(args.workdir)), KV_LINK_BPS, KV_LINK_LATENCY_S)
-        cluster = ClusterConfig("sim", cfgs[0], cfgs[1], link, "cache_aware", *api)
-    else:
-        cluster = ClusterConfig("sim", cfgs[0], None, None, "cache_aware", *api)
-    d = simulate(trace, cluster, SLO(5.0, 0.05)).as_dict()
-    return {
-        "ttft_p50": d["ttft_s"]["p50"] * 1e3,
-        "ttft_p90": d["ttft_s"]["p90"] * 1e3,
-        "tpot_p50": d["tpot_s"]["p50"] * 1e3,
-        "tpot_p90": d["tpot_s"]["p90"] * 1e3,
-        "output_tokens_per_s": d["output_tokens_per_s"],
-        "steps": d["steps"],
-        "prefill_steps": d["prefill_steps"],
-        "preemptions": d["preemptions"],
-        "prefix_hit_rate": d["prefix_hit_rate"],
-    }
+    return {k: statistics.fmean(x[k] for x in one) for k in one[0]}
+
+
+def ttft_gaps(bench: dict, results: list) -> np.ndarray:
+    """Per request of the slice and simulation: the engine's TTFT minus the simulated one, in
+    seconds; NaN where either has none (a failed request)."""
+    engine = np.array([t if t is not None and t > 0 else np.nan for t in bench["ttfts"]], dtype=float)
+    if any(len(r.ttft) != len(engine) for r in results):
+        sim = len(results[0].ttft)
+        raise RuntimeError(f"the engine served {len(engine)} requests of the slice, the simulation {sim}")
+    return np.concatenate([np.where(np.isfinite(r.ttft), engine - r.ttft, np.nan) for r in results])
+
+
+def tpot_run_correlation(runs: list[dict]) -> float | None:
+    """The mean correlation, over pairs of the engine's runs of the same slice, of a request's TPOT
+    (requests of more than two tokens finished in every run); None for a single run."""
+    tpots = []
+    for run in runs:
+        b = run["bench"]
+        out = np.array(b["output_lens"], dtype=float)
+        ttft = np.array([np.nan if t is None else t for t in b["ttfts"]], dtype=float)
+        lat = np.array([np.nan if t is None else t for t in b["latencies"]], dtype=float)
+        tpots.append(np.where(out > 2, (lat - ttft) / np.maximum(out - 1, 1), np.nan))
+    if len(tpots) < 2 or len({len(t) for t in tpots}) > 1:
+        return None
+    ok = np.all(np.isfinite(tpots), axis=0)
+    pairs = [(a, b) for i, a in enumerate(tpots) for b in tpots[i + 1 :]]
+    return statistics.fmean(float(np.corrcoef(a[ok], b[ok])[0, 1]) for a, b in pairs) if ok.sum() > 2 else None
 
 
 def step_residual(rows: list[tuple[list, list]], cal) -> dict:
@@ -343,7 +404,8 @@ def engine_runs(mode: str, args: argparse.Namespace, model: Path) -> dict:
 def calibrate(served: dict, args: argparse.Namespace) -> dict:
     """The step-time fit of a mode's calibration run, the engine's count of prefill steps in it,
     and the simulation of the calibration slice at each front-end time per request tried (with no
-    response time: that only adds to every TTFT, see `with_response`)."""
+    response time: that only adds to every TTFT, see `with_response`), with each request's TTFT
+    gap to the engine's (`ttft_gaps`)."""
     mode, cal_run = served["mode"], served["cal"]
     _, ranks, roles = MODES[mode]
     cal_trace, _ = trace_slice(args, args.cal_start)
@@ -358,13 +420,15 @@ def calibrate(served: dict, args: argparse.Namespace) -> dict:
     ]
     fits = fit_instances(fit_rows, source)
     one, pages = per_instance(mode, fits), min(cal_run["pages"])
-    by_frontend = {fe: sim_metrics(cal_trace, ranks, pages, one, roles, args, (fe, 0.0)) for fe in FRONTEND_S}
+    drawn = DRAWN.get(mode, ())
+    sims = {fe: simulations(cal_trace, ranks, pages, one, roles, args, (fe, 0.0), drawn) for fe in FRONTEND_S}
     return {
         "fits": fits,
         "rows": fit_rows,  # the steps fitted
         "engine": engine_figures(cal_run["bench"]),
         "engine_prefill_steps": sum(1 for loads, _ in rows for load in loads if load[3] > 0),
-        "by_frontend": by_frontend,
+        "by_frontend": {fe: sim_figures(r) for fe, r in sims.items()},
+        "ttft_gaps": {fe: ttft_gaps(cal_run["bench"], r) for fe, r in sims.items()},
     }
 
 
@@ -378,8 +442,9 @@ def choose_api(calibrations: list[dict]) -> tuple[float, float]:
     """The front end's (time per request, response time) for these modes' calibrations. The time
     per request sets how a burst is batched: the one whose simulations of the calibration slices
     prefill in as many steps as the engine did (summed relative miss over the modes). The response
-    time then is the one whose calibration-slice figures come closest (mean |error| summed over
-    the modes). Neither follows one run's noise in the latency tails."""
+    time, which every TTFT carries, then is the median over the calibration slices' requests of
+    the engine's TTFT minus the simulated one (request by request; not below 0). Neither follows
+    one run's noise in the latency tails."""
 
     def step_miss(fe: float) -> float:
         return sum(
@@ -388,10 +453,9 @@ def choose_api(calibrations: list[dict]) -> tuple[float, float]:
         )
 
     fe = min(FRONTEND_S, key=step_miss)
-    return fe, min(
-        RESPONSE_S,
-        key=lambda r: sum(mean_abs_error(with_response(c["by_frontend"][fe], r), c["engine"]) for c in calibrations),
-    )
+    gaps = np.concatenate([c["ttft_gaps"][fe] for c in calibrations])
+    gaps = gaps[np.isfinite(gaps)]
+    return fe, max(0.0, float(np.median(gaps))) if len(gaps) else 0.0
 
 
 def choose_apis(served: list[dict], calibrations: list[dict]) -> dict[str, tuple[float, float]]:
@@ -416,7 +480,8 @@ def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: arg
     figures = [engine_figures(r["bench"]) for r in runs]
     mean, spread = mean_and_spread(figures)
     trace, dropped = trace_slice(args, args.val_start)
-    sim = sim_metrics(trace, ranks, min(runs[0]["pages"]), cal, roles, args, api)
+    drawn = DRAWN.get(mode, ())
+    sim = sim_figures(simulations(trace, ranks, min(runs[0]["pages"]), cal, roles, args, api, drawn))
     errors = signed_errors(sim, mean)
     val_rows = instance_rows(runs[0]["files"])
     return {
@@ -449,6 +514,9 @@ def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: arg
         "engine_runs": figures,
         "engine_mean": mean,
         "engine_spread_pct": spread,
+        "engine_tpot_run_correlation": tpot_run_correlation(runs),
+        # simulations whose figures were averaged, and the instances whose step times they drew
+        "step_time_draws": {"simulations": STEP_DRAWS if any(drawn) else 1, "instances_drawn": list(drawn)},
         "simulation": sim,
         "error_pct": errors,
         "verdict": verdicts(errors, spread),

@@ -33,7 +33,9 @@ coefficient stays 0). `peer_busy` is 1 where another instance of the deployment 
 forward started (`step_rows`' `peers`): instances that share CPUs slow each other (on this
 2-core machine a PD decode step took 0.4-0.5 ms longer, about 40%, while the prefill instance
 computed); instances on their own hardware fit it to 0. `FittedStepTime` reads a simulated step the
-same way.
+same way. A fit keeps its steps' measured / predicted times too (`ratio_bins`: the means of 100
+equal bins of them, sorted), from which `FittedStepTime` can draw each simulated step's time
+around the fit.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ PREFILL_KIND_TOKENS = (32, 256)
 KINDS = ("decode", "prefill<=32", "prefill<=256", "prefill>256")
 BALANCE_POWERS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MIN_KIND_STEPS = 10  # a kind with fewer steps is not weighed
+RATIO_BINS = 100  # the fitted steps' measured / predicted times kept as the means of this many equal bins
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -140,6 +143,7 @@ class StepCalibration:
     power: float = 1.0  # rows weighted by seconds^-power in the fit
     median_rel_error: float = 0.0  # the fit's residual: median |predicted - measured| / measured
     kind_scale: tuple[float, ...] = ()  # per kind of step (KINDS), a factor on the line (none: 1)
+    ratio_bins: tuple[float, ...] = ()  # measured / predicted over the fitted steps (none: not known)
 
     def __post_init__(self) -> None:  # fewer coefficients: from before the later terms, which count 0
         if len(self.coef) < len(TERMS):
@@ -175,7 +179,16 @@ class StepCalibration:
             "median_rel_error": self.median_rel_error,
             "weight_power": self.power,
             "kind_scale": dict(zip(KINDS, self.kind_scale or (1.0,) * len(KINDS))),
+            "ratio_bins": list(self.ratio_bins),
         }
+
+    def draw(self, u: float) -> float:
+        """A measured / predicted ratio of the fitted steps for `u` uniform in [0, 1): the mean of
+        the ratios in one of `ratio_bins`' equal bins, each as likely (1 where they are not known).
+        A step's time drawn around the fit is the fit's times it; the bins keep the ratios' mean
+        and, in the top bin, their rare long steps."""
+        bins = self.ratio_bins
+        return bins[min(int(u * len(bins)), len(bins) - 1)] if bins else 1.0
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
@@ -200,9 +213,16 @@ class StepCalibration:
         factors = tuple(scale[k] for k in KINDS)
         if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf for v in factors):
             raise ConfigError(f"{where}: every kind_scale factor must be a finite number > 0")
+        bins = d.get("ratio_bins", [])  # files from before them: none
+        if not (
+            isinstance(bins, list)
+            and all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf for v in bins)
+            and all(a <= b for a, b in zip(bins, bins[1:]))
+        ):
+            raise ConfigError(f'{where}: "ratio_bins" must be a list of finite numbers > 0 in rising order')
         extra = (str(d.get("source", "")), int(d.get("steps", 0)), float(d.get("rms_s", 0.0)))
         power, rel = float(d.get("weight_power", 1.0)), float(d.get("median_rel_error", 0.0))
-        return cls(values, *extra, power, rel, tuple(float(v) for v in factors))
+        return cls(values, *extra, power, rel, tuple(float(v) for v in factors), tuple(map(float, bins)))
 
 
 def fit(
@@ -262,7 +282,9 @@ def balanced_fit(
     """Of the fits weighted by seconds^-power for each of `powers`, the one whose worst kind of
     step (`kind_ratios`) has its busy time closest to measured (|log ratio|; ties: the first);
     then each kind of step scaled so that its busy time is the measured (`kind_scale`: a fit that
-    weighs relative errors comes out low, by about 5% on this engine's steps, in every kind)."""
+    weighs relative errors comes out low, by about 5% on this engine's steps, in every kind), and
+    the steps' measured / predicted times kept (`ratio_bins`, for drawing step times around the
+    fit: `FittedStepTime`'s rng)."""
     x, secs = design(loads), np.asarray(seconds, dtype=float)
     kinds = _kinds(x)
 
@@ -272,7 +294,12 @@ def balanced_fit(
 
     best = min((fit(loads, seconds, source, p) for p in powers), key=worst)
     ratios = _kind_ratios(best.coef, x, kinds, secs)
-    return replace(best, kind_scale=tuple(1.0 / ratios[k] if ratios.get(k, 0) > 0 else 1.0 for k in KINDS))
+    scale = tuple(1.0 / ratios[k] if ratios.get(k, 0) > 0 else 1.0 for k in KINDS)
+    predicted = (x @ np.asarray(best.coef)) * np.asarray(scale)[kinds]
+    ok = predicted > 0
+    ratios = np.sort(secs[ok] / predicted[ok])
+    bins = [float(b.mean()) for b in np.array_split(ratios, min(RATIO_BINS, len(ratios))) if len(b)]
+    return replace(best, kind_scale=scale, ratio_bins=tuple(bins))
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -351,16 +378,23 @@ def fit_records(runs: Iterable[Sequence[str | Path]], source: str = "", power: f
 class FittedStepTime:
     """A StepTimeModel from a `StepCalibration`: a lockstep step's time from each load term's largest
     over its ranks and the tokens of all of them (as `step_rows` reads the engine's steps); every
-    role is busy for the whole step. `peer_busy`: another instance is computing as the step starts."""
+    role is busy for the whole step. `peer_busy`: another instance is computing as the step starts.
+    With `rng`, each step's time is the fit's times a measured / predicted ratio of the fitted steps
+    drawn at random (`StepCalibration.draw`): a simulation with the engine's step-to-step spread
+    (without `rng`, or for a calibration without its ratios, every step takes the fit's time)."""
 
     padded_loads = True  # the simulated ranks add the padded terms to their loads
     prices_peers = True  # the simulation says whether another instance computes (loop.Group.start)
 
-    def __init__(self, cal: StepCalibration, roles: tuple[str, ...] = ("gpu",)) -> None:
-        self.cal, self.roles = cal, roles
+    def __init__(
+        self, cal: StepCalibration, roles: tuple[str, ...] = ("gpu",), rng: np.random.Generator | None = None
+    ) -> None:
+        self.cal, self.roles, self.rng = cal, roles, rng
 
     def step(self, loads: Sequence[Sequence[float]], peer_busy: bool = False) -> tuple[float, tuple[float, ...]]:
         total = sum(ld[0] for ld in loads)
         worst = loads[0] if len(loads) == 1 else tuple(map(max, *loads))  # as step_rows reads a lockstep step
         seconds = self.cal.seconds(worst, total, sum(1 for ld in loads if ld[0] > 0), peer_busy)
+        if self.rng is not None:
+            seconds *= self.cal.draw(self.rng.random())
         return seconds, (seconds,) * len(self.roles)

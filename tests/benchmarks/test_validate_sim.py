@@ -4,14 +4,20 @@ the table generated into benchmarks/README.md, and (slow tier) its quick variant
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from tests.process_helpers import bench_run, load_bench
 
 vs = load_bench("validate_sim.py")
 KEYS = [k for k, _ in vs.METRICS]
+
+
+def sim_metrics(*args, **kwargs) -> dict:
+    return vs.sim_figures(vs.simulations(*args, **kwargs))
 
 
 def test_kv_pages_from_the_startup_log():
@@ -116,14 +122,23 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
         [TraceRequest(0.05 * i, 64, 16, (4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3)) for i in range(20)], 16, "test"
     )
     args = argparse.Namespace(max_num_batched_tokens=2048, workdir=tmp_path, page_size=16)
-    fast = vs.sim_metrics(trace, 1, 1000, (prefill, decode), ("gpu",), args)
+    fast = sim_metrics(trace, 1, 1000, (prefill, decode), ("gpu",), args)
     slow_decode = vs.StepCalibration(tuple(3 * c for c in decode.coef))
-    slow = vs.sim_metrics(trace, 1, 1000, (prefill, slow_decode), ("gpu",), args)
+    slow = sim_metrics(trace, 1, 1000, (prefill, slow_decode), ("gpu",), args)
     assert slow["tpot_p50"] > 2 * fast["tpot_p50"] and slow["ttft_p50"] >= fast["ttft_p50"]
-    alone = vs.sim_metrics(trace, 1, 1000, prefill, ("gpu",), args)  # one instance, no PD
+    # the decode instance's step times drawn around its fit (STEP_DRAWS seeded simulations, the
+    # figures their mean): a spread of ratios widens TPOT; without the rng the fit's times
+    spread = dataclasses.replace(decode, ratio_bins=(0.25, 1.75))
+    assert sim_metrics(trace, 1, 1000, (prefill, spread), ("gpu",), args) == fast
+    drawn = sim_metrics(trace, 1, 1000, (prefill, spread), ("gpu",), args, drawn=(False, True))
+    assert drawn == sim_metrics(trace, 1, 1000, (prefill, spread), ("gpu",), args, drawn=(False, True))
+    assert drawn["tpot_p90"] > fast["tpot_p90"] * 1.2
+    runs = vs.simulations(trace, 1, 1000, (prefill, spread), ("gpu",), args, drawn=(False, True))
+    assert len(runs) == vs.STEP_DRAWS and len({float(r.tpot[0]) for r in runs}) > 1
+    alone = sim_metrics(trace, 1, 1000, prefill, ("gpu",), args)  # one instance, no PD
     assert alone["tpot_p50"] != fast["tpot_p50"]
     # the API server's response time adds to TTFT, not to TPOT
-    later = vs.sim_metrics(trace, 1, 1000, (prefill, decode), ("gpu",), args, (0.0, 0.01))
+    later = sim_metrics(trace, 1, 1000, (prefill, decode), ("gpu",), args, (0.0, 0.01))
     assert later["ttft_p50"] == pytest.approx(fast["ttft_p50"] + 10.0)
     assert later["tpot_p50"] == pytest.approx(fast["tpot_p50"], rel=1e-12)
 
@@ -131,30 +146,63 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
 def test_the_front_end_constants_are_chosen_once_over_the_modes_behind_it(monkeypatch):
     """The time per request is the one whose simulations prefill in as many steps as the engine
     did, summed over the modes behind the front end (not each mode's own best); the response time,
-    which shifts every TTFT, the one whose calibration figures then come closest."""
+    which shifts every TTFT, the median over all their calibration requests of the engine's TTFT
+    minus the simulated one at that time per request (failed requests left out, never below 0)."""
     monkeypatch.setattr(vs, "FRONTEND_S", (0.0, 1e-3, 2e-3))
-    monkeypatch.setattr(vs, "RESPONSE_S", (0.0, 0.01, 0.02))
+    nan = float("nan")
 
-    def calib(engine_steps, sim_steps, ttft):
-        sims = {
-            fe: {**dict.fromkeys(KEYS, 100.0), "ttft_p50": t, "ttft_p90": t, "prefill_steps": n}
-            for fe, n, t in zip(vs.FRONTEND_S, sim_steps, ttft)
+    def calib(engine_steps, sim_steps, gaps):
+        return {
+            "engine_prefill_steps": engine_steps,
+            "by_frontend": {fe: {"prefill_steps": n} for fe, n in zip(vs.FRONTEND_S, sim_steps)},
+            "ttft_gaps": {fe: np.array(g) for fe, g in zip(vs.FRONTEND_S, gaps)},
         }
-        return {"engine": dict.fromkeys(KEYS, 100.0), "engine_prefill_steps": engine_steps, "by_frontend": sims}
 
     # one prefers 0 ms (100 steps, matched), two 2 ms; 1 ms misses one by 10% and two by 5%: the
-    # least summed miss. At 1 ms both simulate TTFTs of 80 ms where the engine had 100: + 20 ms.
-    one = calib(100, (100, 110, 130), (90.0, 80.0, 70.0))
-    two = calib(200, (150, 190, 200), (90.0, 80.0, 70.0))
-    assert vs.choose_api([one]) == (0.0, 0.01) and vs.choose_api([two]) == (2e-3, 0.02)
-    assert vs.choose_api([one, two]) == (1e-3, 0.02)
+    # least summed miss
+    one = calib(100, (100, 110, 130), ([0.01, 0.03, nan], [0.02, 0.04, 0.05, nan], [0.0]))
+    two = calib(200, (150, 190, 200), ([0.5], [0.01, 0.011, 0.012], [-0.02, -0.01, 0.03]))
+    assert vs.choose_api([one]) == (0.0, pytest.approx(0.02)) and vs.choose_api([two]) == (2e-3, 0.0)
+    # at 1 ms the gaps of both: 0.01, 0.011, 0.012, 0.02, 0.04, 0.05 -> median 0.016
+    assert vs.choose_api([one, two]) == (1e-3, pytest.approx(0.016))
     assert vs.with_response({"ttft_p50": 80.0, "ttft_p90": 90.0, "tpot_p50": 3.0}, 0.02) == {
         "ttft_p50": 100.0,
         "ttft_p90": 110.0,
         "tpot_p50": 3.0,
     }
     served = [{"mode": m} for m in ("single", "pd", "afd")]
-    assert vs.choose_apis(served, [one, two, two]) == {"single": (1e-3, 0.02), "afd": (1e-3, 0.02), "pd": (2e-3, 0.02)}
+    apis = vs.choose_apis(served, [one, two, two])
+    assert apis["single"] == apis["afd"] == (1e-3, pytest.approx(0.016)) and apis["pd"] == (2e-3, 0.0)
+
+
+def test_ttft_gaps_pair_the_engines_requests_with_the_simulated_ones():
+    class Sim:
+        def __init__(self, ttft):
+            self.ttft = np.array(ttft)
+
+    bench = {"ttfts": [0.1, 0.2, None, 0.0]}  # the last two failed
+    gaps = vs.ttft_gaps(bench, [Sim([0.05, 0.25, 0.1, 0.1]), Sim([0.1, np.inf, 0.1, 0.1])])
+    assert gaps[:2] == pytest.approx([0.05, -0.05]) and gaps[4] == pytest.approx(0.0)  # one per simulation
+    assert np.isnan(gaps[[2, 3, 5, 6, 7]]).all()  # failed in the engine, or unfinished in the simulation
+    with pytest.raises(RuntimeError, match="the engine served 4 requests of the slice, the simulation 3"):
+        vs.ttft_gaps(bench, [Sim([0.1, 0.2, 0.3])])
+
+
+def test_tpot_run_correlation():
+    def run(tpots):  # requests of 11 tokens, TTFT 0.1 s
+        return {
+            "bench": {
+                "output_lens": [11] * len(tpots) + [2],
+                "ttfts": [0.1] * (len(tpots) + 1),
+                "latencies": [0.1 + 10 * t for t in tpots] + [0.2],
+            }
+        }
+
+    same = [run([0.002, 0.003, 0.004, 0.005]), run([0.0021, 0.0031, 0.0041, 0.0051])]
+    assert vs.tpot_run_correlation(same) == pytest.approx(1.0)
+    flipped = same + [run([0.005, 0.004, 0.003, 0.002])]
+    assert vs.tpot_run_correlation(flipped) == pytest.approx((1.0 - 1.0 - 1.0) / 3)
+    assert vs.tpot_run_correlation(same[:1]) is None
 
 
 def _results(errors: dict, spread: dict) -> dict:

@@ -98,6 +98,26 @@ def test_balanced_fit_gets_every_kind_of_step_closest():
     assert all(r == pytest.approx(1.0, rel=1e-12) for r in kind_ratios(best, loads, secs).values())
     load = (300, 1, 0, 45_000)  # a long prefill step: its line times its kind's factor
     assert best.seconds(load) == pytest.approx(line.seconds(load) * best.kind_scale[3], rel=1e-12)
+    # the steps' measured / predicted times, sorted, as the means of 100 equal bins (450 steps:
+    # 50 bins of 5, then 50 of 4)
+    ratios = np.sort(np.array(secs) / np.array([best.seconds(ld) for ld in loads]))
+    want = [ratios[5 * i : 5 * i + 5].mean() for i in range(50)]
+    want += [ratios[250 + 4 * i : 254 + 4 * i].mean() for i in range(50)]
+    assert best.ratio_bins == pytest.approx(want, rel=1e-12)
+    assert np.mean(best.ratio_bins) != pytest.approx(1.0, abs=1e-3)  # not all 1: this line misses steps
+
+
+def test_a_drawn_step_time_is_the_fit_times_a_ratio_bin():
+    cal = StepCalibration(COEF, ratio_bins=(0.5, 1.0, 2.0))
+    assert [cal.draw(u) for u in (0.0, 0.33, 0.34, 0.66, 0.67, 0.999)] == [0.5, 0.5, 1.0, 1.0, 2.0, 2.0]
+    assert StepCalibration(COEF).draw(0.9) == 1.0  # ratios not known: the fit's time
+    loads = [(100, 4, 2000.0, 0.0)]
+    fitted = FittedStepTime(cal).step(loads)[0]
+    drawn = FittedStepTime(cal, rng=np.random.default_rng(7))
+    us = np.random.default_rng(7).random(50)
+    got = [drawn.step(loads)[0] for _ in us]
+    assert got == pytest.approx([fitted * cal.draw(u) for u in us], rel=1e-12)
+    assert {round(g / fitted, 9) for g in got} == {0.5, 1.0, 2.0}
 
 
 def test_fit_is_non_negative():
@@ -178,8 +198,10 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
     cal_file = tmp_path / "cal.json"
     StepCalibration(COEF, "test", kind_scale=(1.0, 1.1, 0.9, 1.2)).save(cal_file)
     assert StepCalibration.load(cal_file).kind_scale == (1.0, 1.1, 0.9, 1.2)
+    StepCalibration(COEF, "test", ratio_bins=(0.9, 1.0, 1.3)).save(cal_file)
+    assert StepCalibration.load(cal_file).ratio_bins == (0.9, 1.0, 1.3)
     StepCalibration(COEF, "test").save(cal_file)
-    assert StepCalibration.load(cal_file).coef == COEF
+    assert StepCalibration.load(cal_file).coef == COEF and StepCalibration.load(cal_file).ratio_bins == ()
     old = tmp_path / "old.json"  # written before the padded and prefill terms: those count 0
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:5], COEF))}))
     assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 7)
@@ -220,6 +242,9 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
         (json.dumps({"coef": dict.fromkeys(TERMS, 0.0)}), "all coefficients are 0"),
         (json.dumps({"coef": dict.fromkeys(TERMS, 1.0), "kind_scale": {"decode": 1.0}}), '"kind_scale" must have'),
         (json.dumps({"coef": dict.fromkeys(TERMS, 1.0), "kind_scale": dict.fromkeys(KINDS, 0.0)}), "finite number > 0"),
+        (json.dumps({"coef": dict.fromkeys(TERMS, 1.0), "ratio_bins": [1.0, 0.9]}), '"ratio_bins" must be'),
+        (json.dumps({"coef": dict.fromkeys(TERMS, 1.0), "ratio_bins": [0.0, 0.9]}), '"ratio_bins" must be'),
+        (json.dumps({"coef": dict.fromkeys(TERMS, 1.0), "ratio_bins": 1.0}), '"ratio_bins" must be'),
     ],
 )
 def test_cli_refuses_a_malformed_step_calibration(tmp_path, capsys, text, msg):
