@@ -11,6 +11,7 @@ seconds) rows and fits
                  + c5 * padded_pairs + c6 * padded_positions + c7 * instance_tokens
                  + c8 * [the step prefills] + c9 * padded_pairs^2 + c10 * other_busy_ranks
                  + c11 * [another instance was computing when the step started]
+                 + c12 * (micro_batches - 1) + c13 * [the step follows a prefill step]
 
 by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute error
 (the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much as 1
@@ -33,7 +34,15 @@ coefficient stays 0). `peer_busy` is 1 where another instance of the deployment 
 forward started (`step_rows`' `peers`): instances that share CPUs slow each other (on this
 2-core machine a PD decode step took 0.4-0.5 ms longer, about 40%, while the prefill instance
 computed); instances on their own hardware fit it to 0. `FittedStepTime` reads a simulated step the
-same way. A fit keeps its steps' measured / predicted times too (`ratio_bins`: the means of 100
+same way. `extra_micro_batches` is the step's micro-batches with tokens beyond the first (the
+record's `micro_batches`): an AFD attention rank splits its sequences into up to three that
+pipeline through the FFN ranks, and on this machine a decode step took 1.9, 3.0 and 4.0 ms at 1,
+2 and 3 sequences, then only 0.1-0.2 ms more per sequence up to 16 (5.5 ms), where the other terms
+alone priced 16 at 9.3 ms; a simulated step has min(sequences, the most the fitted steps ran)
+micro-batches. `after_prefill` is 1 for a step that follows a prefill step of the instance without
+an idle gap: the gap before it, counted in its seconds, holds the prefilled requests' first tokens
+(on this machine such a decode step took 1.3 ms longer than the other terms said in single mode,
+2.1 ms under AFD). A fit keeps its steps' measured / predicted times too (`ratio_bins`: the means of 100
 equal bins of them, sorted), from which `FittedStepTime` can draw each simulated step's time
 around the fit.
 """
@@ -66,17 +75,23 @@ TERMS = (
     "padded_pairs_sq",
     "other_busy_ranks",
     "peer_busy",
+    "extra_micro_batches",
+    "after_prefill",
 )
-# calibrations written before the later terms (which count 0 there): the first five, nine, ten, eleven
-OLD_TERMS = (TERMS[:5], TERMS[:9], TERMS[:10], TERMS[:11])
-LOAD_TERMS = TERMS.index("instance_tokens")  # a fit row: these load terms, the busy ranks, peer_busy
-ROW_WIDTH = LOAD_TERMS + 2
+# calibrations written before the later terms (which count 0 there): the first five, nine, ten, eleven, twelve
+OLD_TERMS = (TERMS[:5], TERMS[:9], TERMS[:10], TERMS[:11], TERMS[:12])
+# a fit row: these load terms, then busy ranks, peer_busy, micro-batches, after_prefill
+LOAD_TERMS = TERMS.index("instance_tokens")
+ROW_WIDTH = LOAD_TERMS + 4
 RANK_TERMS = LOAD_TERMS - 1  # what a simulated rank's load gives (the instance's tokens come from all)
 PADDED_PAIRS = TERMS.index("padded_pairs") - 1  # its place in a load
 PREFILL, SQUARE = TERMS.index("prefill_step"), TERMS.index("padded_pairs_sq")
-OTHER_BUSY, PEER_BUSY = TERMS.index("other_busy_ranks"), TERMS.index("peer_busy")
+OTHER_BUSY, PEER_BUSY, MICRO, AFTER = (
+    TERMS.index(t) for t in ("other_busy_ranks", "peer_busy", "extra_micro_batches", "after_prefill")
+)
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
-PADDED_FIELDS = ("ext_pad", "dec_pad")  # absent from older recordings: 0
+PADDED_FIELDS = ("ext_pad", "dec_pad")
+LATER_FIELDS = {"ext_pad": 0, "dec_pad": 0, "micro_batches": 1}  # absent from older recordings: these
 GAP_CAP_S = 0.02  # a longer gap between two forwards is idle time, not part of the step
 # the kinds of step `balanced_fit` weighs: decode-only, then prefilling up to 32, up to 256, more tokens
 PREFILL_KIND_TOKENS = (32, 256)
@@ -113,11 +128,12 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
     """Rows (1, tokens, seqs, kv_positions, pairs, padded_pairs, padded_positions, instance_tokens,
-    prefill_step, padded_pairs_sq, other_busy_ranks, peer_busy) of the loads, each (tokens, seqs,
-    kv, pairs, padded_pairs, padded_positions, instance_tokens, busy_ranks, peer_busy): a load of
-    four has no padded terms (0), one without instance_tokens is an instance of one rank (its
-    tokens, one busy rank), one without peer_busy has no peer computing; prefill_step is 1 where
-    pairs > 0."""
+    prefill_step, padded_pairs_sq, other_busy_ranks, peer_busy, extra_micro_batches, after_prefill)
+    of the loads, each (tokens, seqs, kv, pairs, padded_pairs, padded_positions, instance_tokens,
+    busy_ranks, peer_busy, micro_batches, after_prefill): a load of four has no padded terms (0),
+    one without instance_tokens is an instance of one rank (its tokens, one busy rank), one without
+    the later flags has no peer computing, one micro-batch and no prefill step before; prefill_step
+    is 1 where pairs > 0."""
     a = np.asarray(loads, dtype=float)
     a = a.reshape(len(loads), -1) if len(loads) else a.reshape(0, ROW_WIDTH)
     width = a.shape[1]
@@ -129,7 +145,11 @@ def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
     padded = a[:, PADDED_PAIRS : PADDED_PAIRS + 1]
     prefill = (a[:, 3:4] > 0).astype(float)
     others = a[:, LOAD_TERMS : LOAD_TERMS + 1] - 1.0
-    return np.hstack([np.ones((a.shape[0], 1)), a[:, :LOAD_TERMS], prefill, padded * padded, others, a[:, -1:]])
+    peer = a[:, LOAD_TERMS + 1 : LOAD_TERMS + 2]
+    extra = np.maximum(a[:, LOAD_TERMS + 2 : LOAD_TERMS + 3] - 1.0, 0.0)  # 0 where absent
+    after = a[:, LOAD_TERMS + 3 : LOAD_TERMS + 4]
+    ones = np.ones((a.shape[0], 1))
+    return np.hstack([ones, a[:, :LOAD_TERMS], prefill, padded * padded, others, peer, extra, after])
 
 
 @dataclass(frozen=True)
@@ -144,25 +164,36 @@ class StepCalibration:
     median_rel_error: float = 0.0  # the fit's residual: median |predicted - measured| / measured
     kind_scale: tuple[float, ...] = ()  # per kind of step (KINDS), a factor on the line (none: 1)
     ratio_bins: tuple[float, ...] = ()  # measured / predicted over the fitted steps (none: not known)
+    micro_batches: int = 1  # the most a fitted step ran in
 
     def __post_init__(self) -> None:  # fewer coefficients: from before the later terms, which count 0
         if len(self.coef) < len(TERMS):
             object.__setattr__(self, "coef", (*self.coef, *(0.0,) * (len(TERMS) - len(self.coef))))
 
     def seconds(
-        self, load: Sequence[float], instance_tokens: float | None = None, busy_ranks: int = 1, peer_busy: bool = False
+        self,
+        load: Sequence[float],
+        instance_tokens: float | None = None,
+        busy_ranks: int = 1,
+        peer_busy: bool = False,
+        micro_batches: int = 1,
+        after_prefill: bool = False,
     ) -> float:
         """The step time of a load: a fit row, or a rank's load with its instance's tokens, busy
-        ranks and whether a peer instance computes apart."""
+        ranks, whether a peer instance computes, its micro-batches and whether the instance's
+        previous step prefilled apart."""
         c = self.coef
         t = c[0] + sum(k * v for k, v in zip(c[1 : RANK_TERMS + 1], load[:RANK_TERMS]))
         if instance_tokens is None:
             instance_tokens = load[RANK_TERMS] if len(load) > RANK_TERMS else load[0]
             busy_ranks = load[LOAD_TERMS] if len(load) > LOAD_TERMS else busy_ranks
             peer_busy = len(load) > LOAD_TERMS + 1 and load[LOAD_TERMS + 1] > 0
+            micro_batches = load[LOAD_TERMS + 2] if len(load) > LOAD_TERMS + 2 else 1
+            after_prefill = len(load) > LOAD_TERMS + 3 and load[LOAD_TERMS + 3] > 0
         padded = load[PADDED_PAIRS] if len(load) > PADDED_PAIRS else 0.0
         t += c[LOAD_TERMS] * instance_tokens + (c[PREFILL] if load[3] > 0 else 0.0) + c[SQUARE] * padded * padded
         t += c[OTHER_BUSY] * (busy_ranks - 1) + (c[PEER_BUSY] if peer_busy else 0.0)
+        t += c[MICRO] * max(micro_batches - 1, 0) + (c[AFTER] if after_prefill else 0.0)
         if self.kind_scale:
             t *= self.kind_scale[0 if load[3] <= 0 else 1 + bisect.bisect_left(PREFILL_KIND_TOKENS, load[0])]
         return t
@@ -180,6 +211,7 @@ class StepCalibration:
             "weight_power": self.power,
             "kind_scale": dict(zip(KINDS, self.kind_scale or (1.0,) * len(KINDS))),
             "ratio_bins": list(self.ratio_bins),
+            "micro_batches": self.micro_batches,
         }
 
     def draw(self, u: float) -> float:
@@ -220,9 +252,12 @@ class StepCalibration:
             and all(a <= b for a, b in zip(bins, bins[1:]))
         ):
             raise ConfigError(f'{where}: "ratio_bins" must be a list of finite numbers > 0 in rising order')
+        micro = d.get("micro_batches", 1)  # files from before it: 1
+        if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+            raise ConfigError(f'{where}: "micro_batches" must be an integer >= 1')
         extra = (str(d.get("source", "")), int(d.get("steps", 0)), float(d.get("rms_s", 0.0)))
         power, rel = float(d.get("weight_power", 1.0)), float(d.get("median_rel_error", 0.0))
-        return cls(values, *extra, power, rel, tuple(float(v) for v in factors), tuple(map(float, bins)))
+        return cls(values, *extra, power, rel, tuple(float(v) for v in factors), tuple(map(float, bins)), micro)
 
 
 def fit(
@@ -240,7 +275,8 @@ def fit(
     pred = x @ coef
     rms = float(np.sqrt(np.mean((pred - y) ** 2)))
     rel = float(np.median(np.abs(pred - y) / y)) if np.all(y > 0) else float("nan")
-    return StepCalibration(tuple(float(c) for c in coef), source, len(y), rms, power, rel)
+    micro = 1 + int(x[:, MICRO].max(initial=0.0))
+    return StepCalibration(tuple(float(c) for c in coef), source, len(y), rms, power, rel, micro_batches=micro)
 
 
 def step_kinds(loads: Sequence[Sequence[float]]) -> np.ndarray:
@@ -311,7 +347,7 @@ def read_records(path: str | Path) -> list[dict]:
         try:
             rec = json.loads(line)
             row = {k: float(rec[k]) for k in RECORD_FIELDS}
-            out.append(row | {k: float(rec.get(k, 0)) for k in PADDED_FIELDS})
+            out.append(row | {k: float(rec.get(k, default)) for k, default in LATER_FIELDS.items()})
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}:{no}: expected a step record with {', '.join(RECORD_FIELDS)} ({exc})") from None
     return out
@@ -344,11 +380,17 @@ def step_rows(
     """(loads, seconds) of the lockstep steps of one run, from each rank's records (in step order);
     the first `skip` steps (warm-up) are left out. A step lasts from `step_starts` to its last
     rank's end. `peers`: the records of the deployment's other instances (each its ranks'), on the
-    same clock: a step's peer_busy is whether one of them was in a step as its forward started."""
+    same clock: a step's peer_busy is whether one of them was in a step as its forward started.
+    Its micro-batches are the most of one rank; after_prefill whether the previous step prefilled
+    on some rank and this one began at its end (no idle gap between them)."""
     n = min(len(r) for r in ranks)
     t0 = np.array([min(r[i]["t0"] for r in ranks) for i in range(n)])
     t1 = np.array([max(r[i]["t1"] for r in ranks) for i in range(n)])
-    secs = t1 - step_starts(t0, t1)
+    starts = step_starts(t0, t1)
+    secs = t1 - starts
+    prefilled = np.array([max(r[i]["pairs"] for r in ranks) > 0 for i in range(n)], dtype=bool)
+    after = np.zeros(n, dtype=bool)
+    after[1:] = prefilled[:-1] & (starts[1:] == t1[:-1])
     peer = np.zeros(n, dtype=bool)
     for inst in peers:
         peer |= computing_at(inst, t0)
@@ -359,7 +401,8 @@ def step_rows(
             continue
         row = tuple(max(x[k] for x in recs) for k in ("tokens", "seqs", "kv", "pairs", *PADDED_FIELDS))
         busy = sum(1 for x in recs if x["tokens"] > 0)
-        loads.append((*row, sum(x["tokens"] for x in recs), busy, float(peer[i])))
+        micro = max(x.get("micro_batches", 1.0) for x in recs)
+        loads.append((*row, sum(x["tokens"] for x in recs), busy, float(peer[i]), micro, float(after[i])))
         seconds.append(float(secs[i]))
     return loads, seconds
 
@@ -378,23 +421,29 @@ def fit_records(runs: Iterable[Sequence[str | Path]], source: str = "", power: f
 class FittedStepTime:
     """A StepTimeModel from a `StepCalibration`: a lockstep step's time from each load term's largest
     over its ranks and the tokens of all of them (as `step_rows` reads the engine's steps); every
-    role is busy for the whole step. `peer_busy`: another instance is computing as the step starts.
+    role is busy for the whole step. `peer_busy`: another instance is computing as the step starts;
+    `after_prefill`: the instance's previous step prefilled.
     With `rng`, each step's time is the fit's times a measured / predicted ratio of the fitted steps
     drawn at random (`StepCalibration.draw`): a simulation with the engine's step-to-step spread
     (without `rng`, or for a calibration without its ratios, every step takes the fit's time)."""
 
     padded_loads = True  # the simulated ranks add the padded terms to their loads
-    prices_peers = True  # the simulation says whether another instance computes (loop.Group.start)
+    prices_context = True  # the simulation says whether another instance computes, and whether the
+    # instance's previous step prefilled (loop.Group.start)
 
     def __init__(
         self, cal: StepCalibration, roles: tuple[str, ...] = ("gpu",), rng: np.random.Generator | None = None
     ) -> None:
         self.cal, self.roles, self.rng = cal, roles, rng
 
-    def step(self, loads: Sequence[Sequence[float]], peer_busy: bool = False) -> tuple[float, tuple[float, ...]]:
+    def step(
+        self, loads: Sequence[Sequence[float]], peer_busy: bool = False, after_prefill: bool = False
+    ) -> tuple[float, tuple[float, ...]]:
         total = sum(ld[0] for ld in loads)
         worst = loads[0] if len(loads) == 1 else tuple(map(max, *loads))  # as step_rows reads a lockstep step
-        seconds = self.cal.seconds(worst, total, sum(1 for ld in loads if ld[0] > 0), peer_busy)
+        micro = min(int(worst[1]), self.cal.micro_batches)  # a rank splits its sequences, up to the fit's most
+        busy = sum(1 for ld in loads if ld[0] > 0)
+        seconds = self.cal.seconds(worst, total, busy, peer_busy, micro, after_prefill)
         if self.rng is not None:
             seconds *= self.cal.draw(self.rng.random())
         return seconds, (seconds,) * len(self.roles)

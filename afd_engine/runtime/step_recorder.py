@@ -15,7 +15,8 @@ class StepRecorder:
     counts it (tokens, sequences, KV positions its decodes read, query-key pairs of its prefill
     chunks), and the monotonic start and end of the forward (`--record-steps`); then what the
     CPU attention computes padded (`ext_pad`: query-key pairs of the chunks padded to the longest
-    chunk and context; `dec_pad`: KV positions of the decodes padded to the longest context)."""
+    chunk and context; `dec_pad`: KV positions of the decodes padded to the longest context), and
+    the micro-batches with tokens the step ran in (`micro_batches`: an AFD attention rank's split)."""
 
     def __init__(self, path: str, execute: Callable) -> None:
         self.file = open(path, "w", buffering=1)
@@ -36,10 +37,11 @@ class StepRecorder:
         ext_pad *= max((r.num_cached for r, _ in plan.extend), default=0)
         dec_pad = len(plan.decode) * max((r.num_cached for r in plan.decode), default=0)
         rec = [self.step, ext + len(plan.decode), len(plan.extend) + len(plan.decode), kv, pairs, t0, t1]
-        rec += [ext_pad, dec_pad]
+        micro = sum(1 for b in prepared.batches if b["fb"].num_tokens > 0)
+        rec += [ext_pad, dec_pad, micro]
         self.file.write(json.dumps(dict(zip(STEP_FIELDS, rec))) + "\n")
         self.step += 1
         return out
 
 
-STEP_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1", "ext_pad", "dec_pad")
+STEP_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1", "ext_pad", "dec_pad", "micro_batches")

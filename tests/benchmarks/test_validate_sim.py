@@ -97,18 +97,20 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
     assert vs.step_files("pd", "r", 1) == [["r.p"], ["r.d"]]
     assert vs.step_files("single", "r", 1) == [["r"]] and vs.step_files("dp2", "r", 2) == [["r.a0.jsonl", "r.a1.jsonl"]]
     prefills = [
-        (n, 1, 0, n * (n + 1) // 2, 0.001 + 1e-5 * n) for n in (16, 64, 256, 512, 100, 32, 8, 200, 300, 400, 48, 128)
+        (n, 1, 0, n * (n + 1) // 2, 0.001 + 1e-5 * n)
+        for n in (16, 64, 256, 512, 100, 32, 8, 200, 300, 400, 48, 128, 24, 40)
     ]
     _records(tmp_path / "r.p", [(1, 1, 30, 0, 0.0011)] + prefills)  # (the first step is left out: warm-up)
     _records(
-        tmp_path / "r.d", [(s, s, 40 * s, 0, 0.002 + 1e-4 * s) for s in (1, 1, 2, 4, 8, 3, 6, 5, 7, 9, 10, 11, 12)]
+        tmp_path / "r.d",
+        [(s, s, 40 * s, 0, 0.002 + 1e-4 * s) for s in (1, 1, 2, 4, 8, 3, 6, 5, 7, 9, 10, 11, 12, 13, 14)],
     )
     prefill, decode = vs.fit_calibration("pd", vs.step_files("pd", str(tmp_path / "r"), 1), "test")
     # each instance's steps are marked where the other was computing as they started
     p_recs, d_recs = vs.read_records(tmp_path / "r.p"), vs.read_records(tmp_path / "r.d")
     p_rows, d_rows = vs.instance_rows(vs.step_files("pd", str(tmp_path / "r"), 1))
     assert d_rows == vs.step_rows([d_recs], peers=[[p_recs]]) and p_rows == vs.step_rows([p_recs], peers=[[d_recs]])
-    assert {ld[-1] for ld in d_rows[0]} == {0.0, 1.0}
+    assert {ld[8] for ld in d_rows[0]} == {0.0, 1.0}
     assert prefill.seconds((512, 1, 0, 512 * 513 // 2, 512 * 513 // 2, 0)) == pytest.approx(0.001 + 512e-5, rel=1e-6)
     assert decode.seconds((4, 4, 160, 0, 0, 160)) == pytest.approx(0.002 + 4e-4, rel=1e-6)
     assert prefill.median_rel_error == pytest.approx(0.0, abs=1e-9)

@@ -278,6 +278,20 @@ def test_a_fitted_step_pays_for_another_instance_computing_as_it_starts():
     assert alone.e2e[0] == exact(0.032 + 99 * 0.005)
 
 
+def test_a_fitted_step_right_after_a_prefill_step_pays_for_its_first_tokens():
+    # 5 ms a step, 10 ms more for a prefill step, 3 ms more for a step that starts as a prefill
+    # step ends (step_calibration's after_prefill). Request 0 prefills over [0, 15) ms and decodes
+    # in 8 then 5 ms; request 1 only prefills (one token, [1000, 1015) ms); request 2's prefill step
+    # starts after an idle second, so it costs no more than request 0's; its decode step 8 ms.
+    coef = [0.0] * len(TERMS)
+    coef[0], coef[TERMS.index("prefill_step")], coef[TERMS.index("after_prefill")] = 0.005, 0.010, 0.003
+    cluster = ClusterConfig("one", instance(step_time=FittedStepTime(StepCalibration(tuple(coef)))))
+    trace = from_records([(0.0, 10, 3), (1.0, 10, 1), (2.0, 10, 2)], block_tokens=4)
+    r = simulate(trace, cluster, SLO(10, 10))
+    assert r.ttft[0] == exact(0.015) and r.tpot[0] == exact((0.008 + 0.005) / 2)
+    assert r.ttft[2] == exact(0.015) and r.tpot[2] == exact(0.008)
+
+
 def test_pd_streams_each_chunks_kv_as_it_is_computed():
     # Chunks of 4, 4, 2 tokens end at t1, t2, t3; each one's KV goes out at once (4, 4, 2 ms on an
     # idle link), so only the last chunk's 2 ms and the latency come after the prompt is done.

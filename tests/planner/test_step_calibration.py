@@ -12,7 +12,7 @@ from afd_engine.cli import main
 from afd_engine.errors import ConfigError
 from afd_engine.planner.step_calibration import (
     KINDS,
-    PADDED_FIELDS,
+    LATER_FIELDS,
     RECORD_FIELDS,
     TERMS,
     FittedStepTime,
@@ -27,7 +27,7 @@ from afd_engine.planner.step_calibration import (
     step_rows,
 )
 
-COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4, 4e-4)
+COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4, 4e-4, 9e-4, 1.1e-3)
 
 
 def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -42,12 +42,13 @@ def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
             rng.integers(0, 80_000, n),
         ]
     ).astype(float)
-    # the instance's tokens, its busy ranks, and whether another instance was computing
-    loads = np.column_stack(
-        [loads, loads[:, 0] + rng.integers(0, 2048, n), rng.integers(1, 4, n), rng.integers(0, 2, n)]
-    )
+    # the instance's tokens, its busy ranks, whether another instance was computing, the micro-batches
+    # and whether the step before prefilled
+    extra = [rng.integers(1, 4, n), rng.integers(0, 2, n), rng.integers(1, 4, n), rng.integers(0, 2, n)]
+    loads = np.column_stack([loads, loads[:, 0] + rng.integers(0, 2048, n), *extra])
     seconds = COEF[0] + loads[:, :7] @ np.array(COEF[1:8]) + COEF[8] * (loads[:, 3] > 0)
     seconds += COEF[9] * loads[:, 4] ** 2 + COEF[10] * (loads[:, 7] - 1) + COEF[11] * loads[:, 8]
+    seconds += COEF[12] * (loads[:, 9] - 1) + COEF[13] * loads[:, 10]
     return loads, seconds
 
 
@@ -55,7 +56,7 @@ def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def test_fit_recovers_known_coefficients(power):
     loads, seconds = synthetic()
     cal = fit(loads, seconds, "synthetic", power)
-    assert cal.steps == 200 and cal.rms_s < 1e-12 and cal.power == power
+    assert cal.steps == 200 and cal.rms_s < 1e-12 and cal.power == power and cal.micro_batches == 3
     for got, want in zip(cal.coef, COEF):
         assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
 
@@ -126,9 +127,9 @@ def test_fit_is_non_negative():
     y = x @ np.array([1.0, 2.0, -0.5])
     coef = nnls(x, y)
     assert np.all(coef >= 0) and coef[2] == 0.0
-    assert fit(*synthetic(12)).coef  # and too few steps is refused
-    with pytest.raises(ConfigError, match="at least 12 steps"):
-        fit([(1, 1, 0, 0)] * 11, [0.1] * 11)
+    assert fit(*synthetic(14)).coef  # and too few steps is refused
+    with pytest.raises(ConfigError, match="at least 14 steps"):
+        fit([(1, 1, 0, 0)] * 13, [0.1] * 13)
 
 
 def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
@@ -142,6 +143,12 @@ def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
     assert seconds == pytest.approx(want, abs=1e-12)
     assert busy == (seconds, seconds)
     assert model.step(loads, peer_busy=True)[0] == pytest.approx(want + 4e-4, abs=1e-12)  # another instance computes
+    assert model.step(loads, after_prefill=True)[0] == pytest.approx(want + 1.1e-3, abs=1e-12)  # after a prefill
+    # fitted on steps of up to 3 micro-batches: 4 sequences run in 3 (2 beyond the first), 1 in 1
+    split = FittedStepTime(StepCalibration(COEF, micro_batches=3))
+    assert split.step(loads)[0] == pytest.approx(want + 2 * 9e-4, abs=1e-12)
+    alone = 0.004 + 100 * 3e-5 + 4 * 2e-4 + 2000 * 1e-7 + 100 * 1e-5  # one rank: its own load
+    assert split.step([(1, 1, 20.0, 0.0)])[0] == model.step([(1, 1, 20.0, 0.0)])[0]
     alone = 0.004 + 100 * 3e-5 + 4 * 2e-4 + 2000 * 1e-7 + 100 * 1e-5  # one rank: its own load
     assert model.step(loads[:1])[0] == pytest.approx(alone, abs=1e-12)
 
@@ -164,7 +171,8 @@ def test_step_rows_join_lockstep_ranks(tmp_path):
     # step 1: from the previous end (a 1 ms gap) to the last rank's end
     # step 2: after an idle gap only the forward counts
     # each term's largest over the ranks; then both ranks' tokens, and how many ranks had tokens
-    assert loads == [(10, 3, 40, 0, 0, 0, 13, 2, 0.0), (7, 1, 0, 28, 0, 0, 7, 1, 0.0)]
+    # step 1 began as the prefill step 0 ended (after_prefill 1), step 2 after an idle gap (0)
+    assert loads == [(10, 3, 40, 0, 0, 0, 13, 2, 0.0, 1.0, 1.0), (7, 1, 0, 28, 0, 0, 7, 1, 0.0, 1.0, 0.0)]
     assert seconds == pytest.approx([0.11, 0.2])
     # another instance on the same clock, in a forward from 5.0 s: step 2 started while it computed,
     # step 1 (at 0.501 s) between its forwards [0.2, 0.501) and [0.6, 0.7)
@@ -172,17 +180,26 @@ def test_step_rows_join_lockstep_ranks(tmp_path):
         tmp_path / "p", [(0, 4, 1, 0, 10, 0.2, 0.501), (1, 4, 1, 0, 10, 0.6, 0.7), (2, 9, 1, 0, 45, 4.9, 5.3)]
     )
     peered, _ = step_rows([read_records(a), read_records(b)], peers=[[read_records(peer)]])
-    assert [row[-1] for row in peered] == [0.0, 1.0]
+    assert [row[8] for row in peered] == [0.0, 1.0]
     # a peer whose next forward starts 15 ms after its last ended was in a step through the gap
     # (its scheduling, as step_rows counts a step), so step 1, starting in it, sees it computing
     near = _write_steps(
         tmp_path / "q", [(0, 4, 1, 0, 10, 0.2, 0.495), (1, 4, 1, 0, 10, 0.51, 0.6), (2, 9, 1, 0, 45, 4.9, 5.3)]
     )
     peered, _ = step_rows([read_records(a), read_records(b)], peers=[[read_records(near)]])
-    assert [row[-1] for row in peered] == [1.0, 1.0]
-    rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(13)]
+    assert [row[8] for row in peered] == [1.0, 1.0]
+    # a step after a prefill step: after_prefill where it began at that step's end, not after an idle gap
+    for start, want in ((0.501, 1.0), (5.0, 0.0)):
+        two = _write_steps(tmp_path / "two", [(0, 5, 1, 0, 15, 0.0, 0.5), (1, 1, 1, 6, 0, start, start + 0.1)])
+        assert step_rows([read_records(two)], skip=1)[0][0][-1] == want
+    # the micro-batches a step ran in (an AFD attention rank's split): the most of one rank
+    split = [dict(zip(RECORD_FIELDS, (1, 3, 3, 9, 0, 0.502, 0.61)), ext_pad=0, dec_pad=9, micro_batches=3)]
+    (tmp_path / "m").write_text("".join(json.dumps(r) + "\n" for r in split))
+    micro, _ = step_rows([read_records(tmp_path / "m"), read_records(b)[1:2]], skip=0)
+    assert micro == [(3, 3, 9, 0, 0, 9, 6, 2, 0.0, 3.0, 0.0)]
+    rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(15)]
     cal = fit_records([[_write_steps(tmp_path / "s", rows)]], "one rank")
-    assert cal.steps == 12 and cal.source == "one rank"
+    assert cal.steps == 14 and cal.source == "one rank" and cal.micro_batches == 1
     (tmp_path / "bad").write_text('{"step": 0}\n')
     with pytest.raises(ConfigError, match="bad:1: expected a step record"):
         read_records(tmp_path / "bad")
@@ -204,13 +221,15 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
     assert StepCalibration.load(cal_file).coef == COEF and StepCalibration.load(cal_file).ratio_bins == ()
     old = tmp_path / "old.json"  # written before the padded and prefill terms: those count 0
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:5], COEF))}))
-    assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 7)
+    assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 9)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:9], COEF))}))  # before the square term
-    assert StepCalibration.load(old).coef == (*COEF[:9], 0.0, 0.0, 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:9], *(0.0,) * 5)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:10], COEF))}))  # before the busy ranks
-    assert StepCalibration.load(old).coef == (*COEF[:10], 0.0, 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:10], *(0.0,) * 4)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:11], COEF))}))  # before peer_busy
-    assert StepCalibration.load(old).coef == (*COEF[:11], 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:11], 0.0, 0.0, 0.0)
+    old.write_text(json.dumps({"coef": dict(zip(TERMS[:12], COEF))}))  # before the micro-batches
+    assert StepCalibration.load(old).coef == (*COEF[:12], 0.0, 0.0) and StepCalibration.load(old).micro_batches == 1
     args = ["plan", "simulate", "--trace", one_request_trace(tmp_path), "--deployment", "colocated:gpus=1"]
     args += ["--kv-pages", "64", "--step-calibration", str(cal_file), "--json", "-"]
     assert main(args) == 0
@@ -228,7 +247,9 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
         + (32 * 32) ** 2 * COEF[9]
     )
     assert d["ttft_s"]["p50"] == pytest.approx(prefill, rel=1e-9)
+    # (the first decode step follows the prefill step: after_prefill)
     decode = [COEF[0] + COEF[1] + COEF[7] + COEF[2] + kv * (COEF[3] + COEF[6]) for kv in (33, 34, 35)]
+    decode[0] += COEF[13]
     assert d["tpot_s"]["p50"] == pytest.approx(sum(decode) / 3, rel=1e-9)
 
 
@@ -269,7 +290,8 @@ def test_engine_records_one_line_per_step(tiny_v3, tmp_path):
         )
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(len(recs)))
-    assert all(set(r) == {*RECORD_FIELDS, *PADDED_FIELDS} and r["t1"] >= r["t0"] for r in recs)
+    assert all(set(r) == {*RECORD_FIELDS, *LATER_FIELDS} and r["t1"] >= r["t0"] for r in recs)
+    assert {r["micro_batches"] for r in recs} == {1}  # single mode: one batch a step
     # step 0: 8 tokens of the 12-token prompt (budget 8), a fresh chunk: 8 * 9 / 2 pairs
     assert (recs[0]["tokens"], recs[0]["seqs"], recs[0]["kv"], recs[0]["pairs"]) == (8, 1, 0, 36)
     # the rest of the first prompt (4 tokens after 8) and the second (3 tokens)

@@ -28,7 +28,9 @@ class Group:
     def __init__(self, sim: Simulation, cfg: InstanceConfig, role: str, name: str) -> None:
         self.sim, self.cfg, self.role, self.name = sim, cfg, role, name
         self.model = cfg.step_time
-        self.peers = bool(getattr(self.model, "prices_peers", False))  # its steps depend on other instances
+        # a fit of this engine's CPU steps: its steps depend on other instances and on the step before
+        self.context = bool(getattr(self.model, "prices_context", False))
+        self.prefilled = False  # the instance's last step prefilled (it ended at last_end)
         self.spec = cfg.speculative
         self.ranks: list[Rank] = []
         self.active: dict[int, Rank] = {}
@@ -58,8 +60,12 @@ class Group:
             planned.append(rank)
         if not loads:
             return
-        # a model fitted on instances that shared CPUs prices another one computing meanwhile
-        seconds, busy = self.model.step(loads, self.sim.computing > 0) if self.peers else self.model.step(loads)
+        prefills = any(ld[3] > 0 for ld in loads)
+        if self.context:  # another instance computing as it starts (instances sharing CPUs), the step before
+            seconds, busy = self.model.step(loads, self.sim.computing > 0, self.prefilled and t <= self.last_end)
+        else:
+            seconds, busy = self.model.step(loads)
+        self.prefilled = prefills
         if self.spec is not None:  # the MTP module's draft passes after the verify
             chain = [ld for ld in (rank.draft_load() for rank in planned) if ld is not None]
             extra, extra_busy = draft_time(self.model, self.spec, loads, chain, (seconds, busy))
@@ -68,7 +74,7 @@ class Group:
         if not seconds > 0:
             raise ConfigError(f"the step time model gave {seconds!r} s for a step; it must be > 0")
         self.steps += 1
-        if any(ld[3] > 0 for ld in loads):
+        if prefills:
             self.prefill_steps += 1
         self.busy = True
         self.sim.computing += 1
