@@ -326,10 +326,15 @@ def sim_figures(results: list) -> dict:
     return {k: statistics.fmean(x[k] for x in one) for k in one[0]}
 
 
+def _times(values: list) -> np.ndarray:
+    """A bench record's per-request times (seconds), NaN where a failed request has none."""
+    return np.array([t if t is not None and t > 0 else np.nan for t in values], dtype=float)
+
+
 def ttft_gaps(bench: dict, results: list) -> np.ndarray:
     """Per request of the slice and simulation: the engine's TTFT minus the simulated one, in
     seconds; NaN where either has none (a failed request)."""
-    engine = np.array([t if t is not None and t > 0 else np.nan for t in bench["ttfts"]], dtype=float)
+    engine = _times(bench["ttfts"])
     if any(len(r.ttft) != len(engine) for r in results):
         sim = len(results[0].ttft)
         raise RuntimeError(f"the engine served {len(engine)} requests of the slice, the simulation {sim}")
@@ -343,9 +348,7 @@ def tpot_run_correlation(runs: list[dict]) -> float | None:
     for run in runs:
         b = run["bench"]
         out = np.array(b["output_lens"], dtype=float)
-        ttft = np.array([np.nan if t is None else t for t in b["ttfts"]], dtype=float)
-        lat = np.array([np.nan if t is None else t for t in b["latencies"]], dtype=float)
-        tpots.append(np.where(out > 2, (lat - ttft) / np.maximum(out - 1, 1), np.nan))
+        tpots.append(np.where(out > 2, (_times(b["latencies"]) - _times(b["ttfts"])) / np.maximum(out - 1, 1), np.nan))
     if len(tpots) < 2 or len({len(t) for t in tpots}) > 1:
         return None
     ok = np.all(np.isfinite(tpots), axis=0)

@@ -289,12 +289,16 @@ def _kinds(x: np.ndarray) -> np.ndarray:
     return np.where(x[:, PREFILL] > 0, 1 + np.searchsorted(np.array(PREFILL_KIND_TOKENS), x[:, 1], side="left"), 0)
 
 
+def _predicted(coef: Sequence[float], x: np.ndarray, kinds: np.ndarray, scale: Sequence[float] = ()) -> np.ndarray:
+    """The seconds of the rows of a `design`, each times its kind's `scale` factor (none: 1)."""
+    pred = x @ np.asarray(coef)
+    return pred * np.asarray(scale)[kinds] if scale else pred
+
+
 def _kind_ratios(
     coef: Sequence[float], x: np.ndarray, kinds: np.ndarray, secs: np.ndarray, scale: Sequence[float] = ()
 ) -> dict:
-    pred = x @ np.asarray(coef)
-    if scale:
-        pred = pred * np.asarray(scale)[kinds]
+    pred = _predicted(coef, x, kinds, scale)
     out = {}
     for k, name in enumerate(KINDS):
         m = kinds == k
@@ -331,7 +335,7 @@ def balanced_fit(
     best = min((fit(loads, seconds, source, p) for p in powers), key=worst)
     ratios = _kind_ratios(best.coef, x, kinds, secs)
     scale = tuple(1.0 / ratios[k] if ratios.get(k, 0) > 0 else 1.0 for k in KINDS)
-    predicted = (x @ np.asarray(best.coef)) * np.asarray(scale)[kinds]
+    predicted = _predicted(best.coef, x, kinds, scale)
     ok = predicted > 0
     ratios = np.sort(secs[ok] / predicted[ok])
     bins = [float(b.mean()) for b in np.array_split(ratios, min(RATIO_BINS, len(ratios))) if len(b)]
