@@ -107,8 +107,10 @@ class Engine(OfflineEngine):
         )  # fmt: skip
         self.runner: StepRunner = (rank.make_runner if rank else ModelRunner)(self.model, self.pool)
         self.graph_capture_seconds = None if rank else self._capture_graphs()
+        self.recorder = None
         if args.record_steps:
-            self.runner.execute = StepRecorder(_record_path(args.record_steps, rank), self.runner.execute)
+            self.recorder = StepRecorder(_record_path(args.record_steps, rank), self.runner.execute)
+            self.runner.execute = self.recorder
         eos = set(self.config.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None})
         self.stepper = self._make_stepper(eos)
         self.disagg = make_side(self)  # prefill-decode disaggregation: None unless --disaggregation-mode
@@ -366,6 +368,8 @@ class Engine(OfflineEngine):
     def _step(self) -> tuple[list[Request], list[Request], list[Request]]:
         """(requests whose first token came from a prefill instance, requests that got a token,
         requests that finished) of one step."""
+        if self.recorder is not None:  # the requests the step can take are in: its round begins
+            self.recorder.began = time.monotonic()
         arrived, failed = [], self._admit_compiled() if self._compiling else []
         if self.disagg is None:
             sampled, done = self.stepper.step()
@@ -471,8 +475,8 @@ class Engine(OfflineEngine):
         self.stepper.close()
         self.grammars.close()
         self.runner.close()
-        if isinstance(self.runner.execute, StepRecorder):
-            self.runner.execute.file.close()
+        if self.recorder is not None:
+            self.recorder.file.close()
         if self.disagg is not None:
             self.disagg.close()
 

@@ -243,6 +243,7 @@ class Result:
     cached_tokens_reported: bool = False
     output_ids: list[int] = field(default_factory=list)  # native
     output_text: str = ""  # chat and completions
+    sent_at: float = 0.0  # time.monotonic() as it was sent (the clock of the server's --record-steps)
 
     @property
     def tpot(self) -> float | None:
@@ -322,6 +323,7 @@ async def send_request(client: httpx.AsyncClient, args: argparse.Namespace, mode
     path, payload = build_payload(args, model, req)
     ids = is_token_ids(req.prompt)
     res = Result(prompt_tokens=len(req.prompt) if ids else req.prompt_len, prompt_tokens_exact=ids)
+    res.sent_at = time.monotonic()
     start = time.perf_counter()
     last = None  # time of the previous content chunk
     done = False
@@ -395,8 +397,9 @@ async def run_load(
 
     A conversation's first turn arrives on the schedule; each later turn is sent as soon as the
     previous one has finished, and after a failed turn the rest count as failed, unsent. Returns
-    the results (in workload order, a conversation's turns in order) and the benchmark duration:
-    from the first request being sent to the last one finishing.
+    the results (in workload order, a conversation's turns in order), the benchmark duration:
+    from the first request being sent to the last one finishing, and the time.monotonic() of the
+    schedule's start (a trace request is due arrival_s after it).
     """
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bar = None
@@ -431,7 +434,7 @@ async def run_load(
     async def item(w: Request | Conversation) -> list[Result]:
         return await converse(w) if isinstance(w, Conversation) else [await one(w)]
 
-    start = time.perf_counter()
+    started, start = time.monotonic(), time.perf_counter()
     tasks = []
     for w, delay in zip(workload, arrival_delays(len(workload), args.request_rate, args.seed)):
         if getattr(w, "arrival_s", None) is not None:  # a trace's request: at its own time
@@ -443,7 +446,7 @@ async def run_load(
     duration = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    return results, duration
+    return results, duration, started
 
 
 def _num_requests(w: Request | Conversation) -> int:
@@ -596,14 +599,14 @@ async def run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> dict[st
             warm = await send_request(client, args, model, req)
             if not warm.success:
                 raise RuntimeError(f"warmup request failed: {warm.error}")
-        results, duration = await run_load(client, args, model, workload)
+        results, duration, started = await run_load(client, args, model, workload)
     metrics = compute_metrics(results, duration, args)
     metrics["settings"] = _settings(args, model)
     print(format_table(metrics, args), flush=True)
     for err in metrics["errors"]:
         print(f"error: {err}", file=sys.stderr)
     if args.output_file:
-        record = dict(metrics, timestamp=time.time())
+        record = dict(metrics, timestamp=time.time(), start_monotonic=started)
         if args.output_details:
             record.update(
                 ttfts=[r.ttft for r in results],
@@ -613,6 +616,7 @@ async def run_benchmark(args: argparse.Namespace | Mapping[str, Any]) -> dict[st
                 input_lens=[r.prompt_tokens for r in results],
                 cached_lens=[r.cached_tokens for r in results],
                 all_errors=[r.error for r in results],
+                sent_at=[r.sent_at for r in results],
             )
         append_jsonl(args.output_file, record)
     metrics["results"] = [asdict(r) for r in results]  # for callers; not in the JSONL record

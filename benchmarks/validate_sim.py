@@ -52,8 +52,9 @@ from benchmarks.lib.server import Server, afd_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from afd_engine.planner.simulate import SLO, ClusterConfig, InstanceConfig, KVLink, simulate  # noqa: E402
+from afd_engine.planner.simulate import SLO, ClusterConfig, FrontEnd, InstanceConfig, KVLink, simulate  # noqa: E402
 from afd_engine.planner.step_calibration import (  # noqa: E402
+    GAP_CAP_S,
     FittedStepTime,
     StepCalibration,
     balanced_fit,
@@ -90,20 +91,21 @@ CAL_EXTRA = {"dp2": ["--load-balance-method", "round_robin"]}
 # benchmarks/results/pd_dsv3-4k_2026-11-26.json), and a fixed 0.5 ms per transfer for the messages
 # around it (assumed, not measured); the bytes per token are the model's.
 KV_LINK_BPS, KV_LINK_LATENCY_S = 1.6e9, 0.5e-3
-# the front end's time per request tried (ClusterConfig.frontend_s)
-FRONTEND_S = tuple(ms * 1e-3 for ms in (0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0))
 # Per mode, the instances whose steps' times are drawn around the fit (FittedStepTime's rng) in
-# STEP_DRAWS simulations, the figures the mean over them. Under PD the two instances share this
-# machine's cores, and a request's TPOT, which the decode instance's steps make, is mostly the
-# run's chance: between two runs of the same slice its correlation is 0.1-0.3 (0.7-0.95 in the
-# other modes, where one simulation with the fitted times stands for every run; TTFTs correlate
-# 0.7-0.95 in every mode, PD's included), so a run's TPOT tail is wider than that of a simulation
-# whose steps all take the fitted time.
+# each of the DRAWS simulations. Under PD the two instances share this machine's cores, and a
+# request's TPOT, which the decode instance's steps make, is mostly the run's chance: between two
+# runs of the same slice its correlation is 0.1-0.3 (0.7-0.95 in the other modes, where the fitted
+# times stand for every run; TTFTs correlate 0.7-0.95 in every mode, PD's included), so a run's
+# TPOT tail is wider than that of a simulation whose steps all take the fitted time.
 DRAWN = {"pd": (False, True)}  # (prefill instance, decode instance)
-STEP_DRAWS = 8
-# the modes whose requests pass the same front end share its constants: the API server in front of
-# the ranks, or PD's router in front of two instances' servers
-FRONT_ENDS = {"single": "api server", "dp2": "api server", "afd": "api server", "pd": "pd router"}
+# Every mode's figures are the mean over DRAWS simulations (seeds 0, 1, ...), each with the front
+# end's gaps drawn from the measured ones (FrontEnd), and the DRAWN instances' step times.
+DRAWS = 8
+# The front end's measured gaps between queued requests, times each of these, simulated on the
+# calibration slice: the one whose simulations prefill in as many steps as the engine did is used
+# (FrontEnd.scaled; how a burst is batched turns on fractions of a millisecond, and the engine took
+# more of a burst into one step than the API server's hand-over times alone said).
+GAP_SCALES = (0.25, 0.5, 0.75, 1.0, 1.5)
 # the five figures compared: (key in the results file, bench_serving's key); latencies in ms
 METRICS = (
     ("ttft_p50", "median_ttft_ms"),
@@ -273,17 +275,17 @@ def simulations(
     cal,
     roles,
     args: argparse.Namespace,
-    api: tuple[float, float] = (0.0, 0.0),
+    front_end: FrontEnd = FrontEnd(),
     drawn: tuple[bool, ...] = (),
+    response_s: float = 0.0,
 ) -> list:
-    """The simulation of `trace` (a SimResult); where `drawn` marks an instance, STEP_DRAWS of them
-    with that instance's step times drawn around the fit (seeds 0, 1, ...). `cal` is one
-    calibration, or (prefill's, decode's) for PD; `api`: the API server's (time per request,
-    response time) (ClusterConfig.frontend_s, .response_s)."""
+    """The DRAWS simulations of `trace` (SimResults; seeds 0, 1, ...), each with the front end's gaps
+    drawn with its seed and, where `drawn` marks an instance, that instance's step times drawn
+    around the fit. `cal` is one calibration, or (prefill's, decode's) for PD."""
     cals = cal if isinstance(cal, tuple) else (cal,)
     out = []
-    for seed in range(STEP_DRAWS) if any(drawn) else [None]:
-        rng = None if seed is None else np.random.default_rng(seed)
+    for seed in range(DRAWS):
+        rng = np.random.default_rng(seed)
         cfgs = [
             InstanceConfig(
                 ranks=ranks,
@@ -297,13 +299,62 @@ def simulations(
             )
             for i, c in enumerate(cals)
         ]
+        fe = front_end.drawn(seed)
         if len(cfgs) == 2:
             link = KVLink(kv_bytes_per_token(model_dir(args.workdir)), KV_LINK_BPS, KV_LINK_LATENCY_S)
-            cluster = ClusterConfig("sim", cfgs[0], cfgs[1], link, "cache_aware", *api)
+            cluster = ClusterConfig("sim", cfgs[0], cfgs[1], link, "cache_aware", fe, response_s)
         else:
-            cluster = ClusterConfig("sim", cfgs[0], None, None, "cache_aware", *api)
+            cluster = ClusterConfig("sim", cfgs[0], None, None, "cache_aware", fe, response_s)
         out.append(simulate(trace, cluster, SLO(5.0, 0.05)))
     return out
+
+
+def measure_front_end(run: dict, arrivals: list[float]) -> tuple[FrontEnd, dict]:
+    """The front end of a run, from its front-end record (when the API server handed each request
+    to a rank, on the ranks' clock) against the replay's schedule (`arrivals`, seconds after the
+    benchmark's `start_monotonic`), requests paired in order. A request that arrived after the one
+    before had been handed over found the front end idle: `first_s` is the median time from such
+    an arrival to its hand-over, plus the median time from a hand-over that woke an idle rank to
+    that rank's round starting (its records' `ts`); the gaps between later hand-overs are the
+    measured `lead` (behind such a request) and `after` ones. `first_s` counts from the client's
+    send (the bench record's `sent_at`), where the engine's TTFT starts. Also returns what was
+    measured."""
+    path = Path(run["front_end"])
+    if not path.exists():
+        raise RuntimeError(f"no front-end record {path}: serve with this engine's --record-steps (not --reuse)")
+    start = run["bench"]["start_monotonic"]
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    handed = np.sort([r["t"] for r in recs if r["t"] >= start])
+    if len(handed) != len(arrivals):
+        raise RuntimeError(f"{path}: {len(handed)} requests handed over for the {len(arrivals)} of the slice")
+    at = np.sort(np.asarray(arrivals, dtype=float)) + start
+    idle = np.ones(len(at), dtype=bool)
+    idle[1:] = at[1:] >= handed[:-1]
+    queued = np.flatnonzero(~idle)
+    gaps = handed[queued] - handed[queued - 1]
+    behind_first = idle[queued - 1]
+    # from a hand-over to the round it woke: rounds after an idle gap, against the last hand-over before each
+    wakes = []
+    for group in run["files"][:1]:
+        for f in group:
+            steps = read_records(f)
+            for prev, rec in zip(steps, steps[1:]):
+                k = np.searchsorted(handed, rec["ts"]) - 1
+                if np.isfinite(rec["ts"]) and k >= 0 and rec["ts"] - prev["t1"] >= GAP_CAP_S and handed[k] > prev["t1"]:
+                    wakes.append(rec["ts"] - handed[k])
+    hop = float(np.median(wakes)) if wakes else 0.0
+    # from the client's send, where the engine's TTFT starts (else from the schedule)
+    sent = np.sort(run["bench"].get("sent_at") or at)
+    first = float(np.median(handed[idle] - sent[idle])) + hop
+    fe = FrontEnd.measured(first, gaps[behind_first], gaps[~behind_first])
+    return fe, {
+        "first_ms": fe.first_s * 1e3,
+        "wake_ms": hop * 1e3,
+        "lead_ms": fe.lead_s * 1e3,
+        "next_ms": fe.next_s * 1e3,
+        "requests": len(handed),
+        "found_idle": int(idle.sum()),
+    }
 
 
 def sim_figures(results: list) -> dict:
@@ -387,6 +438,8 @@ def served_run(
         "bench": json.loads(out.read_text().splitlines()[-1]),
         "pages": kv_pages(log.read_text()),
         "files": step_files(mode, rec, MODES[mode][1]),
+        # the API server's hand-overs to the engine (PD: the prefill instance's)
+        "front_end": f"{rec}.p.frontend.jsonl" if mode == "pd" else f"{rec}.frontend.jsonl",
     }
 
 
@@ -405,10 +458,11 @@ def engine_runs(mode: str, args: argparse.Namespace, model: Path) -> dict:
 
 
 def calibrate(served: dict, args: argparse.Namespace) -> dict:
-    """The step-time fit of a mode's calibration run, the engine's count of prefill steps in it,
-    and the simulation of the calibration slice at each front-end time per request tried (with no
-    response time: that only adds to every TTFT, see `with_response`), with each request's TTFT
-    gap to the engine's (`ttft_gaps`)."""
+    """The step-time fit of a mode's calibration run; its front end (`measure_front_end`) with the
+    gaps scaled by the one of GAP_SCALES whose simulations of the calibration slice prefill in as
+    many steps as the engine did (the simulations with no response time: that only adds to every
+    TTFT, see `with_response`); and the response time, the median of the calibration requests'
+    TTFT gaps to the engine's (`ttft_gaps`, `response_time`)."""
     mode, cal_run = served["mode"], served["cal"]
     _, ranks, roles = MODES[mode]
     cal_trace, _ = trace_slice(args, args.cal_start)
@@ -423,15 +477,24 @@ def calibrate(served: dict, args: argparse.Namespace) -> dict:
     ]
     fits = fit_instances(fit_rows, source)
     one, pages = per_instance(mode, fits), min(cal_run["pages"])
+    measured_fe, measured = measure_front_end(cal_run, [r.arrival_s for r in cal_trace.requests])
+    engine_steps = sum(1 for loads, _ in rows for load in loads if load[3] > 0)
     drawn = DRAWN.get(mode, ())
-    sims = {fe: simulations(cal_trace, ranks, pages, one, roles, args, (fe, 0.0), drawn) for fe in FRONTEND_S}
+    by_scale = {
+        f: simulations(cal_trace, ranks, pages, one, roles, args, measured_fe.scaled(f), drawn) for f in GAP_SCALES
+    }
+    steps = {f: sim_figures(sims)["prefill_steps"] for f, sims in by_scale.items()}
+    scale = min(GAP_SCALES, key=lambda f: abs(steps[f] - engine_steps))
+    sims = by_scale[scale]
     return {
         "fits": fits,
         "rows": fit_rows,  # the steps fitted
         "engine": engine_figures(cal_run["bench"]),
-        "engine_prefill_steps": sum(1 for loads, _ in rows for load in loads if load[3] > 0),
-        "by_frontend": {fe: sim_figures(r) for fe, r in sims.items()},
-        "ttft_gaps": {fe: ttft_gaps(cal_run["bench"], r) for fe, r in sims.items()},
+        "engine_prefill_steps": engine_steps,
+        "front_end": measured_fe.scaled(scale),
+        "front_end_measured": measured | {"gap_scale": scale, "prefill_steps_by_gap_scale": steps},
+        "simulation": sim_figures(sims),
+        "response_s": response_time(ttft_gaps(cal_run["bench"], sims)),
     }
 
 
@@ -441,39 +504,17 @@ def with_response(sim: dict, response_s: float) -> dict:
     return sim | {k: sim[k] + response_s * 1e3 for k in ("ttft_p50", "ttft_p90")}
 
 
-def choose_api(calibrations: list[dict]) -> tuple[float, float]:
-    """The front end's (time per request, response time) for these modes' calibrations. The time
-    per request sets how a burst is batched: the one whose simulations of the calibration slices
-    prefill in as many steps as the engine did (summed relative miss over the modes). The response
-    time, which every TTFT carries, then is the median over the calibration slices' requests of
-    the engine's TTFT minus the simulated one (request by request; not below 0). Neither follows
-    one run's noise in the latency tails."""
-
-    def step_miss(fe: float) -> float:
-        return sum(
-            abs(c["by_frontend"][fe]["prefill_steps"] - c["engine_prefill_steps"]) / max(c["engine_prefill_steps"], 1)
-            for c in calibrations
-        )
-
-    fe = min(FRONTEND_S, key=step_miss)
-    gaps = np.concatenate([c["ttft_gaps"][fe] for c in calibrations])
+def response_time(gaps: np.ndarray) -> float:
+    """The response time every TTFT carries: the median of the calibration requests' TTFT gaps
+    (engine minus simulated, request by request, failed requests left out; not below 0), which
+    one run's latency tail does not move."""
     gaps = gaps[np.isfinite(gaps)]
-    return fe, max(0.0, float(np.median(gaps))) if len(gaps) else 0.0
+    return max(0.0, float(np.median(gaps))) if len(gaps) else 0.0
 
 
-def choose_apis(served: list[dict], calibrations: list[dict]) -> dict[str, tuple[float, float]]:
-    """Per mode, the constants `choose_api` picks over all the modes run behind its front end."""
-    out = {}
-    for front in {FRONT_ENDS[s["mode"]] for s in served}:
-        group = [c for s, c in zip(served, calibrations) if FRONT_ENDS[s["mode"]] == front]
-        api = choose_api(group)
-        out |= {s["mode"]: api for s in served if FRONT_ENDS[s["mode"]] == front}
-    return out
-
-
-def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: argparse.Namespace) -> dict:
-    """The simulation of a mode's validation slice at the front end's constants `api`, against the
-    engine's mean over the validation runs."""
+def validate_mode(served: dict, calib: dict, args: argparse.Namespace) -> dict:
+    """The simulation of a mode's validation slice with the front end and response time of its
+    calibration (`calibrate`), against the engine's mean over the validation runs."""
     mode, runs = served["mode"], served["val"]
     flags, ranks, roles = MODES[mode]
     cal = per_instance(mode, calib["fits"])
@@ -484,7 +525,8 @@ def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: arg
     mean, spread = mean_and_spread(figures)
     trace, dropped = trace_slice(args, args.val_start)
     drawn = DRAWN.get(mode, ())
-    sim = sim_figures(simulations(trace, ranks, min(runs[0]["pages"]), cal, roles, args, api, drawn))
+    pages, front_end, response_s = min(runs[0]["pages"]), calib["front_end"], calib["response_s"]
+    sim = sim_figures(simulations(trace, ranks, pages, cal, roles, args, front_end, drawn, response_s))
     errors = signed_errors(sim, mean)
     val_rows = instance_rows(runs[0]["files"])
     return {
@@ -501,13 +543,12 @@ def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: arg
             "residual_on_calibration_steps": step_residual(calib["rows"], cal),
             "residual_on_validation_steps": step_residual(val_rows, cal),
         },
-        "api_server": {"frontend_ms_per_request": api[0] * 1e3, "response_ms": api[1] * 1e3},
-        "calibration_slice_error_pct": mean_abs_error(
-            with_response(calib["by_frontend"][api[0]], api[1]), calib["engine"]
-        ),
+        # measured on the calibration run (measure_front_end), and the response time
+        "front_end": calib["front_end_measured"] | {"response_ms": response_s * 1e3},
+        "calibration_slice_error_pct": mean_abs_error(with_response(calib["simulation"], response_s), calib["engine"]),
         "calibration_prefill_steps": {
             "engine": calib["engine_prefill_steps"],
-            "simulation": calib["by_frontend"][api[0]]["prefill_steps"],
+            "simulation": calib["simulation"]["prefill_steps"],
         },
         "calibration_run": calib["engine"],
         "requests": runs[0]["bench"]["completed"],
@@ -518,8 +559,9 @@ def validate_mode(served: dict, calib: dict, api: tuple[float, float], args: arg
         "engine_mean": mean,
         "engine_spread_pct": spread,
         "engine_tpot_run_correlation": tpot_run_correlation(runs),
-        # simulations whose figures were averaged, and the instances whose step times they drew
-        "step_time_draws": {"simulations": STEP_DRAWS if any(drawn) else 1, "instances_drawn": list(drawn)},
+        # simulations whose figures were averaged (each drawing the front end's gaps), and the
+        # instances whose step times they drew
+        "draws": {"simulations": DRAWS, "step_times_of_instances": list(drawn)},
         "simulation": sim,
         "error_pct": errors,
         "verdict": verdicts(errors, spread),
@@ -627,8 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         served.append(engine_runs(mode, args, model))
         print(f"{mode}: engine runs done in {served[-1]['wall_s']:.0f} s", flush=True)
     calibrations = [calibrate(s, args) for s in served]
-    apis = choose_apis(served, calibrations)
-    results = [validate_mode(s, c, apis[s["mode"]], args) for s, c in zip(served, calibrations)]
+    results = [validate_mode(s, c, args) for s, c in zip(served, calibrations)]
     out = {
         "what": "afd plan simulate (step time fitted on a calibration slice) vs the engine's mean over repeated runs",
         "num_threads": 1,
@@ -639,17 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibration_slice_trace_s": [args.cal_start, args.cal_start + args.duration],
         "validation_slice_trace_s": [args.val_start, args.val_start + args.duration],
         "repeats": args.repeats,
-        "refit_of_earlier_runs": args.reuse,
-        # the front end's constants, chosen once over the calibration runs of the modes behind it
-        "front_ends": {
-            front: {
-                "modes": [m for m in modes if FRONT_ENDS[m] == front],
-                "frontend_ms_per_request": apis[m][0] * 1e3,
-                "response_ms": apis[m][1] * 1e3,
-            }
-            for m in modes
-            for front in [FRONT_ENDS[m]]
-        },  # --reuse: the engine's runs in --workdir, fitted and simulated anew
+        "refit_of_earlier_runs": args.reuse,  # --reuse: the engine's runs in --workdir, fitted and simulated anew
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "page_size": args.page_size,
         "context": CONTEXT,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -109,6 +110,7 @@ class ControlClient:
         dead_after_s: float | None = None,
         lost_ranks: Callable[[], set[int]] | None = None,
         replace: Callable[[int], dict] | None = None,
+        record: str | None = None,
     ) -> None:
         """`router` spans the deployment's attention ranks; `alive()` says whether every rank
         process the deployment needs still runs. With `route_by_room` (a prefill instance) a
@@ -116,8 +118,12 @@ class ControlClient:
         attention rank silent for `dead_after_s` (default DEAD_AFTER_S) counts as hung.
         `lost_ranks()` (fault tolerance): the attention ranks whose process exited, whose requests
         resume on the others; `replace(rank)` starts a replacement of one and returns its process
-        (AdmitRank's fields), which the others then admit."""
+        (AdmitRank's fields), which the others then admit. `record`: a file that gets one JSON line
+        per request handed to a rank (`--record-steps`: PATH.frontend.jsonl), the monotonic time
+        `t` it left, its `rank` and `prompt_tokens`: when the front end delivered it, on the clock
+        of the ranks' step records."""
         self.route_by_room = route_by_room
+        self.record = open(record, "w", buffering=1) if record else None
         ranks = range(router.num_ranks)
         self.router = router
         self.dead_after_s = DEAD_AFTER_S if dead_after_s is None else dead_after_s
@@ -306,6 +312,9 @@ class ControlClient:
                 params = self.failover.params_of(params)
                 self.failover.track(rid, prompt_ids, params, disaggregation, rank)
             await self._submit(rank, msgs.AddRequest(rid, prompt_ids, params, disaggregation))
+            if self.record is not None:
+                handed = {"t": time.monotonic(), "rank": rank, "prompt_tokens": len(prompt_ids)}
+                self.record.write(json.dumps(handed) + "\n")
         except BaseException:
             stream.finished = True  # never reached a rank: nothing to abort
             stream.close()
@@ -360,6 +369,8 @@ class ControlClient:
         for task in self._tasks:
             task.cancel()
         self.sockets.close()
+        if self.record is not None:
+            self.record.close()
 
 
 class BlockingClient:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from afd_engine.planner.plot import plot_attainment
 from afd_engine.planner.sim.cluster import POLICIES, ROUTERS, ClusterConfig, InstanceConfig, KVLink
 from afd_engine.planner.sim.command import DEFAULT_SWEEP, parse_rates, print_report, run_cli
+from afd_engine.planner.sim.front_end import FrontEnd
 from afd_engine.planner.sim.rank import LPM_MAX_QUEUE, LPM_MAX_WAIT_ROUNDS
 from afd_engine.planner.sim.results import SLO, SimResult, simulate
 from afd_engine.planner.sim.spec import SPEC_HELP, BuildOptions, DeploymentSpec, build_cluster, parse_spec
@@ -49,6 +50,7 @@ __all__ = [
     "BuildOptions",
     "ClusterConfig",
     "DeploymentSpec",
+    "FrontEnd",
     "InstanceConfig",
     "KVLink",
     "LinearStepTime",

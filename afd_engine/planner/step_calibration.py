@@ -91,7 +91,7 @@ OTHER_BUSY, PEER_BUSY, MICRO, AFTER = (
 )
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
 PADDED_FIELDS = ("ext_pad", "dec_pad")
-LATER_FIELDS = {"ext_pad": 0, "dec_pad": 0, "micro_batches": 1}  # absent from older recordings: these
+LATER_FIELDS = {"ext_pad": 0, "dec_pad": 0, "micro_batches": 1, "ts": math.nan}  # absent from older recordings: these
 GAP_CAP_S = 0.02  # a longer gap between two forwards is idle time, not part of the step
 # the kinds of step `balanced_fit` weighs: decode-only, then prefilling up to 32, up to 256, more tokens
 PREFILL_KIND_TOKENS = (32, 256)
@@ -357,24 +357,45 @@ def read_records(path: str | Path) -> list[dict]:
     return out
 
 
-def step_starts(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
-    """Where each of a run's consecutive forwards [t0, t1) begins as a step: at the previous
-    forward's end when the gap was short (the scheduling between forwards), else at its own start."""
-    start = t0.copy()
-    gap = t0[1:] - t1[:-1]
-    start[1:] = np.where((gap >= 0) & (gap < GAP_CAP_S), t1[:-1], t0[1:])
-    return start
+def step_spans(
+    t0: np.ndarray, t1: np.ndarray, ts: np.ndarray | None = None, prefilled: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of a run's consecutive forwards [t0, t1) begins and ends as a step.
+
+    With the rounds' starts `ts` (the records' `ts`: when the engine began the step's round, the
+    requests it had received in), a step lasts from its round's start to the next round's, when
+    that follows within GAP_CAP_S of its forward's end; before an idle gap, to its forward's end
+    plus the median such tail of the steps of its kind (`prefilled` or not). A request
+    that reaches the engine during a step waits for the next round, as in the simulation. Without
+    them (older records), a step begins at the previous forward's end when the gap was short (the
+    scheduling between forwards), else at its own start, and ends with its forward."""
+    if ts is None or not np.all(np.isfinite(ts)):
+        start = t0.copy()
+        gap = t0[1:] - t1[:-1]
+        start[1:] = np.where((gap >= 0) & (gap < GAP_CAP_S), t1[:-1], t0[1:])
+        return start, t1.copy()
+    start = np.minimum(ts, t0)
+    tail = np.full(len(t1), np.nan)
+    tail[:-1] = start[1:] - t1[:-1]
+    joined = (tail >= 0) & (tail < GAP_CAP_S)
+    kind = np.zeros(len(t1), dtype=bool) if prefilled is None else np.asarray(prefilled, dtype=bool)
+    for k in (False, True):
+        usual = np.median(tail[joined & (kind == k)]) if np.any(joined & (kind == k)) else 0.0
+        tail[~joined & (kind == k)] = usual
+    return start, t1 + tail
 
 
 def computing_at(ranks: Sequence[Sequence[dict]], times: np.ndarray) -> np.ndarray:
     """Whether one of these ranks (one instance's records, each rank's in step order) was in a step
-    (`step_starts` to its forward's end) at each of `times`."""
+    (`step_spans`) at each of `times`."""
     out = np.zeros(len(times), dtype=bool)
     for recs in ranks:
-        t0 = np.array([r["t0"] for r in recs])
-        t1 = np.array([r["t1"] for r in recs])
-        k = np.searchsorted(step_starts(t0, t1), times, side="right") - 1
-        out |= (k >= 0) & (times < t1[np.maximum(k, 0)])
+        start, end = step_spans(
+            *(np.array([r.get(k, math.nan) for r in recs]) for k in ("t0", "t1", "ts")),
+            np.array([r["pairs"] > 0 for r in recs]),
+        )
+        k = np.searchsorted(start, times, side="right") - 1
+        out |= (k >= 0) & (times < end[np.maximum(k, 0)])
     return out
 
 
@@ -382,19 +403,21 @@ def step_rows(
     ranks: Sequence[Sequence[dict]], skip: int = 1, peers: Sequence[Sequence[Sequence[dict]]] = ()
 ) -> tuple[list[tuple], list[float]]:
     """(loads, seconds) of the lockstep steps of one run, from each rank's records (in step order);
-    the first `skip` steps (warm-up) are left out. A step lasts from `step_starts` to its last
-    rank's end. `peers`: the records of the deployment's other instances (each its ranks'), on the
-    same clock: a step's peer_busy is whether one of them was in a step as its forward started.
-    Its micro-batches are the most of one rank; after_prefill whether the previous step prefilled
-    on some rank and this one began at its end (no idle gap between them)."""
+    the first `skip` steps (warm-up) are left out. A step's span is `step_spans`' over its first
+    rank's round start and forward start and its last rank's forward end. `peers`: the records of
+    the deployment's other instances (each its ranks'), on the same clock: a step's peer_busy is
+    whether one of them was in a step as its forward started. Its micro-batches are the most of one
+    rank; after_prefill whether the previous step prefilled on some rank and this one followed it
+    (no idle gap between them)."""
     n = min(len(r) for r in ranks)
     t0 = np.array([min(r[i]["t0"] for r in ranks) for i in range(n)])
     t1 = np.array([max(r[i]["t1"] for r in ranks) for i in range(n)])
-    starts = step_starts(t0, t1)
-    secs = t1 - starts
+    ts = np.array([min(r[i].get("ts", math.nan) for r in ranks) for i in range(n)])
     prefilled = np.array([max(r[i]["pairs"] for r in ranks) > 0 for i in range(n)], dtype=bool)
+    starts, ends = step_spans(t0, t1, ts, prefilled)
+    secs = ends - starts
     after = np.zeros(n, dtype=bool)
-    after[1:] = prefilled[:-1] & (starts[1:] == t1[:-1])
+    after[1:] = prefilled[:-1] & (starts[1:] == ends[:-1])
     peer = np.zeros(n, dtype=bool)
     for inst in peers:
         peer |= computing_at(inst, t0)

@@ -83,8 +83,15 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_app):
+        record = engine_args.record_steps if engine_args is not None else None
         client = ControlClient(
-            addrs, router, alive, route_by_room=mode == "prefill", lost_ranks=lost_ranks, replace=replace
+            addrs,
+            router,
+            alive,
+            route_by_room=mode == "prefill",
+            lost_ranks=lost_ranks,
+            replace=replace,
+            record=f"{record}.frontend.jsonl" if record else None,
         )
         try:
             info = start_ranks()

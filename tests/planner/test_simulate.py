@@ -20,6 +20,7 @@ from afd_engine.planner.model_spec import MODELS
 from afd_engine.planner.simulate import (
     SLO,
     ClusterConfig,
+    FrontEnd,
     InstanceConfig,
     KVLink,
     LinearStepTime,
@@ -99,10 +100,11 @@ def test_the_front_end_spreads_a_burst_and_the_response_path_delays_every_token(
     together = run(recs, instance())
     assert [together.ttft[i] for i in range(3)] == [exact(A + 30 * B)] * 3
     cfg = instance()
-    spread = simulate(from_records(recs, 512), ClusterConfig("t", cfg, frontend_s=0.005, response_s=0.007), SLO(9, 9))
+    front = FrontEnd.per_request(0.005)
+    spread = simulate(from_records(recs, 512), ClusterConfig("t", cfg, front_end=front, response_s=0.007), SLO(9, 9))
     assert [spread.ttft[i] for i in range(3)] == [exact(0.032), exact(0.063), exact(0.063)]
     assert spread.e2e[0] == exact(0.069 + 0.007) and spread.tpot[0] == exact((0.069 - 0.025) / 2)
-    for bad in ({"frontend_s": -1.0}, {"response_s": float("nan")}):
+    for bad in ({"front_end": FrontEnd.per_request(-1.0)}, {"response_s": float("nan")}):
         with pytest.raises(ConfigError, match="must be >= 0"):
             simulate(from_records(recs, 512), ClusterConfig("t", cfg, **bad), SLO(9, 9))
 

@@ -1,7 +1,7 @@
 """The cluster simulator behind `afd plan simulate`, one concern per module:
 
 - `step_time`: how long an instance's step takes for its ranks' loads;
-- `cluster`: the instances and KV link being simulated;
+- `cluster`, `front_end`: the instances and KV link being simulated, and how requests reach them;
 - `request`, `router`, `kv_cache`, `rank`: a request's state, the router, a rank's KV pool and
   prefix cache, a rank's scheduler;
 - `speculative`, `drafting_rank`: speculative decoding's accepted-length draws and draft passes,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from afd_engine.errors import ConfigError
 from afd_engine.planner.hardware import Hardware
+from afd_engine.planner.sim.front_end import FrontEnd
 from afd_engine.planner.sim.speculative import SpecDecoding
 from afd_engine.planner.sim.step_time import StepTimeModel
 
@@ -91,10 +92,8 @@ class ClusterConfig:
     decode: InstanceConfig | None = None
     kv_link: KVLink | None = None
     router: str = "cache_aware"
-    # the API server takes requests one at a time: each reaches its instance this long after it
-    # arrived or after the request before it reached one, whichever is later (a burst of arrivals
-    # at one instant reaches the engine spread out, and its first request starts a step alone)
-    frontend_s: float = 0.0
+    # the API server takes requests one at a time (front_end.py): when each reaches its instance
+    front_end: FrontEnd = FrontEnd()
     # from the end of the step that made a token to the client having it (the API server's
     # response path): adds to TTFT and end-to-end latency, not to TPOT
     response_s: float = 0.0
@@ -102,8 +101,7 @@ class ClusterConfig:
     def validate(self) -> None:
         if self.router not in ROUTERS:
             raise ConfigError(f"{self.name}: router {self.router!r} must be one of {', '.join(ROUTERS)}")
-        if not self.frontend_s >= 0:
-            raise ConfigError(f"{self.name}: the front end's time per request must be >= 0 (got {self.frontend_s!r})")
+        self.front_end.validate(self.name)
         if not self.response_s >= 0:
             raise ConfigError(f"{self.name}: the response time must be >= 0 (got {self.response_s!r})")
         self.serving.validate(f"{self.name}: prefill" if self.decode else self.name)

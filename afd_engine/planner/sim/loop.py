@@ -126,11 +126,7 @@ class Simulation:
             self.reqs.append(Request(i, r.arrival_s, r.input_len, r.output_len, tuple(r.blocks[:full])))
         # when each request reaches an instance (through the front end, one at a time); latencies
         # still count from its arrival
-        self.delivered = [req.arrival for req in self.reqs]
-        if cluster.frontend_s:
-            at = -INF
-            for k, req in enumerate(self.reqs):
-                at = self.delivered[k] = max(req.arrival, at) + cluster.frontend_s
+        self.delivered = cluster.front_end.deliveries([req.arrival for req in self.reqs])
         spec = (cluster.decode or cluster.serving).speculative
         if spec is not None:  # each request's draws, one per verify it can need
             need = np.array([max(req.output_len - 1, 0) for req in self.reqs], dtype=np.int64)
