@@ -273,7 +273,8 @@ class EngineArgs:
     record_steps: str | None = opt(
         None,
         "write one JSONL record per forward step (load and wall time; `afd plan simulate --step-calibration`) "
-        "to PATH, or PATH.a<rank>.jsonl for each attention rank of a deployment",
+        "to PATH, or PATH.a<rank>.jsonl for each attention rank of a deployment; `afd serve` also writes "
+        "when its API server handed each request to a rank to PATH.frontend.jsonl",
     )
     speculative_algorithm: str | None = opt(
         None,

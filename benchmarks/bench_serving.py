@@ -43,6 +43,11 @@ Per-request measurements (client side, ``time.perf_counter``):
     ``meta_info.cached_tokens`` (native). ``cache_hit_rate`` is cached / prompt tokens over the
     requests that reported it (None when none did).
 
+The ``--output-file`` record also holds ``start_monotonic``, the ``time.monotonic()`` of the
+schedule's start (a trace request is due ``arrival_s`` after it), and with ``--output-details``
+each request's ``sent_at`` on the same clock, which on one machine is the clock of the server's
+``--record-steps`` files.
+
 Run from the repository root against a running ``afd serve``:
 ``python -m benchmarks.bench_serving --backend completions --num-prompts 64``.
 Other scripts can ``await run_benchmark(args)`` (args: a Namespace from ``parse_args`` or a dict

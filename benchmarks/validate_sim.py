@@ -8,17 +8,20 @@ behind the router, `afd serve --pd`) it
 2. serves it afresh `--repeats` times, replaying a different (validation) slice each time: the
    engine's figures are the runs' mean, their spread the largest distance of one run from it;
 3. simulates the validation slice with the fitted step time, the server's KV pages, token budget,
-   page size and router (PD: the KV link of KV_LINK, and the decode instance's step times drawn
-   around its fit in STEP_DRAWS simulations: DRAWN), and reports, per figure, the simulator's
+   page size and router, and the front end measured on the calibration run (PD: also the KV link
+   of KV_LINK, and the decode instance's step times drawn around its fit: DRAWN), as the mean of
+   DRAWS simulations that draw the front end's gaps, and reports, per figure, the simulator's
    error against the engine's mean beside the engine's own spread.
 
 Each fit weights its steps so that every kind of step (decode-only, short, medium and long prefill)
-gets its busy time closest (`balanced_fit`). What the step records do not show is set on the
-calibration slices alone, one pair for all the modes run behind the same front end (single, dp2
-and AFD: the API server; PD: its router in front of two instances' servers): the front end's time
-per request, which sets how a burst is batched, is the one whose simulations prefill in as many
-steps as the engine did; its response time, which every TTFT carries, the median over the
-calibration requests of the engine's TTFT minus the simulated one, request by request.
+gets its busy time closest (`balanced_fit`); a step spans from the engine's round start to the next
+(`--record-steps`' `ts`), as a simulated step does. The front end is measured on each mode's
+calibration run (`measure_front_end`): when the API server handed each request to a rank
+(`--record-steps`' PATH.frontend.jsonl) against the benchmark's schedule and sends. Its gaps
+between queued requests are then scaled by the one of GAP_SCALES whose simulations of the
+calibration slice prefill in as many steps as the engine did (how a burst is batched turns on
+fractions of a millisecond), and the response time, which every TTFT carries, is the median over
+the calibration requests of the engine's TTFT minus the simulated one, request by request.
 
     python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~24 min
     python -m benchmarks.validate_sim --quick          # single mode, short slices, one run (~40 s)
@@ -329,7 +332,7 @@ def measure_front_end(run: dict, arrivals: list[float]) -> tuple[FrontEnd, dict]
         raise RuntimeError(f"{path}: {len(handed)} requests handed over for the {len(arrivals)} of the slice")
     at = np.sort(np.asarray(arrivals, dtype=float)) + start
     idle = np.ones(len(at), dtype=bool)
-    idle[1:] = at[1:] >= handed[:-1]
+    idle[1:] = at[1:] > handed[:-1]
     queued = np.flatnonzero(~idle)
     gaps = handed[queued] - handed[queued - 1]
     behind_first = idle[queued - 1]
@@ -484,7 +487,7 @@ def calibrate(served: dict, args: argparse.Namespace) -> dict:
         f: simulations(cal_trace, ranks, pages, one, roles, args, measured_fe.scaled(f), drawn) for f in GAP_SCALES
     }
     steps = {f: sim_figures(sims)["prefill_steps"] for f, sims in by_scale.items()}
-    scale = min(GAP_SCALES, key=lambda f: abs(steps[f] - engine_steps))
+    scale = closest_scale(steps, engine_steps)
     sims = by_scale[scale]
     return {
         "fits": fits,
@@ -496,6 +499,12 @@ def calibrate(served: dict, args: argparse.Namespace) -> dict:
         "simulation": sim_figures(sims),
         "response_s": response_time(ttft_gaps(cal_run["bench"], sims)),
     }
+
+
+def closest_scale(steps: dict[float, float], engine_steps: int) -> float:
+    """The gap scale whose simulations prefilled in as many steps as the engine did (the smaller
+    one where two are as close)."""
+    return min(sorted(steps), key=lambda f: abs(steps[f] - engine_steps))
 
 
 def with_response(sim: dict, response_s: float) -> dict:

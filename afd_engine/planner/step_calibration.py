@@ -20,11 +20,15 @@ closest: decode-only steps and steps that prefill few, some or many tokens (a fi
 short prefill steps of a burst's first request changes how the rest of the burst is batched). The
 square term is there because the padded attention's score tensors outgrow the caches: fitted
 linearly on steps of up to 8M padded pairs, a step of 13M took 2.1 s where the fit said 1.6 s. A
-step's seconds are its forward plus the gap since the previous forward ended, when that gap is short
-(the scheduling the engine did not hide); a longer gap means the engine was idle and only the
-forward counts. For a deployment of several attention ranks the i-th records of the ranks are the
-same lockstep step: the step's seconds are the longest, its load each term's largest over the ranks
-(a rank that prefills makes the step a prefill step even when another has more tokens), and
+step's seconds run from the start of the engine's round that made it (the record's `ts`, once the
+requests it had received were in) to the start of the next round, or, before an idle gap, to its
+forward's end plus the usual tail of its kind (`step_spans`): what a simulated step lasts, from the
+moment it takes its requests to the moment the next can. Records without `ts` count the forward
+plus the gap since the previous forward ended when that gap is short, only the forward after an
+idle gap (which left out the scheduling of a step that woke the engine: 0.5-0.7 ms here). For a
+deployment of several attention ranks the i-th records of the ranks are the same lockstep step:
+the step spans from its first rank's round start to its last rank's end, its load each term's
+largest over the ranks (a rank that prefills makes the step a prefill step even when another has more tokens), and
 `instance_tokens` the tokens of all its ranks (colocated ranks each run their experts for every
 rank's tokens; for one rank it equals `tokens`), and `other_busy_ranks` how many ranks besides one
 had tokens (on this 2-core machine a dp2 decode step with both ranks busy took 4.5 ms where a fit
@@ -364,7 +368,7 @@ def step_spans(
 
     With the rounds' starts `ts` (the records' `ts`: when the engine began the step's round, the
     requests it had received in), a step lasts from its round's start to the next round's, when
-    that follows within GAP_CAP_S of its forward's end; before an idle gap, to its forward's end
+    that begins within GAP_CAP_S of its forward's end; before an idle gap, to its forward's end
     plus the median such tail of the steps of its kind (`prefilled` or not). A request
     that reaches the engine during a step waits for the next round, as in the simulation. Without
     them (older records), a step begins at the previous forward's end when the gap was short (the
@@ -377,12 +381,14 @@ def step_spans(
     start = np.minimum(ts, t0)
     tail = np.full(len(t1), np.nan)
     tail[:-1] = start[1:] - t1[:-1]
-    joined = (tail >= 0) & (tail < GAP_CAP_S)
+    joined = (tail >= 0) & (tail < GAP_CAP_S)  # (NaN: the last step)
     kind = np.zeros(len(t1), dtype=bool) if prefilled is None else np.asarray(prefilled, dtype=bool)
+    end = t1.copy()
+    end[:-1] = np.where(joined[:-1], start[1:], t1[:-1])
     for k in (False, True):
         usual = np.median(tail[joined & (kind == k)]) if np.any(joined & (kind == k)) else 0.0
-        tail[~joined & (kind == k)] = usual
-    return start, t1 + tail
+        end[~joined & (kind == k)] += usual
+    return start, end
 
 
 def computing_at(ranks: Sequence[Sequence[dict]], times: np.ndarray) -> np.ndarray:
@@ -403,8 +409,9 @@ def step_rows(
     ranks: Sequence[Sequence[dict]], skip: int = 1, peers: Sequence[Sequence[Sequence[dict]]] = ()
 ) -> tuple[list[tuple], list[float]]:
     """(loads, seconds) of the lockstep steps of one run, from each rank's records (in step order);
-    the first `skip` steps (warm-up) are left out. A step's span is `step_spans`' over its first
-    rank's round start and forward start and its last rank's forward end. `peers`: the records of
+    the first `skip` steps (warm-up) are left out. A step's span is `step_spans`' over the start of
+    its round on its last rank (a lockstep step waits for every rank), its first rank's forward
+    start and its last rank's forward end. `peers`: the records of
     the deployment's other instances (each its ranks'), on the same clock: a step's peer_busy is
     whether one of them was in a step as its forward started. Its micro-batches are the most of one
     rank; after_prefill whether the previous step prefilled on some rank and this one followed it
@@ -412,7 +419,7 @@ def step_rows(
     n = min(len(r) for r in ranks)
     t0 = np.array([min(r[i]["t0"] for r in ranks) for i in range(n)])
     t1 = np.array([max(r[i]["t1"] for r in ranks) for i in range(n)])
-    ts = np.array([min(r[i].get("ts", math.nan) for r in ranks) for i in range(n)])
+    ts = np.array([max(r[i].get("ts", math.nan) for r in ranks) for i in range(n)])
     prefilled = np.array([max(r[i]["pairs"] for r in ranks) > 0 for i in range(n)], dtype=bool)
     starts, ends = step_spans(t0, t1, ts, prefilled)
     secs = ends - starts

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from afd_engine.planner.step_calibration import RECORD_FIELDS
 from tests.process_helpers import bench_run, load_bench
 
 vs = load_bench("validate_sim.py")
@@ -128,53 +129,76 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
     slow_decode = vs.StepCalibration(tuple(3 * c for c in decode.coef))
     slow = sim_metrics(trace, 1, 1000, (prefill, slow_decode), ("gpu",), args)
     assert slow["tpot_p50"] > 2 * fast["tpot_p50"] and slow["ttft_p50"] >= fast["ttft_p50"]
-    # the decode instance's step times drawn around its fit (STEP_DRAWS seeded simulations, the
-    # figures their mean): a spread of ratios widens TPOT; without the rng the fit's times
+    # the decode instance's step times drawn around its fit (in each of the DRAWS seeded
+    # simulations, the figures their mean): a spread of ratios widens TPOT; undrawn, the fit's times
     spread = dataclasses.replace(decode, ratio_bins=(0.25, 1.75))
     assert sim_metrics(trace, 1, 1000, (prefill, spread), ("gpu",), args) == fast
     drawn = sim_metrics(trace, 1, 1000, (prefill, spread), ("gpu",), args, drawn=(False, True))
     assert drawn == sim_metrics(trace, 1, 1000, (prefill, spread), ("gpu",), args, drawn=(False, True))
     assert drawn["tpot_p90"] > fast["tpot_p90"] * 1.2
     runs = vs.simulations(trace, 1, 1000, (prefill, spread), ("gpu",), args, drawn=(False, True))
-    assert len(runs) == vs.STEP_DRAWS and len({float(r.tpot[0]) for r in runs}) > 1
+    assert len(runs) == vs.DRAWS and len({float(r.tpot[0]) for r in runs}) > 1
     alone = sim_metrics(trace, 1, 1000, prefill, ("gpu",), args)  # one instance, no PD
     assert alone["tpot_p50"] != fast["tpot_p50"]
     # the API server's response time adds to TTFT, not to TPOT
-    later = sim_metrics(trace, 1, 1000, (prefill, decode), ("gpu",), args, (0.0, 0.01))
+    later = sim_metrics(trace, 1, 1000, (prefill, decode), ("gpu",), args, response_s=0.01)
     assert later["ttft_p50"] == pytest.approx(fast["ttft_p50"] + 10.0)
     assert later["tpot_p50"] == pytest.approx(fast["tpot_p50"], rel=1e-12)
 
 
-def test_the_front_end_constants_are_chosen_once_over_the_modes_behind_it(monkeypatch):
-    """The time per request is the one whose simulations prefill in as many steps as the engine
-    did, summed over the modes behind the front end (not each mode's own best); the response time,
-    which shifts every TTFT, the median over all their calibration requests of the engine's TTFT
-    minus the simulated one at that time per request (failed requests left out, never below 0)."""
-    monkeypatch.setattr(vs, "FRONTEND_S", (0.0, 1e-3, 2e-3))
+def test_the_response_time_and_the_gap_scale():
+    """The response time, which shifts every TTFT, is the median of the calibration requests' TTFT
+    gaps (failed requests left out, never below 0); the gap scale the one whose simulations
+    prefilled in as many steps as the engine did."""
     nan = float("nan")
-
-    def calib(engine_steps, sim_steps, gaps):
-        return {
-            "engine_prefill_steps": engine_steps,
-            "by_frontend": {fe: {"prefill_steps": n} for fe, n in zip(vs.FRONTEND_S, sim_steps)},
-            "ttft_gaps": {fe: np.array(g) for fe, g in zip(vs.FRONTEND_S, gaps)},
-        }
-
-    # one prefers 0 ms (100 steps, matched), two 2 ms; 1 ms misses one by 10% and two by 5%: the
-    # least summed miss
-    one = calib(100, (100, 110, 130), ([0.01, 0.03, nan], [0.02, 0.04, 0.05, nan], [0.0]))
-    two = calib(200, (150, 190, 200), ([0.5], [0.01, 0.011, 0.012], [-0.02, -0.01, 0.03]))
-    assert vs.choose_api([one]) == (0.0, pytest.approx(0.02)) and vs.choose_api([two]) == (2e-3, 0.0)
-    # at 1 ms the gaps of both: 0.01, 0.011, 0.012, 0.02, 0.04, 0.05 -> median 0.016
-    assert vs.choose_api([one, two]) == (1e-3, pytest.approx(0.016))
+    assert vs.response_time(np.array([0.01, 0.03, nan, 0.02, 0.05])) == pytest.approx(0.025)
+    assert vs.response_time(np.array([-0.02, -0.01, 0.005])) == 0.0 and vs.response_time(np.array([nan])) == 0.0
     assert vs.with_response({"ttft_p50": 80.0, "ttft_p90": 90.0, "tpot_p50": 3.0}, 0.02) == {
         "ttft_p50": 100.0,
         "ttft_p90": 110.0,
         "tpot_p50": 3.0,
     }
-    served = [{"mode": m} for m in ("single", "pd", "afd")]
-    apis = vs.choose_apis(served, [one, two, two])
-    assert apis["single"] == apis["afd"] == (1e-3, pytest.approx(0.016)) and apis["pd"] == (2e-3, 0.0)
+    steps = {0.25: 190.0, 0.5: 199.0, 1.0: 216.4, 1.5: 234.5}
+    assert vs.closest_scale(steps, 201) == 0.5 and vs.closest_scale(steps, 230) == 1.5
+    assert vs.closest_scale({1.0: 10.0, 0.5: 6.0}, 8) == 0.5  # as close: the smaller
+
+
+def _front_end_run(tmp_path, handed, sent, steps, start=100.0):
+    """A served run's files: the API server's hand-overs (monotonic), the bench record (schedule
+    start, sends) and one rank's step records (ts, t0, t1)."""
+    (tmp_path / "r.frontend.jsonl").write_text(
+        "".join(json.dumps({"t": t, "rank": 0, "prompt_tokens": 8}) + "\n" for t in handed)
+    )
+    recs = [
+        dict(zip(RECORD_FIELDS, (i, 8, 1, 0, 36, t0, t1)), ts=ts, ext_pad=64, dec_pad=0, micro_batches=1)
+        for i, (ts, t0, t1) in enumerate(steps)
+    ]
+    (tmp_path / "r").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    bench = {"start_monotonic": start, "sent_at": sent}
+    return {"bench": bench, "front_end": str(tmp_path / "r.frontend.jsonl"), "files": [[str(tmp_path / "r")]]}
+
+
+def test_the_front_end_is_measured_from_the_hand_overs(tmp_path):
+    """A burst of three at 0 s and one of two at 1 s (schedule start 100 s), sent 1 ms late, handed
+    over 7, 9, 9.5 ms and 6, 7 ms after their sends; the rounds they woke began 0.3 and 0.5 ms after
+    the first hand-overs (the warm-up's hand-over, before the start, is not counted)."""
+    handed = [99.5, 100.008, 100.010, 100.0105, 101.007, 101.008]
+    sent = [100.001, 100.001, 100.001, 101.001, 101.001]
+    steps = [(99.5, 99.501, 99.6), (100.0083, 100.009, 100.012), (101.0075, 101.008, 101.01)]
+    fe, measured = vs.measure_front_end(_front_end_run(tmp_path, handed, sent, steps), [0.0, 0.0, 0.0, 1.0, 1.0])
+    # first: median of the 7 and 6 ms from send to hand-over, plus the median wake, 0.4 ms
+    assert fe.first_s == pytest.approx(0.0065 + 0.0004)
+    assert measured["wake_ms"] == pytest.approx(0.4) and measured["first_ms"] == pytest.approx(6.9)
+    # behind a first request: 2 ms and 1 ms; after those: 0.5 ms
+    assert fe.lead_bins == pytest.approx((0.001, 0.002)) and fe.next_bins == pytest.approx((0.0005,))
+    assert (fe.lead_s, fe.next_s) == (pytest.approx(0.0015), pytest.approx(0.0005))
+    assert measured["requests"] == 5 and measured["found_idle"] == 2
+    with pytest.raises(RuntimeError, match="5 requests handed over for the 4 of the slice"):
+        vs.measure_front_end(_front_end_run(tmp_path, handed, sent, steps), [0.0, 0.0, 0.0, 1.0])
+    run = _front_end_run(tmp_path, handed, sent, steps)
+    run["front_end"] = str(tmp_path / "missing.jsonl")
+    with pytest.raises(RuntimeError, match="no front-end record .*missing.jsonl"):
+        vs.measure_front_end(run, [0.0] * 5)
 
 
 def test_ttft_gaps_pair_the_engines_requests_with_the_simulated_ones():
@@ -252,6 +276,10 @@ def test_quick_validation_serves_fits_and_simulates(tmp_path):
     assert r["requests"] > 50 and r["dropped_over_context"] == 0
     assert set(r["engine_spread_pct"].values()) == {0.0}  # one run: no spread
     assert set(r["error_pct"]) == set(KEYS) and all(v is not None for v in r["error_pct"].values())
+    # the front end measured on the calibration run: every request handed over, some found it idle
+    fe = r["front_end"]
+    assert fe["requests"] > 50 and 0 < fe["found_idle"] < fe["requests"] and 0 < fe["first_ms"] < 100
+    assert fe["gap_scale"] in vs.GAP_SCALES and r["draws"]["simulations"] == vs.DRAWS
     # the fit predicts the steps of a run it was not fitted on to within half their time (median)
     assert r["step_model"]["residual_on_validation_steps"]["median_abs_rel_error"] < 0.5
     # throughput is set by the arrivals at this load; over an 8 s replay the last requests' tail

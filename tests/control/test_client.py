@@ -6,6 +6,7 @@ live one is waited for."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -211,3 +212,31 @@ def test_a_request_routed_to_a_rank_lost_meanwhile_moves_to_a_live_one(addrs):
             client.sockets.close()
 
     asyncio.run(run())
+
+
+def test_the_front_end_record_has_one_line_per_request_handed_over(addrs, tmp_path):
+    """--record-steps: the API server writes when it handed each request to a rank, on the ranks'
+    clock (time.monotonic), with the rank and the prompt's length."""
+    path = tmp_path / "steps.frontend.jsonl"
+
+    async def run():
+        client = ControlClient(addrs, LoadBalancer.of("round_robin", 1, 16), record=str(path))
+        ctx = zmq.Context()
+        rank = rank_socket(ctx, addrs)
+        try:
+            await asyncio.sleep(0.2)
+            before = time.monotonic()
+            for rid, ids in (("a", [5, 6, 7]), ("b", [9] * 11)):
+                await client.open(rid, ids, SamplingParams(max_new_tokens=2))
+            after = time.monotonic()
+            assert [msgs.decode(rank.recv()).rid for _ in range(2)] == ["a", "b"]
+        finally:
+            rank.close(linger=0)
+            ctx.term()
+            await client.shutdown()
+        return before, after
+
+    before, after = asyncio.run(run())
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["rank"], r["prompt_tokens"]) for r in lines] == [(0, 3), (0, 11)]
+    assert before <= lines[0]["t"] <= lines[1]["t"] <= after

@@ -18,6 +18,7 @@ from afd_engine.planner.step_calibration import (
     FittedStepTime,
     StepCalibration,
     balanced_fit,
+    computing_at,
     fit,
     fit_records,
     kind_ratios,
@@ -25,6 +26,7 @@ from afd_engine.planner.step_calibration import (
     read_records,
     step_kinds,
     step_rows,
+    step_spans,
 )
 
 COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4, 4e-4, 9e-4, 1.1e-3)
@@ -205,6 +207,61 @@ def test_step_rows_join_lockstep_ranks(tmp_path):
         read_records(tmp_path / "bad")
 
 
+def test_step_spans_run_from_round_start_to_round_start(tmp_path):
+    """With the rounds' starts (`ts`), a step spans from its round's start to the next round's; one
+    before an idle gap to its forward's end plus the median tail of its kind (prefill or not)."""
+    rows = [  # (step, tokens, seqs, kv, pairs, t0, t1, ts)
+        (0, 5, 1, 0, 15, 0.001, 0.5, 0.0),  # warm-up, a prefill step
+        (1, 1, 1, 6, 0, 0.501, 0.6, 0.5006),  # 0.6 ms after the prefill's forward
+        (2, 1, 1, 7, 0, 0.6004, 0.7, 0.6002),  # 0.2 ms after a decode's
+        (3, 4, 1, 0, 10, 5.003, 5.1, 5.0),  # after an idle gap: its round began 3 ms before its forward
+        (4, 1, 1, 5, 0, 9.001, 9.2, 9.0),
+    ]
+    path = tmp_path / "ts"
+    path.write_text("".join(json.dumps(dict(zip((*RECORD_FIELDS, "ts"), r))) + "\n" for r in rows))
+    recs = read_records(path)
+    t0, t1, ts = (np.array([r[k] for r in recs]) for k in ("t0", "t1", "ts"))
+    start, end = step_spans(t0, t1, ts, np.array([r["pairs"] > 0 for r in recs]))
+    assert start.tolist() == ts.tolist()
+    # joined steps end where the next round began; before an idle gap the median tail of the kind:
+    # prefill 0.6 ms (step 0's), decode 0.2 ms (step 1's)
+    assert end.tolist() == pytest.approx([0.5006, 0.6002, 0.7002, 5.1006, 9.2002], abs=1e-12)
+    loads, seconds = step_rows([recs])
+    assert seconds == pytest.approx([0.0996, 0.1, 0.1006, 0.2002], abs=1e-12)
+    # after_prefill: step 1 followed the prefill step 0; step 4 came after an idle gap
+    assert [ld[-1] for ld in loads] == [1.0, 0.0, 0.0, 0.0]
+    # a peer instance counts as computing through a step's span, its round's scheduling included
+    other = [dict(r, t0=r["t0"] + 0.0005, t1=r["t1"] + 0.0005, ts=r["ts"] + 0.0005) for r in recs]
+    assert computing_at([recs], np.array([5.0001, 5.1004, 5.2, 0.6003])).tolist() == [True, True, False, True]
+    marked, _ = step_rows([other], peers=[[recs]])
+    assert [ld[8] for ld in marked] == [1.0, 1.0, 1.0, 1.0]
+    # lockstep ranks: a step's round starts when its last rank began it (rank a began step 1's
+    # round at 10.5 ms, before rank b's forward of step 0 ended: the step waits for b)
+    fields = (*RECORD_FIELDS, "ts")
+    a = [
+        (0, 4, 1, 0, 10, 0.001, 0.010, 0.0),
+        (1, 1, 1, 5, 0, 0.0122, 0.014, 0.0105),
+        (2, 1, 1, 6, 0, 0.016, 0.017, 0.015),
+    ]
+    b = [
+        (0, 4, 1, 0, 10, 0.002, 0.012, 0.0),
+        (1, 1, 1, 5, 0, 0.0121, 0.0135, 0.0120),
+        (2, 1, 1, 6, 0, 0.0155, 0.018, 0.0152),
+    ]
+    ranks = []
+    for name, rows_ in (("a", a), ("b", b)):
+        (tmp_path / name).write_text("".join(json.dumps(dict(zip(fields, r))) + "\n" for r in rows_))
+        ranks.append(read_records(tmp_path / name))
+    loads, seconds = step_rows(ranks, skip=0)
+    # rounds at 0, 12 and 15.2 ms (the later rank's); the last ends at 18 ms plus the decode tail
+    # (15.2 ms - 14 ms, the first decode step's)
+    assert seconds == pytest.approx([0.012, 0.0032, 0.0040], abs=1e-12)
+    assert [ld[-1] for ld in loads] == [0.0, 1.0, 0.0]
+    # without round starts (older records) the spans are the forwards after the scheduling gap
+    start, end = step_spans(t0, t1)
+    assert start.tolist() == [0.001, 0.5, 0.6, 5.003, 9.001] and end.tolist() == t1.tolist()
+
+
 def one_request_trace(tmp_path) -> str:
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps({"timestamp": 0, "input_length": 32, "output_length": 4, "hash_ids": []}) + "\n")
@@ -292,6 +349,8 @@ def test_engine_records_one_line_per_step(tiny_v3, tmp_path):
     assert [r["step"] for r in recs] == list(range(len(recs)))
     assert all(set(r) == {*RECORD_FIELDS, *LATER_FIELDS} and r["t1"] >= r["t0"] for r in recs)
     assert {r["micro_batches"] for r in recs} == {1}  # single mode: one batch a step
+    # each step's round began after the forward before it ended, and before its own forward
+    assert all(r["t0"] >= r["ts"] for r in recs) and all(b["ts"] >= a["t1"] for a, b in zip(recs, recs[1:]))
     # step 0: 8 tokens of the 12-token prompt (budget 8), a fresh chunk: 8 * 9 / 2 pairs
     assert (recs[0]["tokens"], recs[0]["seqs"], recs[0]["kv"], recs[0]["pairs"]) == (8, 1, 0, 36)
     # the rest of the first prompt (4 tokens after 8) and the second (3 tokens)

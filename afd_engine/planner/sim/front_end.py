@@ -80,7 +80,7 @@ class FrontEnd:
         after = self._gaps(self.next_s, self.next_bins, len(arrivals), rng)
         out, at, behind_first = [], -np.inf, False
         for k, arrival in enumerate(arrivals):
-            if arrival >= at:  # the front end is idle
+            if arrival > at:  # the front end is idle
                 at, behind_first = arrival + self.first_s, True
             else:
                 at += lead[k] if behind_first else after[k]
