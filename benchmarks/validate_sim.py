@@ -316,12 +316,11 @@ def measure_front_end(run: dict, arrivals: list[float]) -> tuple[FrontEnd, dict]
     """The front end of a run, from its front-end record (when the API server handed each request
     to a rank, on the ranks' clock) against the replay's schedule (`arrivals`, seconds after the
     benchmark's `start_monotonic`), requests paired in order. A request that arrived after the one
-    before had been handed over found the front end idle: `first_s` is the median time from such
-    an arrival to its hand-over, plus the median time from a hand-over that woke an idle rank to
-    that rank's round starting (its records' `ts`); the gaps between later hand-overs are the
-    measured `lead` (behind such a request) and `after` ones. `first_s` counts from the client's
-    send (the bench record's `sent_at`), where the engine's TTFT starts. Also returns what was
-    measured."""
+    before had been handed over found the front end idle: `first_s` is the median time from such a
+    request's send (the bench record's `sent_at`, where the engine's TTFT starts; without it, its
+    arrival) to its hand-over, plus the median time from a hand-over that woke an idle rank to that
+    rank's round starting (its records' `ts`); the gaps between later hand-overs are the measured
+    `lead` (behind such a request) and `after` ones. Also returns what was measured."""
     path = Path(run["front_end"])
     if not path.exists():
         raise RuntimeError(f"no front-end record {path}: serve with this engine's --record-steps (not --reuse)")
