@@ -65,6 +65,7 @@ import numpy as np
 
 from afd_engine.errors import ConfigError
 from afd_engine.planner.files import read_json
+from afd_engine.planner.sim.front_end import equal_bins
 
 TERMS = (
     "fixed",
@@ -341,9 +342,8 @@ def balanced_fit(
     scale = tuple(1.0 / ratios[k] if ratios.get(k, 0) > 0 else 1.0 for k in KINDS)
     predicted = _predicted(best.coef, x, kinds, scale)
     ok = predicted > 0
-    ratios = np.sort(secs[ok] / predicted[ok])
-    bins = [float(b.mean()) for b in np.array_split(ratios, min(RATIO_BINS, len(ratios))) if len(b)]
-    return replace(best, kind_scale=scale, ratio_bins=tuple(bins))
+    ratios = secs[ok] / predicted[ok]
+    return replace(best, kind_scale=scale, ratio_bins=equal_bins(ratios, RATIO_BINS))
 
 
 def read_records(path: str | Path) -> list[dict]:
