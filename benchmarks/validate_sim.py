@@ -63,6 +63,7 @@ from afd_engine.planner.step_calibration import (  # noqa: E402
     balanced_fit,
     kind_ratios,
     read_records,
+    speed_matched,
     step_rows,
 )
 from afd_engine.planner.traces import Trace, load_mooncake  # noqa: E402
@@ -87,7 +88,10 @@ MODES = {
 # A second calibration run, of the same slice, for a mode whose router may leave a rank idle through
 # the whole calibration slice (every request of the trace shares its first block, and cache_aware
 # follows it to one rank until that rank is 32 requests ahead): round robin keeps both ranks busy,
-# so that the fit can price a lockstep step in which both work (its other_busy_ranks term).
+# so that the fit can price a lockstep step in which both work (its other_busy_ranks term). Its steps
+# are fitted at the first run's speed (`speed_matched`): the same steps ran 6-14% slower in the
+# round-robin run than the cache-aware fit priced them, in three sessions, and the validation runs
+# route as the first run does.
 CAL_EXTRA = {"dp2": ["--load-balance-method", "round_robin"]}
 # PD's KV transfer on this machine (builtin backend, shared memory between the instances): bytes per
 # second from bench_pd's transfer figures (1.6-1.7 GB/s, 1.2 MB per request in 0.7 ms:
@@ -474,9 +478,9 @@ def calibrate(served: dict, args: argparse.Namespace) -> dict:
     rows = instance_rows(cal_run["files"])
     # each instance's steps of every calibration run (the extra one: the same instances under another router)
     per_run = [rows] + [instance_rows(run["files"]) for run in served["cal_extra"]]
-    fit_rows = [
-        ([ld for loads, _ in inst for ld in loads], [s for _, secs in inst for s in secs]) for inst in zip(*per_run)
-    ]
+    # the extra run's steps at the calibration run's speed (`speed_matched`)
+    matched = [speed_matched(inst) for inst in zip(*per_run)]
+    fit_rows = [(loads, secs) for loads, secs, _ in matched]
     fits = fit_instances(fit_rows, source)
     one, pages = per_instance(mode, fits), min(cal_run["pages"])
     measured_fe, measured = measure_front_end(cal_run, [r.arrival_s for r in cal_trace.requests])
@@ -491,6 +495,7 @@ def calibrate(served: dict, args: argparse.Namespace) -> dict:
     return {
         "fits": fits,
         "rows": fit_rows,  # the steps fitted
+        "run_speeds": per_instance(mode, [list(speeds) for *_, speeds in matched]),
         "engine": engine_figures(cal_run["bench"]),
         "engine_prefill_steps": engine_steps,
         "front_end": measured_fe.scaled(scale),
@@ -548,6 +553,8 @@ def validate_mode(served: dict, calib: dict, args: argparse.Namespace) -> dict:
             "kind_ratios_on_validation_steps": per_instance(
                 mode, [kind_ratios(f, *r) for f, r in zip(calib["fits"], val_rows)]
             ),
+            # each calibration run's speed against the first's (`speed_matched`; its seconds divided by it)
+            "calibration_run_speeds": calib["run_speeds"],
             "residual_on_calibration_steps": step_residual(calib["rows"], cal),
             "residual_on_validation_steps": step_residual(val_rows, cal),
         },

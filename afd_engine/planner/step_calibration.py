@@ -346,6 +346,32 @@ def balanced_fit(
     return replace(best, kind_scale=scale, ratio_bins=equal_bins(ratios, RATIO_BINS))
 
 
+def speed_matched(
+    runs: Sequence[tuple[Sequence[Sequence[float]], Sequence[float]]],
+) -> tuple[list, list, tuple[float, ...]]:
+    """The steps (loads, seconds) of several runs of one instance, each later run's seconds divided
+    by its speed against the first, and those speeds (the first's: 1). A run's speed is its measured
+    over predicted busy time, by the first run's `balanced_fit`, on its steps with as many busy ranks
+    as some step of the first run had (what that fit has seen; 1 where it has no such step). A later
+    run that adds a kind of step the first lacks (a dp2 run whose router keeps both ranks busy)
+    then prices that kind at the first run's speed, not its own: on this machine a dp2 run with a
+    round-robin router took 6-14% longer for the steps a cache-aware run's fit priced (speeds
+    1.06-1.14 in three sessions; a one-sequence decode step 1.78-2.06 ms against 1.63-1.87)."""
+    loads = [list(ld) for ld, _ in runs]
+    secs = [np.asarray(s, dtype=float) for _, s in runs]
+    first = balanced_fit(loads[0], secs[0])
+    seen = set(design(loads[0])[:, OTHER_BUSY].tolist())
+    speeds = [1.0]
+    for ld, s in zip(loads[1:], secs[1:]):
+        x = design(ld)
+        m = np.isin(x[:, OTHER_BUSY], list(seen))
+        pred = _predicted(first.coef, x[m], _kinds(x[m]), first.kind_scale)
+        speeds.append(float(s[m].sum() / pred.sum()) if m.any() and pred.sum() > 0 else 1.0)
+    out_loads = [row for ld in loads for row in ld]
+    out_secs = [float(v) for s, f in zip(secs, speeds) for v in s / f]
+    return out_loads, out_secs, tuple(speeds)
+
+
 def read_records(path: str | Path) -> list[dict]:
     """The records of one `--record-steps` file, checked."""
     out = []

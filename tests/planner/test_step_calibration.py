@@ -24,6 +24,7 @@ from afd_engine.planner.step_calibration import (
     kind_ratios,
     nnls,
     read_records,
+    speed_matched,
     step_kinds,
     step_rows,
     step_spans,
@@ -67,6 +68,37 @@ def test_step_kinds():
     # decode-only (no pairs), then prefills of 32, 33 and 257 tokens (a load of four: tokens, seqs, kv, pairs)
     loads = [(5, 5, 200, 0), (32, 1, 0, 528), (33, 2, 40, 561), (257, 3, 0, 9000)]
     assert step_kinds(loads).tolist() == [0, 1, 2, 3]
+
+
+def test_speed_matched_prices_a_later_run_at_the_first_runs_speed():
+    """A dp2 calibration: the first run has one rank busy; the second (another router) runs the
+    same loads 8% slower and adds steps with both ranks busy, 2 ms more than one. The second run's
+    speed is measured on the steps the first has seen (one busy rank), its seconds divided by it,
+    and the fit then prices the second rank at 2 ms, not 2.16."""
+    rng = np.random.default_rng(2)
+
+    def steps(n: int, busy: np.ndarray, speed: float) -> tuple[list, list]:
+        seqs = rng.integers(1, 16, n)
+        kv = seqs * rng.integers(50, 500, n)
+        loads = [(s, s, k, 0, 0, k, s * b, b, 0, 1, 0) for s, k, b in zip(seqs, kv, busy)]
+        secs = speed * (0.002 + 1.5e-4 * seqs + 1e-7 * kv + 0.002 * (busy - 1))
+        return loads, secs.tolist()
+
+    first = steps(300, np.ones(300, dtype=int), 1.0)
+    second = steps(300, rng.integers(1, 3, 300), 1.08)
+    loads, secs, speeds = speed_matched([first, second])
+    assert speeds == pytest.approx((1.0, 1.08), rel=1e-9)
+    assert loads == first[0] + second[0]
+    assert secs == pytest.approx(first[1] + [s / 1.08 for s in second[1]], rel=1e-12)
+    cal = balanced_fit(loads, secs)
+    assert cal.coef[TERMS.index("other_busy_ranks")] == pytest.approx(0.002, rel=1e-6)
+    # unmatched, the second rank is priced at the slower run's speed and one-busy steps in between
+    plain = balanced_fit(first[0] + second[0], first[1] + second[1])
+    assert plain.coef[TERMS.index("other_busy_ranks")] > 0.0021
+    # one run, or a later run with no step of a kind the first has seen: speed 1
+    assert speed_matched([first])[2] == (1.0,)
+    both = [ld for ld in second[0] if ld[7] == 2], [s for ld, s in zip(*second) if ld[7] == 2]
+    assert speed_matched([first, both])[2] == (1.0, 1.0)
 
 
 def test_balanced_fit_gets_every_kind_of_step_closest():
