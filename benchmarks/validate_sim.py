@@ -4,7 +4,9 @@ behind the router, `afd serve --pd`) it
 
 1. serves the model with `--record-steps`, replays a calibration slice of the trace with
    bench_serving and fits the step time (planner/step_calibration.py) to the recorded steps, with
-   the fit's residual on those steps (PD: one fit per instance);
+   the fit's residual on those steps (PD: one fit per instance); the calibration slice is replayed
+   `--cal-repeats` times (2: once before the validation runs, once after; dp2's second with a
+   round-robin router, CAL_EXTRA), on a fresh server each time, and fitted on all of them;
 2. serves it afresh `--repeats` times, replaying a different (validation) slice each time: the
    engine's figures are the runs' mean, their spread the largest distance of one run from it;
 3. simulates the validation slice with the fitted step time, the server's KV pages, token budget,
@@ -23,7 +25,7 @@ calibration slice prefill in as many steps as the engine did (how a burst is bat
 fractions of a millisecond), and the response time, which every TTFT carries, is the median over
 the calibration requests of the engine's TTFT minus the simulated one, request by request.
 
-    python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~24 min
+    python -m benchmarks.validate_sim --modes single,dp2,afd,pd --repeats 3 --json PATH   # ~28 min
     python -m benchmarks.validate_sim --quick          # single mode, short slices, one run (~40 s)
     python -m benchmarks.validate_sim --table PATH     # the markdown table of a results file
 
@@ -450,41 +452,64 @@ def served_run(
 
 
 def engine_runs(mode: str, args: argparse.Namespace, model: Path) -> dict:
-    """The engine's runs of a mode: the calibration slice once (twice for a mode in CAL_EXTRA, the
-    second time with those flags), then the validation slice on a fresh server `--repeats` times."""
+    """The engine's runs of a mode: the calibration slice `--cal-repeats` times, each on a fresh
+    server, a mode in CAL_EXTRA's last time with those flags; the validation slice `--repeats`
+    times between the first and the others (a drift of this machine's speed over the minutes of a
+    mode then falls on both sides). Under --reuse a later calibration run not in --workdir is left out."""
     work = args.workdir / mode
     work.mkdir(parents=True, exist_ok=True)
     t = time.monotonic()
     cal = served_run(mode, args, model, work, "cal", args.cal_start)
     extra = (
-        [served_run(mode, args, model, work, "cal_extra", args.cal_start, CAL_EXTRA[mode])] if mode in CAL_EXTRA else []
+        [served_run(mode, args, model, work, "cal_extra", args.cal_start, CAL_EXTRA[mode])]
+        if mode in CAL_EXTRA and args.cal_repeats > 1
+        else []
     )
     runs = [served_run(mode, args, model, work, f"val{i}", args.val_start) for i in range(args.repeats)]
-    return {"mode": mode, "cal": cal, "cal_extra": extra, "val": runs, "wall_s": time.monotonic() - t}
+    names = [f"cal{i}" for i in range(1, args.cal_repeats - len(extra))]
+    again = [
+        served_run(mode, args, model, work, name, args.cal_start)
+        for name in names
+        if not args.reuse or (work / f"{name}_bench.jsonl").exists()
+    ]
+    return {
+        "mode": mode,
+        "cal": cal,
+        "cal_again": again,
+        "cal_extra": extra,
+        "val": runs,
+        "wall_s": time.monotonic() - t,
+    }
 
 
 def calibrate(served: dict, args: argparse.Namespace) -> dict:
-    """The step-time fit of a mode's calibration run; its front end (`measure_front_end`) with the
-    gaps scaled by the one of GAP_SCALES whose simulations of the calibration slice prefill in as
-    many steps as the engine did (the simulations with no response time: that only adds to every
-    TTFT, see `with_response`); and the response time, the median of the calibration requests'
-    TTFT gaps to the engine's (`ttft_gaps`, `response_time`)."""
+    """The step-time fit of a mode's calibration runs (the steps of those with the mode's own flags
+    together, an extra one's at their speed: `speed_matched`); the front end of the first
+    (`measure_front_end`) with the gaps scaled by the one of GAP_SCALES whose simulations of the
+    calibration slice prefill in as many steps as the engine did, on average over the runs with
+    the mode's own flags (the simulations with no response time: that only adds to every TTFT, see
+    `with_response`); and the response time, the median of those runs' requests' TTFT gaps to the
+    simulations' (`ttft_gaps`, `response_time`)."""
     mode, cal_run = served["mode"], served["cal"]
+    own = [cal_run, *served["cal_again"]]
     _, ranks, roles = MODES[mode]
     cal_trace, _ = trace_slice(args, args.cal_start)
-    source = f"{mode}: trace seconds [{args.cal_start:g}, +{args.duration:g})"
+    source = f"{mode}: trace seconds [{args.cal_start:g}, +{args.duration:g}) x{len(own)}"
     if served["cal_extra"]:
-        source += " twice, the second time with " + " ".join(CAL_EXTRA[mode])
-    rows = instance_rows(cal_run["files"])
-    # each instance's steps of every calibration run (the extra one: the same instances under another router)
+        source += ", then with " + " ".join(CAL_EXTRA[mode])
+    own_rows = [instance_rows(run["files"]) for run in own]
+    # each instance's steps of the runs with the mode's own flags, together
+    rows = [
+        ([ld for loads, _ in inst for ld in loads], [s for _, secs in inst for s in secs]) for inst in zip(*own_rows)
+    ]
+    # then those of an extra run (the same instances under another router), at their speed (`speed_matched`)
     per_run = [rows] + [instance_rows(run["files"]) for run in served["cal_extra"]]
-    # the extra run's steps at the calibration run's speed (`speed_matched`)
     matched = [speed_matched(inst) for inst in zip(*per_run)]
     fit_rows = [(loads, secs) for loads, secs, _ in matched]
     fits = fit_instances(fit_rows, source)
     one, pages = per_instance(mode, fits), min(cal_run["pages"])
     measured_fe, measured = measure_front_end(cal_run, [r.arrival_s for r in cal_trace.requests])
-    engine_steps = sum(1 for loads, _ in rows for load in loads if load[3] > 0)
+    engine_steps = statistics.fmean(sum(1 for loads, _ in r for ld in loads if ld[3] > 0) for r in own_rows)
     drawn = DRAWN.get(mode, ())
     by_scale = {
         f: simulations(cal_trace, ranks, pages, one, roles, args, measured_fe.scaled(f), drawn) for f in GAP_SCALES
@@ -496,12 +521,13 @@ def calibrate(served: dict, args: argparse.Namespace) -> dict:
         "fits": fits,
         "rows": fit_rows,  # the steps fitted
         "run_speeds": per_instance(mode, [list(speeds) for *_, speeds in matched]),
-        "engine": engine_figures(cal_run["bench"]),
+        "engine": mean_and_spread([engine_figures(run["bench"]) for run in own])[0],
+        "runs": {"own_flags": len(own), "extra": len(served["cal_extra"])},
         "engine_prefill_steps": engine_steps,
         "front_end": measured_fe.scaled(scale),
         "front_end_measured": measured | {"gap_scale": scale, "prefill_steps_by_gap_scale": steps},
         "simulation": sim_figures(sims),
-        "response_s": response_time(ttft_gaps(cal_run["bench"], sims)),
+        "response_s": response_time(np.concatenate([ttft_gaps(run["bench"], sims) for run in own])),
     }
 
 
@@ -565,7 +591,8 @@ def validate_mode(served: dict, calib: dict, args: argparse.Namespace) -> dict:
             "engine": calib["engine_prefill_steps"],
             "simulation": calib["simulation"]["prefill_steps"],
         },
-        "calibration_run": calib["engine"],
+        "calibration_run": calib["engine"],  # the mean of the runs with the mode's own flags
+        "calibration_runs": calib["runs"],
         "requests": runs[0]["bench"]["completed"],
         "failed": sum(r["bench"]["failed"] for r in runs),
         "dropped_over_context": dropped,
@@ -640,6 +667,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="single,dp2,afd,pd", help="comma-separated: " + ", ".join(MODES))
     p.add_argument("--repeats", type=int, default=3, help="engine runs of the validation slice (fresh servers)")
+    p.add_argument(
+        "--cal-repeats",
+        type=int,
+        default=2,
+        help="engine runs of the calibration slice (fresh servers; dp2's last with round robin)",
+    )
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--rate-scale", type=float, default=4.0, help="trace arrivals this many times as fast")
     p.add_argument("--length-scale", type=float, default=1 / 128, help="prompt lengths times this")
@@ -667,13 +700,13 @@ def main(argv: list[str] | None = None) -> int:
         print(table(json.loads(path.read_text())), end="")
         return 0
     if args.quick:
-        args.modes, args.duration, args.repeats = "single", 32.0, 1
+        args.modes, args.duration, args.repeats, args.cal_repeats = "single", 32.0, 1, 1
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
-    if args.repeats < 1:
-        p.error("--repeats must be at least 1")
+    if args.repeats < 1 or args.cal_repeats < 1:
+        p.error("--repeats and --cal-repeats must be at least 1")
     if abs(args.cal_start - args.val_start) < args.duration:
         p.error("the calibration and validation slices overlap")
     args.workdir.mkdir(parents=True, exist_ok=True)
