@@ -91,9 +91,9 @@ MODES = {
 # the whole calibration slice (every request of the trace shares its first block, and cache_aware
 # follows it to one rank until that rank is 32 requests ahead): round robin keeps both ranks busy,
 # so that the fit can price a lockstep step in which both work (its other_busy_ranks term). Its steps
-# are fitted at the first run's speed (`speed_matched`): the same steps ran 6-14% slower in the
-# round-robin run than the cache-aware fit priced them, in three sessions, and the validation runs
-# route as the first run does.
+# are fitted at the first run's speed (`speed_matched`): the round-robin run took 6-14% longer than
+# the cache-aware run's fit priced its steps in three sets of runs (2% less and 1% more in the two
+# after), and the validation runs route as the first run does.
 CAL_EXTRA = {"dp2": ["--load-balance-method", "round_robin"]}
 # PD's KV transfer on this machine (builtin backend, shared memory between the instances): bytes per
 # second from bench_pd's transfer figures (1.6-1.7 GB/s, 1.2 MB per request in 0.7 ms:

@@ -355,8 +355,9 @@ def speed_matched(
     as some step of the first run had (what that fit has seen; 1 where it has no such step). A later
     run that adds a kind of step the first lacks (a dp2 run whose router keeps both ranks busy)
     then prices that kind at the first run's speed, not its own: on this machine a dp2 run with a
-    round-robin router took 6-14% longer for the steps a cache-aware run's fit priced (speeds
-    1.06-1.14 in three sessions; a one-sequence decode step 1.78-2.06 ms against 1.63-1.87)."""
+    round-robin router took 6-14% longer than a cache-aware run's fit priced its steps in three
+    sets of runs (a one-sequence decode step 1.78-2.06 ms against 1.63-1.87), 2% less and 1% more
+    in the two after."""
     loads = [list(ld) for ld, _ in runs]
     secs = [np.asarray(s, dtype=float) for _, s in runs]
     first = balanced_fit(loads[0], secs[0])

@@ -163,6 +163,65 @@ def test_the_response_time_and_the_gap_scale():
     assert vs.closest_scale({1.0: 10.0, 0.5: 6.0}, 8) == 0.5  # as close: the smaller
 
 
+def test_the_calibration_slice_is_replayed_before_and_after_the_validation_runs(tmp_path, monkeypatch):
+    """--cal-repeats 2: single replays the calibration slice before its validation runs and once
+    after, dp2 once with its own router and once with round robin (its CAL_EXTRA), both before;
+    under --reuse a later calibration run not in the work directory is left out."""
+    calls = []
+
+    def served_run(mode, args, model, work, name, start, extra=()):
+        calls.append((name, start, list(extra)))
+        return {"name": name}
+
+    monkeypatch.setattr(vs, "served_run", served_run)
+    args = argparse.Namespace(workdir=tmp_path, cal_start=300.0, val_start=900.0, repeats=2, cal_repeats=2, reuse=False)
+    single = vs.engine_runs("single", args, tmp_path)
+    assert calls == [("cal", 300.0, []), ("val0", 900.0, []), ("val1", 900.0, []), ("cal1", 300.0, [])]
+    assert single["cal"] == {"name": "cal"} and single["cal_again"] == [{"name": "cal1"}] and single["cal_extra"] == []
+    calls.clear()
+    dp2 = vs.engine_runs("dp2", args, tmp_path)
+    assert [c[0] for c in calls] == ["cal", "cal_extra", "val0", "val1"] and calls[1][2] == vs.CAL_EXTRA["dp2"]
+    assert dp2["cal_again"] == []
+    calls.clear()
+    args.cal_repeats = 1  # --quick: one calibration run, no extra one
+    assert vs.engine_runs("dp2", args, tmp_path)["cal_extra"] == [] and [c[0] for c in calls] == ["cal", "val0", "val1"]
+    calls.clear()
+    args.cal_repeats, args.reuse = 3, True  # reused: cal1's record is there, cal2's is not
+    (tmp_path / "single" / "cal1_bench.jsonl").write_text("{}\n")
+    assert [r["name"] for r in vs.engine_runs("single", args, tmp_path)["cal_again"]] == ["cal1"]
+
+
+def test_the_fit_takes_every_calibration_run_with_the_modes_own_flags(monkeypatch):
+    """Two calibration runs of single: the fit is over both runs' steps (neither sped up), the gap
+    scale matches the runs' mean prefill steps, the response time is the median over both runs'
+    requests, and the calibration figures are the runs' mean."""
+    decode = [((s, s, 40 * s, 0), 0.002 + 1e-4 * s) for s in range(1, 15)]
+    prefill = [((n, 1, 0, n * n), 0.001 + 1e-5 * n) for n in (16, 64, 256, 512, 100, 32, 8, 200, 300, 400)]
+    slow = [(ld, 1.1 * t) for ld, t in decode + prefill[:6]]  # the second run: 10% slower, 6 prefills
+    by_run = {"a": decode + prefill, "b": slow}
+    monkeypatch.setattr(vs, "instance_rows", lambda files: [tuple(map(list, zip(*by_run[files])))])
+    monkeypatch.setattr(vs, "trace_slice", lambda args, start: (vs.Trace([], 16, "t"), 0))
+    monkeypatch.setattr(vs, "measure_front_end", lambda run, arrivals: (vs.FrontEnd(), {}))
+    monkeypatch.setattr(vs, "simulations", lambda *a, **k: [float(a[6].lead_s)])
+    monkeypatch.setattr(vs, "sim_figures", lambda sims: {"prefill_steps": 8.0 if sims[0] == 0.0 else 100.0})
+    gaps = {"a": np.array([0.001, 0.002, 0.003]), "b": np.array([0.010, 0.011, 0.012, 0.013])}
+    monkeypatch.setattr(vs, "ttft_gaps", lambda bench, sims: gaps[bench["id"]])
+
+    def run(name: str, figure: float) -> dict:
+        return {"files": name, "pages": [100], "bench": {"id": name, **{src: figure for _, src in vs.METRICS}}}
+
+    served = {"mode": "single", "cal": run("a", 2.0), "cal_again": [run("b", 4.0)], "cal_extra": []}
+    args = argparse.Namespace(cal_start=300.0, duration=300.0)
+    calib = vs.calibrate(served, args)
+    loads, secs = calib["rows"][0]
+    assert len(loads) == len(by_run["a"]) + len(by_run["b"]) and calib["run_speeds"] == [1.0]
+    assert secs == [t for _, t in by_run["a"] + by_run["b"]]
+    assert calib["engine_prefill_steps"] == 8.0  # (10 + 6) / 2
+    assert calib["response_s"] == pytest.approx(0.010)  # the median of the 7 gaps of both runs
+    assert calib["engine"] == dict.fromkeys(KEYS, 3.0)
+    assert calib["runs"] == {"own_flags": 2, "extra": 0} and "x2" in calib["fits"][0].source
+
+
 def _front_end_run(tmp_path, handed, sent, steps, start=100.0):
     """A served run's files: the API server's hand-overs (monotonic), the bench record (schedule
     start, sends) and one rank's step records (ts, t0, t1)."""
