@@ -360,6 +360,8 @@ def speed_matched(
     in the two after."""
     loads = [list(ld) for ld, _ in runs]
     secs = [np.asarray(s, dtype=float) for _, s in runs]
+    if len(runs) == 1:  # nothing to match: no fit
+        return loads[0], [float(v) for v in secs[0]], (1.0,)
     first = balanced_fit(loads[0], secs[0])
     seen = set(design(loads[0])[:, OTHER_BUSY].tolist())
     speeds = [1.0]
