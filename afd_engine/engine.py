@@ -375,6 +375,8 @@ class Engine(OfflineEngine):
             sampled, done = self.stepper.step()
         else:
             arrived, ended = self.disagg.before_step()  # (decode side: first tokens from the prefill side)
+            if self.recorder is not None:
+                self.recorder.joins += len(arrived)
             for req in ended:
                 self.scheduler.remove(req)
             sampled, done = self.stepper.step()
@@ -385,6 +387,8 @@ class Engine(OfflineEngine):
         done = failed + done if failed else done
         for req in done:
             self._requests.pop(req.rid, None)
+        if self.recorder is not None:  # (counted in the rank's next step)
+            self.recorder.left += len(done)
         return arrived, sampled, done
 
     def _output(self, req: Request) -> RequestOutput:

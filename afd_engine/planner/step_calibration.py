@@ -12,6 +12,8 @@ seconds) rows and fits
                  + c8 * [the step prefills] + c9 * padded_pairs^2 + c10 * other_busy_ranks
                  + c11 * [another instance was computing when the step started]
                  + c12 * (micro_batches - 1) + c13 * [the step follows a prefill step]
+                 + c14 * [requests from a prefill instance joined the step]
+                 + c15 * requests_left (since the instance's previous step)
 
 by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute error
 (the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much as 1
@@ -46,7 +48,15 @@ alone priced 16 at 9.3 ms; a simulated step has min(sequences, the most the fitt
 micro-batches. `after_prefill` is 1 for a step that follows a prefill step of the instance without
 an idle gap: the gap before it, counted in its seconds, holds the prefilled requests' first tokens
 (on this machine such a decode step took 1.3 ms longer than the other terms said in single mode,
-2.1 ms under AFD). A fit keeps its steps' measured / predicted times too (`ratio_bins`: the means of 100
+2.1 ms under AFD). `joined` is 1 for a step of a PD decode instance whose round took in requests
+from the prefill instance (the record's `joins`: their KV pages and first tokens, handed on with the
+step's outputs): on this machine such a step took 1.3-1.7 ms longer than a fit without the term
+said, in three sets of runs, about as much for one request as for four. `requests_left` counts the
+requests that left the instance's ranks since its previous step (finished, failed, or prefilled and
+handed to a decode instance: the record's `left`): on this machine a decode step after one request
+finished took 0.4-0.7 ms longer than the other terms said with data-parallel, AFD or PD ranks, the
+one after two 0.6-1.8 ms (its forward, not the scheduling around it, grew), 0.1-0.3 ms in single
+mode. A fit keeps its steps' measured / predicted times too (`ratio_bins`: the means of 100
 equal bins of them, sorted), from which `FittedStepTime` can draw each simulated step's time
 around the fit.
 """
@@ -82,21 +92,26 @@ TERMS = (
     "peer_busy",
     "extra_micro_batches",
     "after_prefill",
+    "joined",
+    "requests_left",
 )
-# calibrations written before the later terms (which count 0 there): the first five, nine, ten, eleven, twelve
-OLD_TERMS = (TERMS[:5], TERMS[:9], TERMS[:10], TERMS[:11], TERMS[:12])
-# a fit row: these load terms, then busy ranks, peer_busy, micro-batches, after_prefill
+# calibrations written before the later terms (which count 0 there): the first five, nine, ..., fourteen
+OLD_TERMS = (TERMS[:5], TERMS[:9], TERMS[:10], TERMS[:11], TERMS[:12], TERMS[:14])
+# a fit row: these load terms, then busy ranks, peer_busy, micro-batches, after_prefill, joined,
+# requests left
 LOAD_TERMS = TERMS.index("instance_tokens")
-ROW_WIDTH = LOAD_TERMS + 4
+ROW_WIDTH = LOAD_TERMS + 6
 RANK_TERMS = LOAD_TERMS - 1  # what a simulated rank's load gives (the instance's tokens come from all)
 PADDED_PAIRS = TERMS.index("padded_pairs") - 1  # its place in a load
 PREFILL, SQUARE = TERMS.index("prefill_step"), TERMS.index("padded_pairs_sq")
-OTHER_BUSY, PEER_BUSY, MICRO, AFTER = (
-    TERMS.index(t) for t in ("other_busy_ranks", "peer_busy", "extra_micro_batches", "after_prefill")
+OTHER_BUSY, PEER_BUSY, MICRO, AFTER, JOINED, LEFT = (
+    TERMS.index(t)
+    for t in ("other_busy_ranks", "peer_busy", "extra_micro_batches", "after_prefill", "joined", "requests_left")
 )
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
 PADDED_FIELDS = ("ext_pad", "dec_pad")
-LATER_FIELDS = {"ext_pad": 0, "dec_pad": 0, "micro_batches": 1, "ts": math.nan}  # absent from older recordings: these
+# absent from older recordings: these
+LATER_FIELDS = {"ext_pad": 0, "dec_pad": 0, "micro_batches": 1, "ts": math.nan, "joins": 0, "left": 0}
 GAP_CAP_S = 0.02  # a longer gap between two forwards is idle time, not part of the step
 # the kinds of step `balanced_fit` weighs: decode-only, then prefilling up to 32, up to 256, more tokens
 PREFILL_KIND_TOKENS = (32, 256)
@@ -133,12 +148,13 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
     """Rows (1, tokens, seqs, kv_positions, pairs, padded_pairs, padded_positions, instance_tokens,
-    prefill_step, padded_pairs_sq, other_busy_ranks, peer_busy, extra_micro_batches, after_prefill)
-    of the loads, each (tokens, seqs, kv, pairs, padded_pairs, padded_positions, instance_tokens,
-    busy_ranks, peer_busy, micro_batches, after_prefill): a load of four has no padded terms (0),
-    one without instance_tokens is an instance of one rank (its tokens, one busy rank), one without
-    the later flags has no peer computing, one micro-batch and no prefill step before; prefill_step
-    is 1 where pairs > 0."""
+    prefill_step, padded_pairs_sq, other_busy_ranks, peer_busy, extra_micro_batches, after_prefill,
+    joined, requests_left) of the loads, each (tokens, seqs, kv, pairs, padded_pairs,
+    padded_positions, instance_tokens, busy_ranks, peer_busy, micro_batches, after_prefill, joined,
+    requests_left): a load of four has no padded terms (0), one without instance_tokens is an
+    instance of one rank (its tokens, one busy rank), one without the later flags has no peer
+    computing, one micro-batch, no prefill step before, no requests joining and none left;
+    prefill_step is 1 where pairs > 0."""
     a = np.asarray(loads, dtype=float)
     a = a.reshape(len(loads), -1) if len(loads) else a.reshape(0, ROW_WIDTH)
     width = a.shape[1]
@@ -153,8 +169,10 @@ def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
     peer = a[:, LOAD_TERMS + 1 : LOAD_TERMS + 2]
     extra = np.maximum(a[:, LOAD_TERMS + 2 : LOAD_TERMS + 3] - 1.0, 0.0)  # 0 where absent
     after = a[:, LOAD_TERMS + 3 : LOAD_TERMS + 4]
+    joined = (a[:, LOAD_TERMS + 4 : LOAD_TERMS + 5] > 0).astype(float)
+    left = a[:, LOAD_TERMS + 5 : LOAD_TERMS + 6]
     ones = np.ones((a.shape[0], 1))
-    return np.hstack([ones, a[:, :LOAD_TERMS], prefill, padded * padded, others, peer, extra, after])
+    return np.hstack([ones, a[:, :LOAD_TERMS], prefill, padded * padded, others, peer, extra, after, joined, left])
 
 
 @dataclass(frozen=True)
@@ -183,10 +201,13 @@ class StepCalibration:
         peer_busy: bool = False,
         micro_batches: int = 1,
         after_prefill: bool = False,
+        joined: bool = False,
+        left: int = 0,
     ) -> float:
         """The step time of a load: a fit row, or a rank's load with its instance's tokens, busy
-        ranks, whether a peer instance computes, its micro-batches and whether the instance's
-        previous step prefilled apart."""
+        ranks, whether a peer instance computes, its micro-batches, whether the instance's previous
+        step prefilled, whether requests from a prefill instance joined it and how many requests
+        left the instance since its previous step apart."""
         c = self.coef
         t = c[0] + sum(k * v for k, v in zip(c[1 : RANK_TERMS + 1], load[:RANK_TERMS]))
         if instance_tokens is None:
@@ -195,10 +216,13 @@ class StepCalibration:
             peer_busy = len(load) > LOAD_TERMS + 1 and load[LOAD_TERMS + 1] > 0
             micro_batches = load[LOAD_TERMS + 2] if len(load) > LOAD_TERMS + 2 else 1
             after_prefill = len(load) > LOAD_TERMS + 3 and load[LOAD_TERMS + 3] > 0
+            joined = len(load) > LOAD_TERMS + 4 and load[LOAD_TERMS + 4] > 0
+            left = load[LOAD_TERMS + 5] if len(load) > LOAD_TERMS + 5 else 0
         padded = load[PADDED_PAIRS] if len(load) > PADDED_PAIRS else 0.0
         t += c[LOAD_TERMS] * instance_tokens + (c[PREFILL] if load[3] > 0 else 0.0) + c[SQUARE] * padded * padded
         t += c[OTHER_BUSY] * (busy_ranks - 1) + (c[PEER_BUSY] if peer_busy else 0.0)
         t += c[MICRO] * max(micro_batches - 1, 0) + (c[AFTER] if after_prefill else 0.0)
+        t += (c[JOINED] if joined else 0.0) + c[LEFT] * left
         if self.kind_scale:
             t *= self.kind_scale[0 if load[3] <= 0 else 1 + bisect.bisect_left(PREFILL_KIND_TOKENS, load[0])]
         return t
@@ -444,7 +468,8 @@ def step_rows(
     the deployment's other instances (each its ranks'), on the same clock: a step's peer_busy is
     whether one of them was in a step as its forward started. Its micro-batches are the most of one
     rank; after_prefill whether the previous step prefilled on some rank and this one followed it
-    (no idle gap between them)."""
+    (no idle gap between them); joined whether requests from a prefill instance joined it on some
+    rank; its requests left the sum of the ranks' (those that left each since its previous step)."""
     n = min(len(r) for r in ranks)
     t0 = np.array([min(r[i]["t0"] for r in ranks) for i in range(n)])
     t1 = np.array([max(r[i]["t1"] for r in ranks) for i in range(n)])
@@ -465,7 +490,9 @@ def step_rows(
         row = tuple(max(x[k] for x in recs) for k in ("tokens", "seqs", "kv", "pairs", *PADDED_FIELDS))
         busy = sum(1 for x in recs if x["tokens"] > 0)
         micro = max(x.get("micro_batches", 1.0) for x in recs)
-        loads.append((*row, sum(x["tokens"] for x in recs), busy, float(peer[i]), micro, float(after[i])))
+        joined = float(max(x["joins"] for x in recs) > 0)
+        context = (float(peer[i]), micro, float(after[i]), joined, sum(x["left"] for x in recs))
+        loads.append((*row, sum(x["tokens"] for x in recs), busy, *context))
         seconds.append(float(secs[i]))
     return loads, seconds
 
@@ -485,14 +512,16 @@ class FittedStepTime:
     """A StepTimeModel from a `StepCalibration`: a lockstep step's time from each load term's largest
     over its ranks and the tokens of all of them (as `step_rows` reads the engine's steps); every
     role is busy for the whole step. `peer_busy`: another instance is computing as the step starts;
-    `after_prefill`: the instance's previous step prefilled.
+    `after_prefill`: the instance's previous step prefilled; `joined`: requests from a prefill
+    instance joined the step; `left`: requests that left the instance since its previous step.
     With `rng`, each step's time is the fit's times a measured / predicted ratio of the fitted steps
     drawn at random (`StepCalibration.draw`): a simulation with the engine's step-to-step spread
     (without `rng`, or for a calibration without its ratios, every step takes the fit's time)."""
 
     padded_loads = True  # the simulated ranks add the padded terms to their loads
-    prices_context = True  # the simulation says whether another instance computes, and whether the
-    # instance's previous step prefilled (loop.Group.start)
+    prices_context = True  # the simulation says whether another instance computes, whether the
+    # instance's previous step prefilled, whether requests joined it and how many left before it
+    # (loop.Group.start)
 
     def __init__(
         self, cal: StepCalibration, roles: tuple[str, ...] = ("gpu",), rng: np.random.Generator | None = None
@@ -500,13 +529,18 @@ class FittedStepTime:
         self.cal, self.roles, self.rng = cal, roles, rng
 
     def step(
-        self, loads: Sequence[Sequence[float]], peer_busy: bool = False, after_prefill: bool = False
+        self,
+        loads: Sequence[Sequence[float]],
+        peer_busy: bool = False,
+        after_prefill: bool = False,
+        joined: bool = False,
+        left: int = 0,
     ) -> tuple[float, tuple[float, ...]]:
         total = sum(ld[0] for ld in loads)
         worst = loads[0] if len(loads) == 1 else tuple(map(max, *loads))  # as step_rows reads a lockstep step
         micro = min(int(worst[1]), self.cal.micro_batches)  # a rank splits its sequences, up to the fit's most
         busy = sum(1 for ld in loads if ld[0] > 0)
-        seconds = self.cal.seconds(worst, total, busy, peer_busy, micro, after_prefill)
+        seconds = self.cal.seconds(worst, total, busy, peer_busy, micro, after_prefill, joined, left)
         if self.rng is not None:
             seconds *= self.cal.draw(self.rng.random())
         return seconds, (seconds,) * len(self.roles)

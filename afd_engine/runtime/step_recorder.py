@@ -18,13 +18,17 @@ class StepRecorder:
     chunk and context; `dec_pad`: KV positions of the decodes padded to the longest context), and
     the micro-batches with tokens the step ran in (`micro_batches`: an AFD attention rank's split),
     and when the engine began the step's round (`ts`: set by the engine as `began`, once the
-    requests it had received were in; before `t0` by the step's scheduling)."""
+    requests it had received were in; before `t0` by the step's scheduling), how many requests
+    joined the step from a prefill instance (`joins`: set by the engine, their KV and first token
+    taken in during the step's round) and how many left the rank since its previous step (`left`:
+    set by the engine, finished, failed or handed to a decode instance)."""
 
     def __init__(self, path: str, execute: Callable) -> None:
         self.file = open(path, "w", buffering=1)
         self.execute = execute
         self.step = 0
         self.began = 0.0
+        self.joins = self.left = 0
 
     def __call__(self, prepared):
         plan = prepared.plan  # committed: num_cached already counts this step's tokens
@@ -41,10 +45,14 @@ class StepRecorder:
         dec_pad = len(plan.decode) * max((r.num_cached for r in plan.decode), default=0)
         rec = [self.step, ext + len(plan.decode), len(plan.extend) + len(plan.decode), kv, pairs, t0, t1]
         micro = sum(1 for b in prepared.batches if b["fb"].num_tokens > 0)
-        rec += [ext_pad, dec_pad, micro, min(self.began, t0) if self.began else t0]
+        rec += [ext_pad, dec_pad, micro, min(self.began, t0) if self.began else t0, self.joins, self.left]
+        self.joins = self.left = 0
         self.file.write(json.dumps(dict(zip(STEP_FIELDS, rec))) + "\n")
         self.step += 1
         return out
 
 
-STEP_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1", "ext_pad", "dec_pad", "micro_batches", "ts")
+STEP_FIELDS = (
+    *("step", "tokens", "seqs", "kv", "pairs", "t0", "t1"),
+    *("ext_pad", "dec_pad", "micro_batches", "ts", "joins", "left"),
+)

@@ -4,6 +4,7 @@ prefix caches on both sides, sampling state, handshake refusals, timeouts and ab
 from __future__ import annotations
 
 import functools
+import json
 import time
 
 import pytest
@@ -134,6 +135,30 @@ def test_a_full_decode_instance_holds_requests_back_instead_of_failing_them(tiny
         assert idle_pages(pd.decode) and pd.decode.pool.used_pages == 0
     finally:
         pd.close()
+
+
+def test_step_records_count_the_requests_joining_from_the_prefill_side(tiny_v3, tmp_path):
+    """--record-steps on both sides: every request joins one decode step (`joins`, the step whose
+    round took its KV and first token in); the prefill side has nothing joining, and counts the
+    requests it handed on in its next step (`left`)."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill, decode = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
+    pd = pair(tiny_v3, prefill={"record_steps": str(prefill)}, decode={"record_steps": str(decode)})
+    try:
+        prompts = random_prompts(pd.prefill.config.vocab_size, [20, 9, 30, 12, 25], seed=3, low=5)
+        outs = pd.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.error for o in outs] == [None] * 5
+    finally:
+        pd.close()
+    d = [json.loads(line) for line in decode.read_text().splitlines()]
+    p = [json.loads(line) for line in prefill.read_text().splitlines()]
+    assert sum(r["joins"] for r in d) == 5
+    assert all(r["seqs"] >= r["joins"] for r in d)  # those that joined decode in that step
+    assert {r["joins"] for r in p} == {0}
+    # a request decodes its tokens 2-4 in the step it joined and the two after it, and counts as
+    # left in the step after those (the decode side's first three steps: none left yet)
+    assert [r["left"] for r in d] == [0, 0, 0] + [r["joins"] for r in d[:-3]]
+    assert sum(r["left"] for r in p) >= 1  # handed on before the prefill side's last step
 
 
 def test_a_decode_that_outgrows_pages_reserved_for_others_waits_for_them(tiny_v3):

@@ -264,20 +264,34 @@ def test_pd_first_token_goes_out_with_the_second():
     assert r.tpot[1] == exact((DA + 2 * DB) / 2)
 
 
-def test_a_fitted_step_pays_for_another_instance_computing_as_it_starts():
-    # The decode instance's fit: 5 ms a step, 4 ms more when another instance is in a step as it
-    # starts (instances sharing CPUs, step_calibration's peer_busy). Request 0 decodes from 32 ms,
-    # 5 ms a step; request 1's 22 ms prefill step runs over [100, 122) ms: the decode steps that
-    # start at 102, 111 and 120 ms take 9 ms; all its other 96 steps 5 ms.
+def pd_fitted_decode(term: str, seconds: float) -> tuple[float, float]:
+    """Request 0's end to end time, with request 1 (arriving at 100 ms) and alone, under PD with a
+    decode instance fitted at 5 ms a step plus `seconds` for `term`. Request 0 decodes from 32 ms."""
     coef = [0.0] * len(TERMS)
-    coef[0], coef[TERMS.index("peer_busy")] = 0.005, 0.004
+    coef[0], coef[TERMS.index(term)] = 0.005, seconds
     decode = instance(step_time=FittedStepTime(StepCalibration(tuple(coef))))
     cluster = ClusterConfig("pd", instance(), decode, LINK)
     trace = from_records([(0.0, 10, 100, (1, 2)), (0.1, 12, 2, (5, 6, 7))], block_tokens=4)
-    r = simulate(trace, cluster, SLO(10, 10))
-    assert r.e2e[0] == exact(0.032 + 96 * 0.005 + 3 * 0.009)
     alone = simulate(from_records([(0.0, 10, 100, (1, 2))], block_tokens=4), cluster, SLO(10, 10))
-    assert alone.e2e[0] == exact(0.032 + 99 * 0.005)
+    return simulate(trace, cluster, SLO(10, 10)).e2e[0], alone.e2e[0]
+
+
+def test_a_fitted_step_pays_for_another_instance_computing_as_it_starts():
+    # 4 ms more when another instance is in a step as it starts (instances sharing CPUs,
+    # step_calibration's peer_busy): request 1's 22 ms prefill step runs over [100, 122) ms, so
+    # request 0's decode steps that start at 102, 111 and 120 ms take 9 ms; its other 96 steps 5 ms.
+    both, alone = pd_fitted_decode("peer_busy", 0.004)
+    assert both == exact(0.032 + 96 * 0.005 + 3 * 0.009)
+    assert alone == exact(0.032 + 99 * 0.005)
+
+
+def one_fitted_instance(term: str, seconds: float, records: list):
+    """The simulation of `records` (4-token blocks) on one instance fitted at 5 ms a step, 10 ms
+    more for a prefill step and `seconds` more for `term`."""
+    coef = [0.0] * len(TERMS)
+    coef[0], coef[TERMS.index("prefill_step")], coef[TERMS.index(term)] = 0.005, 0.010, seconds
+    cluster = ClusterConfig("one", instance(step_time=FittedStepTime(StepCalibration(tuple(coef)))))
+    return simulate(from_records(records, block_tokens=4), cluster, SLO(10, 10))
 
 
 def test_a_fitted_step_right_after_a_prefill_step_pays_for_its_first_tokens():
@@ -285,13 +299,30 @@ def test_a_fitted_step_right_after_a_prefill_step_pays_for_its_first_tokens():
     # step ends (step_calibration's after_prefill). Request 0 prefills over [0, 15) ms and decodes
     # in 8 then 5 ms; request 1 only prefills (one token, [1000, 1015) ms); request 2's prefill step
     # starts after an idle second, so it costs no more than request 0's; its decode step 8 ms.
-    coef = [0.0] * len(TERMS)
-    coef[0], coef[TERMS.index("prefill_step")], coef[TERMS.index("after_prefill")] = 0.005, 0.010, 0.003
-    cluster = ClusterConfig("one", instance(step_time=FittedStepTime(StepCalibration(tuple(coef)))))
-    trace = from_records([(0.0, 10, 3), (1.0, 10, 1), (2.0, 10, 2)], block_tokens=4)
-    r = simulate(trace, cluster, SLO(10, 10))
+    r = one_fitted_instance("after_prefill", 0.003, [(0.0, 10, 3), (1.0, 10, 1), (2.0, 10, 2)])
     assert r.ttft[0] == exact(0.015) and r.tpot[0] == exact((0.008 + 0.005) / 2)
     assert r.ttft[2] == exact(0.015) and r.tpot[2] == exact(0.008)
+
+
+def test_a_fitted_step_pays_for_each_request_that_left_before_it():
+    # 5 ms a step, 10 ms more for a prefill step, 2 ms more for each request that left the instance
+    # since its previous step (step_calibration's requests_left). Both requests prefill in one step
+    # over [0, 15) ms; request 0 finishes with the first decode step (5 ms), so request 1's second
+    # costs 7 ms, its last two 5 ms; request 2 comes after both left: its prefill step pays for the
+    # one that left last (request 1), its decode step for none.
+    r = one_fitted_instance("requests_left", 0.002, [(0.0, 10, 2), (0.0, 10, 5), (1.0, 10, 2)])
+    assert r.ttft[0] == exact(0.015) and r.tpot[0] == exact(0.005)
+    assert r.ttft[1] == exact(0.015) and r.tpot[1] == exact((0.005 + 0.007 + 0.005 + 0.005) / 4)
+    assert r.ttft[2] == exact(0.017) and r.tpot[2] == exact(0.005)
+
+
+def test_a_fitted_pd_decode_step_pays_for_the_requests_that_join_it():
+    # 3 ms more for a decode step whose round takes in requests from the prefill instance
+    # (step_calibration's joined): request 0's own first decode step and the one request 1 joins
+    # cost 8 ms, its 97 others 5 ms.
+    both, alone = pd_fitted_decode("joined", 0.003)
+    assert both == exact(0.032 + 99 * 0.005 + 2 * 0.003)
+    assert alone == exact(0.032 + 99 * 0.005 + 0.003)
 
 
 def test_pd_streams_each_chunks_kv_as_it_is_computed():

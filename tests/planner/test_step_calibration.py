@@ -30,7 +30,9 @@ from afd_engine.planner.step_calibration import (
     step_spans,
 )
 
-COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4, 4e-4, 9e-4, 1.1e-3)
+AFTER_AT = 10  # after_prefill's place in a step_rows load
+
+COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4, 4e-4, 9e-4, 1.1e-3, 1.6e-3, 5e-4)
 
 
 def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -45,13 +47,16 @@ def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
             rng.integers(0, 80_000, n),
         ]
     ).astype(float)
-    # the instance's tokens, its busy ranks, whether another instance was computing, the micro-batches
-    # and whether the step before prefilled
+    # the instance's tokens, its busy ranks, whether another instance was computing, the micro-batches,
+    # whether the step before prefilled, the requests that joined from a prefill instance (priced
+    # once, however many) and the requests that left before the step (priced each)
     extra = [rng.integers(1, 4, n), rng.integers(0, 2, n), rng.integers(1, 4, n), rng.integers(0, 2, n)]
+    extra += [rng.integers(0, 2, n) * rng.integers(1, 4, n), rng.integers(0, 4, n)]
     loads = np.column_stack([loads, loads[:, 0] + rng.integers(0, 2048, n), *extra])
     seconds = COEF[0] + loads[:, :7] @ np.array(COEF[1:8]) + COEF[8] * (loads[:, 3] > 0)
     seconds += COEF[9] * loads[:, 4] ** 2 + COEF[10] * (loads[:, 7] - 1) + COEF[11] * loads[:, 8]
     seconds += COEF[12] * (loads[:, 9] - 1) + COEF[13] * loads[:, 10]
+    seconds += COEF[14] * (loads[:, 11] > 0) + COEF[15] * loads[:, 12]
     return loads, seconds
 
 
@@ -161,9 +166,9 @@ def test_fit_is_non_negative():
     y = x @ np.array([1.0, 2.0, -0.5])
     coef = nnls(x, y)
     assert np.all(coef >= 0) and coef[2] == 0.0
-    assert fit(*synthetic(14)).coef  # and too few steps is refused
-    with pytest.raises(ConfigError, match="at least 14 steps"):
-        fit([(1, 1, 0, 0)] * 13, [0.1] * 13)
+    assert fit(*synthetic(16)).coef  # and too few steps is refused
+    with pytest.raises(ConfigError, match="at least 16 steps"):
+        fit([(1, 1, 0, 0)] * 15, [0.1] * 15)
 
 
 def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
@@ -178,6 +183,8 @@ def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
     assert busy == (seconds, seconds)
     assert model.step(loads, peer_busy=True)[0] == pytest.approx(want + 4e-4, abs=1e-12)  # another instance computes
     assert model.step(loads, after_prefill=True)[0] == pytest.approx(want + 1.1e-3, abs=1e-12)  # after a prefill
+    assert model.step(loads, joined=True)[0] == pytest.approx(want + 1.6e-3, abs=1e-12)  # requests joined from prefill
+    assert model.step(loads, left=3)[0] == pytest.approx(want + 3 * 5e-4, abs=1e-12)  # three left before it
     # fitted on steps of up to 3 micro-batches: 4 sequences run in 3 (2 beyond the first), 1 in 1
     split = FittedStepTime(StepCalibration(COEF, micro_batches=3))
     assert split.step(loads)[0] == pytest.approx(want + 2 * 9e-4, abs=1e-12)
@@ -206,7 +213,10 @@ def test_step_rows_join_lockstep_ranks(tmp_path):
     # step 2: after an idle gap only the forward counts
     # each term's largest over the ranks; then both ranks' tokens, and how many ranks had tokens
     # step 1 began as the prefill step 0 ended (after_prefill 1), step 2 after an idle gap (0)
-    assert loads == [(10, 3, 40, 0, 0, 0, 13, 2, 0.0, 1.0, 1.0), (7, 1, 0, 28, 0, 0, 7, 1, 0.0, 1.0, 0.0)]
+    assert loads == [
+        (10, 3, 40, 0, 0, 0, 13, 2, 0.0, 1.0, 1.0, 0.0, 0),
+        (7, 1, 0, 28, 0, 0, 7, 1, 0.0, 1.0, 0.0, 0.0, 0),
+    ]
     assert seconds == pytest.approx([0.11, 0.2])
     # another instance on the same clock, in a forward from 5.0 s: step 2 started while it computed,
     # step 1 (at 0.501 s) between its forwards [0.2, 0.501) and [0.6, 0.7)
@@ -225,15 +235,24 @@ def test_step_rows_join_lockstep_ranks(tmp_path):
     # a step after a prefill step: after_prefill where it began at that step's end, not after an idle gap
     for start, want in ((0.501, 1.0), (5.0, 0.0)):
         two = _write_steps(tmp_path / "two", [(0, 5, 1, 0, 15, 0.0, 0.5), (1, 1, 1, 6, 0, start, start + 0.1)])
-        assert step_rows([read_records(two)], skip=1)[0][0][-1] == want
+        assert step_rows([read_records(two)], skip=1)[0][0][AFTER_AT] == want
     # the micro-batches a step ran in (an AFD attention rank's split): the most of one rank
     split = [dict(zip(RECORD_FIELDS, (1, 3, 3, 9, 0, 0.502, 0.61)), ext_pad=0, dec_pad=9, micro_batches=3)]
     (tmp_path / "m").write_text("".join(json.dumps(r) + "\n" for r in split))
     micro, _ = step_rows([read_records(tmp_path / "m"), read_records(b)[1:2]], skip=0)
-    assert micro == [(3, 3, 9, 0, 0, 9, 6, 2, 0.0, 3.0, 0.0)]
-    rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(15)]
+    assert micro == [(3, 3, 9, 0, 0, 9, 6, 2, 0.0, 3.0, 0.0, 0.0, 0)]
+    # requests that joined from a prefill instance on some rank (joined: 1 however many), and those
+    # that left each rank since its previous step (requests left: the ranks' sum)
+    ctx = [dict(zip(RECORD_FIELDS, (1, 3, 3, 9, 0, 0.502, 0.61)), joins=2, left=1), dict(split[0], left=2)]
+    (tmp_path / "j").write_text("".join(json.dumps(r) + "\n" for r in ctx[:1]))
+    (tmp_path / "k").write_text("".join(json.dumps(r) + "\n" for r in ctx[1:]))
+    joined, _ = step_rows([read_records(tmp_path / "j"), read_records(tmp_path / "k")], skip=0)
+    assert joined[0][-2:] == (1.0, 3.0)
+    alone, _ = step_rows([read_records(tmp_path / "k")], skip=0)
+    assert alone[0][-2:] == (0.0, 2.0)
+    rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(17)]
     cal = fit_records([[_write_steps(tmp_path / "s", rows)]], "one rank")
-    assert cal.steps == 14 and cal.source == "one rank" and cal.micro_batches == 1
+    assert cal.steps == 16 and cal.source == "one rank" and cal.micro_batches == 1
     (tmp_path / "bad").write_text('{"step": 0}\n')
     with pytest.raises(ConfigError, match="bad:1: expected a step record"):
         read_records(tmp_path / "bad")
@@ -261,7 +280,7 @@ def test_step_spans_run_from_round_start_to_round_start(tmp_path):
     loads, seconds = step_rows([recs])
     assert seconds == pytest.approx([0.0996, 0.1, 0.1006, 0.2002], abs=1e-12)
     # after_prefill: step 1 followed the prefill step 0; step 4 came after an idle gap
-    assert [ld[-1] for ld in loads] == [1.0, 0.0, 0.0, 0.0]
+    assert [ld[AFTER_AT] for ld in loads] == [1.0, 0.0, 0.0, 0.0]
     # a peer instance counts as computing through a step's span, its round's scheduling included
     other = [dict(r, t0=r["t0"] + 0.0005, t1=r["t1"] + 0.0005, ts=r["ts"] + 0.0005) for r in recs]
     assert computing_at([recs], np.array([5.0001, 5.1004, 5.2, 0.6003])).tolist() == [True, True, False, True]
@@ -288,7 +307,7 @@ def test_step_spans_run_from_round_start_to_round_start(tmp_path):
     # rounds at 0, 12 and 15.2 ms (the later rank's); the last ends at 18 ms plus the decode tail
     # (15.2 ms - 14 ms, the first decode step's)
     assert seconds == pytest.approx([0.012, 0.0032, 0.0040], abs=1e-12)
-    assert [ld[-1] for ld in loads] == [0.0, 1.0, 0.0]
+    assert [ld[AFTER_AT] for ld in loads] == [0.0, 1.0, 0.0]
     # without round starts (older records) the spans are the forwards after the scheduling gap
     start, end = step_spans(t0, t1)
     assert start.tolist() == [0.001, 0.5, 0.6, 5.003, 9.001] and end.tolist() == t1.tolist()
@@ -310,15 +329,17 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
     assert StepCalibration.load(cal_file).coef == COEF and StepCalibration.load(cal_file).ratio_bins == ()
     old = tmp_path / "old.json"  # written before the padded and prefill terms: those count 0
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:5], COEF))}))
-    assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 9)
+    assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 11)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:9], COEF))}))  # before the square term
-    assert StepCalibration.load(old).coef == (*COEF[:9], *(0.0,) * 5)
+    assert StepCalibration.load(old).coef == (*COEF[:9], *(0.0,) * 7)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:10], COEF))}))  # before the busy ranks
-    assert StepCalibration.load(old).coef == (*COEF[:10], *(0.0,) * 4)
+    assert StepCalibration.load(old).coef == (*COEF[:10], *(0.0,) * 6)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:11], COEF))}))  # before peer_busy
-    assert StepCalibration.load(old).coef == (*COEF[:11], 0.0, 0.0, 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:11], *(0.0,) * 5)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:12], COEF))}))  # before the micro-batches
-    assert StepCalibration.load(old).coef == (*COEF[:12], 0.0, 0.0) and StepCalibration.load(old).micro_batches == 1
+    assert StepCalibration.load(old).coef == (*COEF[:12], *(0.0,) * 4) and StepCalibration.load(old).micro_batches == 1
+    old.write_text(json.dumps({"coef": dict(zip(TERMS[:14], COEF))}))  # before joined and requests_left
+    assert StepCalibration.load(old).coef == (*COEF[:14], 0.0, 0.0)
     args = ["plan", "simulate", "--trace", one_request_trace(tmp_path), "--deployment", "colocated:gpus=1"]
     args += ["--kv-pages", "64", "--step-calibration", str(cal_file), "--json", "-"]
     assert main(args) == 0
@@ -377,7 +398,13 @@ def test_engine_records_one_line_per_step(tiny_v3, tmp_path):
         eng.generate(
             prompt_token_ids=[[5] * 12, [7] * 3], sampling_params=SamplingParams(max_new_tokens=3, ignore_eos=True)
         )
+        first = len(path.read_text().splitlines())
+        eng.generate(prompt_token_ids=[[9] * 4], sampling_params=SamplingParams(max_new_tokens=2, ignore_eos=True))
     recs = [json.loads(line) for line in path.read_text().splitlines()]
+    # the two requests that finished with the first batch's last step count in the rank's next step
+    assert [r["left"] for r in recs] == [0] * first + [2] + [0] * (len(recs) - first - 1)
+    assert {r["joins"] for r in recs} == {0}  # no prefill instance: nothing joins from one
+    recs = recs[:first]
     assert [r["step"] for r in recs] == list(range(len(recs)))
     assert all(set(r) == {*RECORD_FIELDS, *LATER_FIELDS} and r["t1"] >= r["t0"] for r in recs)
     assert {r["micro_batches"] for r in recs} == {1}  # single mode: one batch a step

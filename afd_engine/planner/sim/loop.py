@@ -28,7 +28,8 @@ class Group:
     def __init__(self, sim: Simulation, cfg: InstanceConfig, role: str, name: str) -> None:
         self.sim, self.cfg, self.role, self.name = sim, cfg, role, name
         self.model = cfg.step_time
-        # a fit of this engine's CPU steps: its steps depend on other instances and on the step before
+        # a fit of this engine's CPU steps: its steps depend on other instances, on the step before,
+        # on requests joining from a prefill instance and on those that left since the step before
         self.context = bool(getattr(self.model, "prices_context", False))
         self.prefilled = False  # the instance's last step prefilled (it ended at last_end)
         self.spec = cfg.speculative
@@ -62,7 +63,12 @@ class Group:
             return
         prefills = any(ld[3] > 0 for ld in loads)
         if self.context:  # another instance computing as it starts (instances sharing CPUs), the step before
-            seconds, busy = self.model.step(loads, self.sim.computing > 0, self.prefilled and t <= self.last_end)
+            joined = any(rank.arrived for rank in planned)
+            after = self.prefilled and t <= self.last_end
+            left = 0
+            for rank in self.ranks:
+                left, rank.left = left + rank.left, 0
+            seconds, busy = self.model.step(loads, self.sim.computing > 0, after, joined, left)
         else:
             seconds, busy = self.model.step(loads)
         self.prefilled = prefills

@@ -4,8 +4,9 @@
 `LinearStepTime` is a straight line for tests and what-ifs; `step_calibration.FittedStepTime` is a
 fit of this engine's own steps. Anything with a `roles` tuple and a `step` method will do; one
 with a `draft_pass` method too prices speculative decoding's draft passes itself (speculative.py);
-one with `prices_context` set gets two more arguments: whether another instance is in a step, and
-whether the instance's previous step prefilled.
+one with `prices_context` set gets four more arguments: whether another instance is in a step,
+whether the instance's previous step prefilled, whether requests whose KV came from a prefill
+instance join the step, and how many requests left the instance since its previous step.
 """
 
 from __future__ import annotations
