@@ -632,9 +632,16 @@ def table(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results_order(path: Path) -> tuple[str, int]:
+    """Where a results file sorts: by its date, then by the N of a `_runN` suffix (none: 1), so
+    that run10 comes after run9."""
+    m = re.fullmatch(r"sim_validation_(.+?)(?:_run(\d+))?\.json", path.name)
+    return (m.group(1), int(m.group(2) or 1)) if m else (path.name, 0)
+
+
 def newest_results() -> Path:
-    """The newest `sim_validation_<date>.json` under benchmarks/results."""
-    files = sorted(RESULTS.glob("sim_validation_[0-9]*.json"))
+    """The newest `sim_validation_<date>[_runN].json` under benchmarks/results."""
+    files = sorted(RESULTS.glob("sim_validation_[0-9]*.json"), key=results_order)
     if not files:
         raise FileNotFoundError(f"no sim_validation_<date>.json in {RESULTS}")
     return files[-1]

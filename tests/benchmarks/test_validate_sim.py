@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -310,6 +311,13 @@ def test_the_readme_table_is_generated_from_a_results_file(tmp_path):
     out = readme.read_text()
     assert out.startswith("before\n") and out.endswith("\nafter\n") and "old table" not in out
     assert text in out and "sim_validation_2026-01-01.json" in out
+
+
+def test_results_files_sort_by_date_then_run():
+    names = ["sim_validation_2026-11-29_run10.json", "sim_validation_2026-11-29.json"]
+    names += ["sim_validation_2026-11-29_run9.json", "sim_validation_2026-11-28_run2.json"]
+    got = [p.name for p in sorted(map(Path, names), key=vs.results_order)]
+    assert got == [names[3], names[1], names[2], names[0]]
 
 
 def test_benchmarks_readme_shows_the_newest_validation():
