@@ -63,11 +63,11 @@ class Group:
             return
         prefills = any(ld[3] > 0 for ld in loads)
         if self.context:  # another instance computing as it starts (instances sharing CPUs), the step before
-            joined = any(rank.arrived for rank in planned)
+            joined = any(rank.first_out for rank in planned)  # (PD: requests from a prefill rank)
             after = self.prefilled and t <= self.last_end
-            left = 0
+            left = sum(rank.left for rank in self.ranks)
             for rank in self.ranks:
-                left, rank.left = left + rank.left, 0
+                rank.left = 0
             seconds, busy = self.model.step(loads, self.sim.computing > 0, after, joined, left)
         else:
             seconds, busy = self.model.step(loads)

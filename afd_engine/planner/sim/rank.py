@@ -78,7 +78,6 @@ class Rank(RankCache):
         self.prefilling: dict[int, Request] = {}
         self.joining: list[Request] = []  # start decoding at the next step
         self.first_out: list[Request] = []  # PD: first tokens that go out when this step ends
-        self.arrived = 0  # PD decode side: requests from a prefill rank that join the step planned
         self.left = 0  # requests that left since the instance's last step began (finished, handed on)
         self.n_dec, self.ctx = 0, 0  # decoders and the sum of their KV lengths
         # sparse attention: the sum of min(KV length, K) over decoders, those below K, and the step
@@ -215,10 +214,7 @@ class Rank(RankCache):
 
     def schedule(self, s: int) -> Load | None:
         """Plans step s as the engine's scheduler does; returns this rank's load, None if idle."""
-        self.arrived = 0
         if self.joining:
-            if self.role == "decode":
-                self.arrived = len(self.joining)
             for req in self.joining:
                 if req.first == INF:  # PD: its first token goes out when this step ends (activate)
                     self.first_out.append(req)
