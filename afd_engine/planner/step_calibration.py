@@ -14,6 +14,7 @@ seconds) rows and fits
                  + c12 * (micro_batches - 1) + c13 * [the step follows a prefill step]
                  + c14 * [requests from a prefill instance joined the step]
                  + c15 * requests_left (since the instance's previous step)
+                 + c16 * tokens * [another instance was computing when the step started]
 
 by non-negative least squares, each row weighted by seconds^-power: power 0 fits the absolute error
 (the long prefill steps dominate), power 1 the relative error (3 ms decode steps count as much as 1
@@ -39,7 +40,12 @@ coefficient stays 0). `peer_busy` is 1 where another instance of the deployment 
 (as counted here: from the end of its previous forward when the gap was short) when the step's
 forward started (`step_rows`' `peers`): instances that share CPUs slow each other (on this
 2-core machine a PD decode step took 0.4-0.5 ms longer, about 40%, while the prefill instance
-computed); instances on their own hardware fit it to 0. `FittedStepTime` reads a simulated step the
+computed); instances on their own hardware fit it to 0. `peer_tokens` is the step's tokens where
+`peer_busy` is 1: sharing the cores slows a step's work, not only its start (on this machine a PD
+decode step of 1 sequence took 1.5 ms more while the prefill instance computed, one of 6-8 took
+2.1-2.7 ms more; the fit of the 2026-11-29 14:12 UTC calibration runs put 1.15 ms on the flag and
+0.125 ms on each token, against 0.18 ms a token alone, and 0.018 ms a token, against 0.06, on the
+prefill instance's steps while the decode instance computed). `FittedStepTime` reads a simulated step the
 same way. `extra_micro_batches` is the step's micro-batches with tokens beyond the first (the
 record's `micro_batches`): an AFD attention rank splits its sequences into up to three that
 pipeline through the FFN ranks, and on this machine a decode step took 1.9, 3.0 and 4.0 ms at 1,
@@ -94,9 +100,10 @@ TERMS = (
     "after_prefill",
     "joined",
     "requests_left",
+    "peer_tokens",
 )
-# calibrations written before the later terms (which count 0 there): the first five, nine, ..., fourteen
-OLD_TERMS = (TERMS[:5], TERMS[:9], TERMS[:10], TERMS[:11], TERMS[:12], TERMS[:14])
+# calibrations written before the later terms (which count 0 there): the first five, nine, ..., sixteen
+OLD_TERMS = (TERMS[:5], TERMS[:9], TERMS[:10], TERMS[:11], TERMS[:12], TERMS[:14], TERMS[:16])
 # a fit row: these load terms, then busy ranks, peer_busy, micro-batches, after_prefill, joined,
 # requests left
 LOAD_TERMS = TERMS.index("instance_tokens")
@@ -104,9 +111,17 @@ ROW_WIDTH = LOAD_TERMS + 6
 RANK_TERMS = LOAD_TERMS - 1  # what a simulated rank's load gives (the instance's tokens come from all)
 PADDED_PAIRS = TERMS.index("padded_pairs") - 1  # its place in a load
 PREFILL, SQUARE = TERMS.index("prefill_step"), TERMS.index("padded_pairs_sq")
-OTHER_BUSY, PEER_BUSY, MICRO, AFTER, JOINED, LEFT = (
+OTHER_BUSY, PEER_BUSY, MICRO, AFTER, JOINED, LEFT, PEER_TOKENS = (
     TERMS.index(t)
-    for t in ("other_busy_ranks", "peer_busy", "extra_micro_batches", "after_prefill", "joined", "requests_left")
+    for t in (
+        "other_busy_ranks",
+        "peer_busy",
+        "extra_micro_batches",
+        "after_prefill",
+        "joined",
+        "requests_left",
+        "peer_tokens",
+    )
 )
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
 PADDED_FIELDS = ("ext_pad", "dec_pad")
@@ -149,12 +164,12 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
     """Rows (1, tokens, seqs, kv_positions, pairs, padded_pairs, padded_positions, instance_tokens,
     prefill_step, padded_pairs_sq, other_busy_ranks, peer_busy, extra_micro_batches, after_prefill,
-    joined, requests_left) of the loads, each (tokens, seqs, kv, pairs, padded_pairs,
+    joined, requests_left, peer_tokens) of the loads, each (tokens, seqs, kv, pairs, padded_pairs,
     padded_positions, instance_tokens, busy_ranks, peer_busy, micro_batches, after_prefill, joined,
     requests_left): a load of four has no padded terms (0), one without instance_tokens is an
     instance of one rank (its tokens, one busy rank), one without the later flags has no peer
     computing, one micro-batch, no prefill step before, no requests joining and none left;
-    prefill_step is 1 where pairs > 0."""
+    prefill_step is 1 where pairs > 0, peer_tokens the tokens where peer_busy is 1."""
     a = np.asarray(loads, dtype=float)
     a = a.reshape(len(loads), -1) if len(loads) else a.reshape(0, ROW_WIDTH)
     width = a.shape[1]
@@ -172,7 +187,10 @@ def design(loads: Sequence[Sequence[float]]) -> np.ndarray:
     joined = (a[:, LOAD_TERMS + 4 : LOAD_TERMS + 5] > 0).astype(float)
     left = a[:, LOAD_TERMS + 5 : LOAD_TERMS + 6]
     ones = np.ones((a.shape[0], 1))
-    return np.hstack([ones, a[:, :LOAD_TERMS], prefill, padded * padded, others, peer, extra, after, joined, left])
+    peer_tokens = (peer > 0) * a[:, :1]
+    return np.hstack(
+        [ones, a[:, :LOAD_TERMS], prefill, padded * padded, others, peer, extra, after, joined, left, peer_tokens]
+    )
 
 
 @dataclass(frozen=True)
@@ -220,7 +238,7 @@ class StepCalibration:
             left = load[LOAD_TERMS + 5] if len(load) > LOAD_TERMS + 5 else 0
         padded = load[PADDED_PAIRS] if len(load) > PADDED_PAIRS else 0.0
         t += c[LOAD_TERMS] * instance_tokens + (c[PREFILL] if load[3] > 0 else 0.0) + c[SQUARE] * padded * padded
-        t += c[OTHER_BUSY] * (busy_ranks - 1) + (c[PEER_BUSY] if peer_busy else 0.0)
+        t += c[OTHER_BUSY] * (busy_ranks - 1) + ((c[PEER_BUSY] + c[PEER_TOKENS] * load[0]) if peer_busy else 0.0)
         t += c[MICRO] * max(micro_batches - 1, 0) + (c[AFTER] if after_prefill else 0.0)
         t += (c[JOINED] if joined else 0.0) + c[LEFT] * left
         if self.kind_scale:

@@ -100,12 +100,12 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
     assert vs.step_files("single", "r", 1) == [["r"]] and vs.step_files("dp2", "r", 2) == [["r.a0.jsonl", "r.a1.jsonl"]]
     prefills = [
         (n, 1, 0, n * (n + 1) // 2, 0.001 + 1e-5 * n)
-        for n in (16, 64, 256, 512, 100, 32, 8, 200, 300, 400, 48, 128, 24, 40, 600, 80)
+        for n in (16, 64, 256, 512, 100, 32, 8, 200, 300, 400, 48, 128, 24, 40, 600, 80, 700)
     ]
     _records(tmp_path / "r.p", [(1, 1, 30, 0, 0.0011)] + prefills)  # (the first step is left out: warm-up)
     _records(
         tmp_path / "r.d",
-        [(s, s, 40 * s, 0, 0.002 + 1e-4 * s) for s in (1, 1, 2, 4, 8, 3, 6, 5, 7, 9, 10, 11, 12, 13, 14, 15, 16)],
+        [(s, s, 40 * s, 0, 0.002 + 1e-4 * s) for s in (1, 1, 2, 4, 8, 3, 6, 5, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17)],
     )
     prefill, decode = vs.fit_calibration("pd", vs.step_files("pd", str(tmp_path / "r"), 1), "test")
     # each instance's steps are marked where the other was computing as they started

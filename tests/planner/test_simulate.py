@@ -276,11 +276,13 @@ def pd_fitted_decode(term: str, seconds: float) -> tuple[float, float]:
     return simulate(trace, cluster, SLO(10, 10)).e2e[0], alone.e2e[0]
 
 
-def test_a_fitted_step_pays_for_another_instance_computing_as_it_starts():
+@pytest.mark.parametrize("term", ["peer_busy", "peer_tokens"])
+def test_a_fitted_step_pays_for_another_instance_computing_as_it_starts(term):
     # 4 ms more when another instance is in a step as it starts (instances sharing CPUs,
-    # step_calibration's peer_busy): request 1's 22 ms prefill step runs over [100, 122) ms, so
-    # request 0's decode steps that start at 102, 111 and 120 ms take 9 ms; its other 96 steps 5 ms.
-    both, alone = pd_fitted_decode("peer_busy", 0.004)
+    # step_calibration's peer_busy), or 4 ms more per token of the step then (peer_tokens; request
+    # 0 decodes one a step): request 1's 22 ms prefill step runs over [100, 122) ms, so request 0's
+    # decode steps that start at 102, 111 and 120 ms take 9 ms; its other 96 steps 5 ms.
+    both, alone = pd_fitted_decode(term, 0.004)
     assert both == exact(0.032 + 96 * 0.005 + 3 * 0.009)
     assert alone == exact(0.032 + 99 * 0.005)
 

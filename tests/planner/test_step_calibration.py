@@ -32,7 +32,7 @@ from afd_engine.planner.step_calibration import (
 
 AFTER_AT = 10  # after_prefill's place in a step_rows load
 
-COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4, 4e-4, 9e-4, 1.1e-3, 1.6e-3, 5e-4)
+COEF = (0.004, 3e-5, 2e-4, 1e-7, 5e-9, 2e-9, 3e-8, 1e-5, 0.003, 4e-17, 7e-4, 4e-4, 9e-4, 1.1e-3, 1.6e-3, 5e-4, 6e-6)
 
 
 def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -49,14 +49,15 @@ def synthetic(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     ).astype(float)
     # the instance's tokens, its busy ranks, whether another instance was computing, the micro-batches,
     # whether the step before prefilled, the requests that joined from a prefill instance (priced
-    # once, however many) and the requests that left before the step (priced each)
+    # once, however many) and the requests that left before the step (priced each); the step's
+    # tokens are priced again while another instance computes (peer_tokens)
     extra = [rng.integers(1, 4, n), rng.integers(0, 2, n), rng.integers(1, 4, n), rng.integers(0, 2, n)]
     extra += [rng.integers(0, 2, n) * rng.integers(1, 4, n), rng.integers(0, 4, n)]
     loads = np.column_stack([loads, loads[:, 0] + rng.integers(0, 2048, n), *extra])
     seconds = COEF[0] + loads[:, :7] @ np.array(COEF[1:8]) + COEF[8] * (loads[:, 3] > 0)
     seconds += COEF[9] * loads[:, 4] ** 2 + COEF[10] * (loads[:, 7] - 1) + COEF[11] * loads[:, 8]
     seconds += COEF[12] * (loads[:, 9] - 1) + COEF[13] * loads[:, 10]
-    seconds += COEF[14] * (loads[:, 11] > 0) + COEF[15] * loads[:, 12]
+    seconds += COEF[14] * (loads[:, 11] > 0) + COEF[15] * loads[:, 12] + COEF[16] * loads[:, 8] * loads[:, 0]
     return loads, seconds
 
 
@@ -166,9 +167,9 @@ def test_fit_is_non_negative():
     y = x @ np.array([1.0, 2.0, -0.5])
     coef = nnls(x, y)
     assert np.all(coef >= 0) and coef[2] == 0.0
-    assert fit(*synthetic(16)).coef  # and too few steps is refused
-    with pytest.raises(ConfigError, match="at least 16 steps"):
-        fit([(1, 1, 0, 0)] * 15, [0.1] * 15)
+    assert fit(*synthetic(17)).coef  # and too few steps is refused
+    with pytest.raises(ConfigError, match="at least 17 steps"):
+        fit([(1, 1, 0, 0)] * 16, [0.1] * 16)
 
 
 def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
@@ -181,7 +182,8 @@ def test_a_lockstep_step_costs_each_terms_largest_over_its_ranks():
     seconds, busy = model.step(loads)
     assert seconds == pytest.approx(want, abs=1e-12)
     assert busy == (seconds, seconds)
-    assert model.step(loads, peer_busy=True)[0] == pytest.approx(want + 4e-4, abs=1e-12)  # another instance computes
+    # another instance computes: its flag, and again per token of the step (the largest rank's 512)
+    assert model.step(loads, peer_busy=True)[0] == pytest.approx(want + 4e-4 + 512 * 6e-6, abs=1e-12)
     assert model.step(loads, after_prefill=True)[0] == pytest.approx(want + 1.1e-3, abs=1e-12)  # after a prefill
     assert model.step(loads, joined=True)[0] == pytest.approx(want + 1.6e-3, abs=1e-12)  # requests joined from prefill
     assert model.step(loads, left=3)[0] == pytest.approx(want + 3 * 5e-4, abs=1e-12)  # three left before it
@@ -250,9 +252,9 @@ def test_step_rows_join_lockstep_ranks(tmp_path):
     assert joined[0][-2:] == (1.0, 3.0)
     alone, _ = step_rows([read_records(tmp_path / "k")], skip=0)
     assert alone[0][-2:] == (0.0, 2.0)
-    rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(17)]
+    rows = [(i, 10 + i, 1 + i % 3, 100 * i, 7 * i * i, i * 0.1, i * 0.1 + 0.09) for i in range(18)]
     cal = fit_records([[_write_steps(tmp_path / "s", rows)]], "one rank")
-    assert cal.steps == 16 and cal.source == "one rank" and cal.micro_batches == 1
+    assert cal.steps == 17 and cal.source == "one rank" and cal.micro_batches == 1
     (tmp_path / "bad").write_text('{"step": 0}\n')
     with pytest.raises(ConfigError, match="bad:1: expected a step record"):
         read_records(tmp_path / "bad")
@@ -329,17 +331,19 @@ def test_cli_simulates_with_a_step_calibration(tmp_path, capsys):
     assert StepCalibration.load(cal_file).coef == COEF and StepCalibration.load(cal_file).ratio_bins == ()
     old = tmp_path / "old.json"  # written before the padded and prefill terms: those count 0
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:5], COEF))}))
-    assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 11)
+    assert StepCalibration.load(old).coef == (*COEF[:5], *(0.0,) * 12)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:9], COEF))}))  # before the square term
-    assert StepCalibration.load(old).coef == (*COEF[:9], *(0.0,) * 7)
+    assert StepCalibration.load(old).coef == (*COEF[:9], *(0.0,) * 8)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:10], COEF))}))  # before the busy ranks
-    assert StepCalibration.load(old).coef == (*COEF[:10], *(0.0,) * 6)
+    assert StepCalibration.load(old).coef == (*COEF[:10], *(0.0,) * 7)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:11], COEF))}))  # before peer_busy
-    assert StepCalibration.load(old).coef == (*COEF[:11], *(0.0,) * 5)
+    assert StepCalibration.load(old).coef == (*COEF[:11], *(0.0,) * 6)
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:12], COEF))}))  # before the micro-batches
-    assert StepCalibration.load(old).coef == (*COEF[:12], *(0.0,) * 4) and StepCalibration.load(old).micro_batches == 1
+    assert StepCalibration.load(old).coef == (*COEF[:12], *(0.0,) * 5) and StepCalibration.load(old).micro_batches == 1
     old.write_text(json.dumps({"coef": dict(zip(TERMS[:14], COEF))}))  # before joined and requests_left
-    assert StepCalibration.load(old).coef == (*COEF[:14], 0.0, 0.0)
+    assert StepCalibration.load(old).coef == (*COEF[:14], 0.0, 0.0, 0.0)
+    old.write_text(json.dumps({"coef": dict(zip(TERMS[:16], COEF))}))  # before peer_tokens
+    assert StepCalibration.load(old).coef == (*COEF[:16], 0.0)
     args = ["plan", "simulate", "--trace", one_request_trace(tmp_path), "--deployment", "colocated:gpus=1"]
     args += ["--kv-pages", "64", "--step-calibration", str(cal_file), "--json", "-"]
     assert main(args) == 0
