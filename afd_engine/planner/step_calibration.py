@@ -111,18 +111,8 @@ ROW_WIDTH = LOAD_TERMS + 6
 RANK_TERMS = LOAD_TERMS - 1  # what a simulated rank's load gives (the instance's tokens come from all)
 PADDED_PAIRS = TERMS.index("padded_pairs") - 1  # its place in a load
 PREFILL, SQUARE = TERMS.index("prefill_step"), TERMS.index("padded_pairs_sq")
-OTHER_BUSY, PEER_BUSY, MICRO, AFTER, JOINED, LEFT, PEER_TOKENS = (
-    TERMS.index(t)
-    for t in (
-        "other_busy_ranks",
-        "peer_busy",
-        "extra_micro_batches",
-        "after_prefill",
-        "joined",
-        "requests_left",
-        "peer_tokens",
-    )
-)
+# the terms from other_busy_ranks on, in order
+OTHER_BUSY, PEER_BUSY, MICRO, AFTER, JOINED, LEFT, PEER_TOKENS = range(TERMS.index("other_busy_ranks"), len(TERMS))
 RECORD_FIELDS = ("step", "tokens", "seqs", "kv", "pairs", "t0", "t1")
 PADDED_FIELDS = ("ext_pad", "dec_pad")
 # absent from older recordings: these
