@@ -39,7 +39,7 @@ from afd_engine.errors import ConfigError
 from afd_engine.server import pd_failover as failover
 from afd_engine.server.auth import install_auth, resolve_keys, tls_settings
 from afd_engine.server.drain import Drain, DrainGate, DrainingServer
-from afd_engine.server.errors import invalid_api_key, openai_error
+from afd_engine.server.errors import install_exception_handlers, invalid_api_key, openai_error
 
 log = logging.getLogger("afd.router")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
@@ -365,6 +365,7 @@ def build_router_app(
         await router.client.aclose()
 
     app = FastAPI(title="afd-router", lifespan=lifespan)
+    install_exception_handlers(app)  # a client gets OpenAI's JSON error shape, a router bug included
 
     for path in ROUTES:
 

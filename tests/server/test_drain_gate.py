@@ -1,6 +1,7 @@
 """Draining in process (server/drain.py): what a generation request gets while the server drains,
-and how one still running at the drain timeout ends. The signals, the real server and the
-exit statuses are in test_drain.py."""
+and how one still running at the drain timeout ends (the signals, the real server and the exit
+statuses are in test_drain.py); and, with the same in-process router, the JSON error a client gets
+when the router itself fails."""
 
 from __future__ import annotations
 
@@ -122,3 +123,24 @@ def test_requests_still_running_at_the_drain_timeout_are_cut():
         "error": {"message": message, "type": "server_error", "param": None, "code": None}
     }
     assert whole.status_code == 503 and whole.json()["error"]["message"] == message
+
+
+def test_a_router_failure_reaches_the_client_as_a_json_error(monkeypatch):
+    # an exception inside the router (a bug, not an instance's answer) is OpenAI's 500 shape, not
+    # Starlette's plain "Internal Server Error" that an OpenAI client cannot parse
+    router = PDRouter(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+
+    async def broken(job, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("afd_engine.server.pd_failover.open_request", broken)
+    app = build_router_app(router, drain=Drain(2.0, log))
+    for path, body in BODIES.items():
+        resp = asyncio.run(_call(app, "POST", path, json=body))
+        assert resp.status_code == 500, (path, resp.text)
+        assert resp.json()["error"] == {
+            "message": "The server had an error while processing your request.",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
