@@ -20,7 +20,7 @@ from afd_engine.errors import InvalidRequestError
 from afd_engine.processes.rendezvous import free_port as free_local_port
 from tests.disagg.pd_helpers import COMMON, idle_pages
 from tests.disagg.test_pd_serve import kill_tree, wait_idle
-from tests.process_helpers import afd_start, free_port, proc_title, wait_healthy
+from tests.process_helpers import afd_start, free_port, proc_title, stopped_after, wait_healthy
 from tests.server.conftest import Server
 from tests.server.test_engine_death import children
 
@@ -156,7 +156,11 @@ def call(url: str, name: str, max_tokens: int, got: dict, events: threading.Sema
     text, ids, usage, errors = {}, set(), None, []
     with httpx.Client(timeout=120) as client:
         if not body["stream"]:
-            answer = client.post(url + path, json=body).json()
+            resp = client.post(url + path, json=body)
+            try:
+                answer = resp.json()
+            except ValueError:  # (not JSON: say what came, status and body)
+                answer = {"error": f"status {resp.status_code}, not JSON: {resp.text[:300]!r}"}
             if "error" in answer:
                 errors.append(answer["error"])
             else:
@@ -255,27 +259,28 @@ def test_a_decode_instance_killed_mid_stream_costs_the_clients_nothing(long_v3):
         router = Router([prefill], decode)
         started.append(router)
         names = list(REQUESTS)
-        want, threads = run_all(router.url, names, KILL_TEST_TOKENS)
-        join(threads)
-        assert all(not w[3] for w in want.values()), want
+        with stopped_after([router.proc]):  # (a failure shows the router's log)
+            want, threads = run_all(router.url, names, KILL_TEST_TOKENS)
+            join(threads)
+            assert all(not w[3] for w in want.values()), want
 
-        events = threading.Semaphore(0)
-        placed = lambda n: sum(router.in_flight(d) for d in decode) == n  # noqa: E731
-        got, threads = run_all(router.url, names, KILL_TEST_TOKENS, events, placed)
-        for _ in STREAMS:
-            assert events.acquire(timeout=60)
-        # the chat of two choices, /generate, a greedy completion and the JSON request run there
-        assert router.in_flight(decode[0]) == 4
-        kill_tree(decode[0].proc)
-        join(threads)
-        assert_undisturbed(got, want)
-        metrics = router.metrics()
-        # the three streams resumed, the JSON request sent again
-        assert metric(metrics, 'afd_router_failovers_total{kind="resume"}') == 3
-        assert metric(metrics, 'afd_router_failovers_total{kind="resend"}') == 1
-        assert metric(metrics, f'afd_router_instance_up{{instance="{decode[0].url}"}}') == 0
-        wait_idle(prefill, decode[1])
-        assert decode[1].metric("afd_kv_pages_reserved") == 0
+            events = threading.Semaphore(0)
+            placed = lambda n: sum(router.in_flight(d) for d in decode) == n  # noqa: E731
+            got, threads = run_all(router.url, names, KILL_TEST_TOKENS, events, placed)
+            for _ in STREAMS:
+                assert events.acquire(timeout=60)
+            # the chat of two choices, /generate, a greedy completion and the JSON request run there
+            assert router.in_flight(decode[0]) == 4
+            kill_tree(decode[0].proc)
+            join(threads)
+            assert_undisturbed(got, want)
+            metrics = router.metrics()
+            # the three streams resumed, the JSON request sent again
+            assert metric(metrics, 'afd_router_failovers_total{kind="resume"}') == 3
+            assert metric(metrics, 'afd_router_failovers_total{kind="resend"}') == 1
+            assert metric(metrics, f'afd_router_instance_up{{instance="{decode[0].url}"}}') == 0
+            wait_idle(prefill, decode[1])
+            assert decode[1].metric("afd_kv_pages_reserved") == 0
     finally:
         for s in started:
             if s.proc.poll() is None:
