@@ -218,14 +218,11 @@ class StepCalibration:
         left the instance since its previous step apart."""
         c = self.coef
         t = c[0] + sum(k * v for k, v in zip(c[1 : RANK_TERMS + 1], load[:RANK_TERMS]))
-        if instance_tokens is None:
+        if instance_tokens is None:  # a fit row: its later fields where it has them, else their defaults
             instance_tokens = load[RANK_TERMS] if len(load) > RANK_TERMS else load[0]
-            busy_ranks = load[LOAD_TERMS] if len(load) > LOAD_TERMS else busy_ranks
-            peer_busy = len(load) > LOAD_TERMS + 1 and load[LOAD_TERMS + 1] > 0
-            micro_batches = load[LOAD_TERMS + 2] if len(load) > LOAD_TERMS + 2 else 1
-            after_prefill = len(load) > LOAD_TERMS + 3 and load[LOAD_TERMS + 3] > 0
-            joined = len(load) > LOAD_TERMS + 4 and load[LOAD_TERMS + 4] > 0
-            left = load[LOAD_TERMS + 5] if len(load) > LOAD_TERMS + 5 else 0
+            absent = (busy_ranks, 0, 1, 0, 0, 0)[max(len(load) - LOAD_TERMS, 0) :]
+            busy_ranks, peer, micro_batches, after, join, left = (*load[LOAD_TERMS:ROW_WIDTH], *absent)
+            peer_busy, after_prefill, joined = peer > 0, after > 0, join > 0
         padded = load[PADDED_PAIRS] if len(load) > PADDED_PAIRS else 0.0
         t += c[LOAD_TERMS] * instance_tokens + (c[PREFILL] if load[3] > 0 else 0.0) + c[SQUARE] * padded * padded
         t += c[OTHER_BUSY] * (busy_ranks - 1) + ((c[PEER_BUSY] + c[PEER_TOKENS] * load[0]) if peer_busy else 0.0)
