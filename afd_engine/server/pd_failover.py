@@ -31,6 +31,7 @@ or no instance of a role is left. Instances started apart (`afd router --prefill
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -272,7 +273,22 @@ async def _decode_answer(resp: httpx.Response) -> Response:
 
 async def relay(router, job: Job, attempt: Attempt):
     """The decode instance's event stream to the client; on a loss, the rest of it from the
-    request resumed elsewhere (the module's docstring)."""
+    request resumed elsewhere (the module's docstring). A failure of the router itself ends the
+    stream with an error event and `[DONE]` (the traceback goes to the log), not a cut connection."""
+    ended = False  # the client has [DONE]
+    try:
+        async with contextlib.aclosing(_relay(router, job, attempt)) as events:
+            async for out in events:
+                ended = out.endswith(DONE)
+                yield out
+    except Exception:
+        log.exception("the router failed a stream of %s", job.path)
+        if not ended:
+            message = "the router failed while relaying this stream (its log has the cause)"
+            yield _last_event(error_body(message, type="server_error"))
+
+
+async def _relay(router, job: Job, attempt: Attempt):
     reader = RelayedStream()
     chunk = None
     try:

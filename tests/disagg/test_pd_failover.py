@@ -151,7 +151,15 @@ STREAMS = [name for name in REQUESTS if name != "whole"]
 
 def call(url: str, name: str, max_tokens: int, got: dict, events: threading.Semaphore | None = None) -> None:
     """One request; got[name] = ({choice index: text}, chunk ids, usage, errors). A stream releases
-    `events` once it has read 8 events; one that does not end with `data: [DONE]` has an error."""
+    `events` once it has read 8 events; one that does not end with `data: [DONE]` has an error, and
+    so has a request whose reading raised (a broken connection, an event that is not JSON)."""
+    try:
+        _call(url, name, max_tokens, got, events)
+    except Exception as exc:  # (recorded, so that the test's assertion names it)
+        got[name] = ({}, set(), None, [f"raised {exc!r}"])
+
+
+def _call(url: str, name: str, max_tokens: int, got: dict, events: threading.Semaphore | None) -> None:
     path, body = request_body(name, max_tokens)
     text, ids, usage, errors = {}, set(), None, []
     with httpx.Client(timeout=120) as client:
@@ -301,24 +309,25 @@ def test_a_prefill_instance_killed_with_requests_queued_hands_them_to_another(ti
         router = Router(prefill, [decode])
         started.append(router)
         names = list(REQUESTS)
-        want, threads = run_all(router.url, names, 40)
-        join(threads)
-        assert all(not w[3] for w in want.values()), want
+        with stopped_after([router.proc]):  # (a failure shows the router's log)
+            want, threads = run_all(router.url, names, 40)
+            join(threads)
+            assert all(not w[3] for w in want.values()), want
 
-        (rank,) = [p for p in children(prefill[0].proc.pid) if proc_title(p) == "afd::engine"]
-        os.kill(rank, signal.SIGSTOP)  # its requests queue: the rank never takes them
-        got, threads = run_all(router.url, names, 40)
-        deadline = time.monotonic() + 30
-        while router.in_flight(prefill[0]) < 2 or decode.metric("afd_kv_pages_reserved") == 0:
-            assert time.monotonic() < deadline, "no request waits on the stopped prefill instance"
-            time.sleep(0.05)
-        os.kill(rank, signal.SIGKILL)
-        kill_tree(prefill[0].proc)
-        join(threads)
-        assert_undisturbed(got, want)
-        assert metric(router.metrics(), "afd_router_failovers_total") >= 2
-        wait_idle(prefill[1], decode)
-        assert decode.metric("afd_kv_pages_reserved") == 0
+            (rank,) = [p for p in children(prefill[0].proc.pid) if proc_title(p) == "afd::engine"]
+            os.kill(rank, signal.SIGSTOP)  # its requests queue: the rank never takes them
+            got, threads = run_all(router.url, names, 40)
+            deadline = time.monotonic() + 30
+            while router.in_flight(prefill[0]) < 2 or decode.metric("afd_kv_pages_reserved") == 0:
+                assert time.monotonic() < deadline, "no request waits on the stopped prefill instance"
+                time.sleep(0.05)
+            os.kill(rank, signal.SIGKILL)
+            kill_tree(prefill[0].proc)
+            join(threads)
+            assert_undisturbed(got, want)
+            assert metric(router.metrics(), "afd_router_failovers_total") >= 2
+            wait_idle(prefill[1], decode)
+            assert decode.metric("afd_kv_pages_reserved") == 0
     finally:
         for s in started:
             if s.proc.poll() is None:

@@ -144,3 +144,51 @@ def test_a_router_failure_reaches_the_client_as_a_json_error(monkeypatch):
             "param": None,
             "code": None,
         }
+
+
+class FailingAttempt:
+    """A try whose decode stream sends one event, then fails inside the router (a bug: not an
+    httpx error, which would be the instance's failure)."""
+
+    kv_arrived = True
+
+    def __init__(self) -> None:
+        async def events():
+            yield b'data: {"id": "cmpl-1", "choices": []}\n\n'
+            raise RuntimeError("boom")
+
+        self.response = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+        self.closed = False
+
+    async def wait(self, work) -> None:
+        await asyncio.wait({work})
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_a_router_failure_mid_stream_ends_the_stream_with_an_error_event(monkeypatch, caplog):
+    # not a cut connection (the client's read raising); the try is closed, the cause logged
+    router = PDRouter(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    attempt = FailingAttempt()
+
+    async def opened(*args, **kwargs):
+        return attempt
+
+    monkeypatch.setattr("afd_engine.server.pd_failover.open_request", opened)
+    app = build_router_app(router, drain=Drain(2.0, log))
+    with caplog.at_level(logging.ERROR, logger="afd.router"):
+        resp = asyncio.run(_call(app, "POST", "/v1/chat/completions", json=BODIES["/v1/chat/completions"]))
+    events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
+    assert resp.status_code == 200 and len(events) == 3 and events[-1] == "[DONE]", resp.text
+    assert events[0] == '{"id": "cmpl-1", "choices": []}'
+    assert json.loads(events[1]) == {
+        "error": {
+            "message": "the router failed while relaying this stream (its log has the cause)",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    assert attempt.closed
+    assert "RuntimeError: boom" in caplog.text and "the router failed a stream of /v1/chat/completions" in caplog.text
