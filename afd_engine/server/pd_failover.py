@@ -223,13 +223,20 @@ async def open_request(router, job: Job, resume: dict | None = None, exclude=Non
     """A try whose decode instance answered 200 (a stream's headers, or the whole JSON answer),
     moving to other instances as long as the failures are losses; else the error to answer."""
     exclude = set() if exclude is None else exclude
+    tries: list[Attempt] = []
+    try:
+        return await _open(router, job, resume, exclude, prefer, tries)
+    except BaseException:  # the client went away, or the router failed: closing aborts both sides
+        for attempt in tries:
+            await attempt.close()
+        raise
+
+
+async def _open(router, job: Job, resume, exclude: set, prefer, tries: list) -> Attempt | Response:
     attempt = start(router, job, resume, exclude, prefer)
     while isinstance(attempt, Attempt):
-        try:
-            failed = await attempt.wait(attempt.decode)
-        except asyncio.CancelledError:  # the client went away: closing both connections aborts both sides
-            await attempt.close()
-            raise
+        tries.append(attempt)
+        failed = await attempt.wait(attempt.decode)
         answer = None
         if failed is None:
             exc = attempt.decode.exception()

@@ -192,3 +192,33 @@ def test_a_router_failure_mid_stream_ends_the_stream_with_an_error_event(monkeyp
     }
     assert attempt.closed
     assert "RuntimeError: boom" in caplog.text and "the router failed a stream of /v1/chat/completions" in caplog.text
+
+
+class BrokenTry:
+    """A try the router fails on while it waits for the decode instance's answer."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def wait(self, work) -> None:
+        raise RuntimeError("boom")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_a_router_failure_before_the_answer_closes_the_try(monkeypatch):
+    # its requests on the instances are aborted (they would hold KV pages until they finished)
+    router = PDRouter(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    tries = []
+
+    def start(*args, **kwargs):
+        tries.append(BrokenTry())
+        return tries[-1]
+
+    monkeypatch.setattr("afd_engine.server.pd_failover.start", start)
+    monkeypatch.setattr("afd_engine.server.pd_failover.Attempt", BrokenTry)
+    app = build_router_app(router, drain=Drain(2.0, log))
+    resp = asyncio.run(_call(app, "POST", "/v1/completions", json=BODIES["/v1/completions"]))
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error", resp.text
+    assert len(tries) == 1 and tries[0].closed
