@@ -11,8 +11,8 @@ behind the router, `afd serve --pd`) it
    engine's figures are the runs' mean, their spread the largest distance of one run from it;
 3. simulates the validation slice with the fitted step time, the server's KV pages, token budget,
    page size and router, and the front end measured on the calibration run (PD: also the KV link
-   of KV_LINK, and the decode instance's step times drawn around its fit: DRAWN), as the mean of
-   DRAWS simulations that draw the front end's gaps, and reports, per figure, the simulator's
+   of KV_LINK), the step times of dp2 and of PD's decode instance drawn around the fit (DRAWN), as
+   the mean of DRAWS simulations that draw the front end's gaps, and reports, per figure, the simulator's
    error against the engine's mean beside the engine's own spread.
 
 Each fit weights its steps so that every kind of step (decode-only, short, medium and long prefill)
@@ -105,8 +105,15 @@ KV_LINK_BPS, KV_LINK_LATENCY_S = 1.6e9, 0.5e-3
 # request's TPOT, which the decode instance's steps make, is mostly the run's chance: between two
 # runs of the same slice its correlation is 0.1-0.3 (0.7-0.95 in the other modes, where the fitted
 # times stand for every run; TTFTs correlate 0.7-0.95 in every mode, PD's included), so a run's
-# TPOT tail is wider than that of a simulation whose steps all take the fitted time.
-DRAWN = {"pd": (False, True)}  # (prefill instance, decode instance)
+# TPOT tail is wider than that of a simulation whose steps all take the fitted time. dp2's bursts
+# go to one rank (the cache-aware router follows a burst's first request), whose steps of several
+# million padded pairs decide whether the next burst joins the step under way: at the fitted times
+# every simulation takes the same side, where the engine's runs, whose steps spread 10-20% about the
+# fit, take either (refitted on six sets of runs of 2026-11-29, drawing dp2's steps took its TTFT p90
+# from +12.3% to +3.6% and from +20.8% to +8.7% on two sets and its TPOT p90 from +9.6% to +13.0% and
+# from +8.9% to +15.5% on two others; 4 of the 6 sets then had dp2's four latencies within 10%,
+# against 3; the figures' mean |error| 6.0% against 6.4%).
+DRAWN = {"dp2": (True,), "pd": (False, True)}  # (the instance,) / (prefill instance, decode instance)
 # Every mode's figures are the mean over DRAWS simulations (seeds 0, 1, ...), each with the front
 # end's gaps drawn from the measured ones (FrontEnd), and the DRAWN instances' step times.
 DRAWS = 8

@@ -139,6 +139,10 @@ def test_pd_fits_each_instance_on_its_own_steps_and_simulates_both(tmp_path, mon
     assert drawn["tpot_p90"] > fast["tpot_p90"] * 1.2
     runs = vs.simulations(trace, 1, 1000, (prefill, spread), ("gpu",), args, drawn=(False, True))
     assert len(runs) == vs.DRAWS and len({float(r.tpot[0]) for r in runs}) > 1
+    # the modes whose steps are drawn: PD's decode instance, and dp2's one instance of two ranks
+    assert vs.DRAWN["pd"] == (False, True) and set(vs.DRAWN) == {"dp2", "pd"}
+    dp2 = sim_metrics(trace, 2, 1000, spread, ("gpu",), args, drawn=vs.DRAWN["dp2"])
+    assert dp2["tpot_p90"] > sim_metrics(trace, 2, 1000, spread, ("gpu",), args)["tpot_p90"] * 1.2
     alone = sim_metrics(trace, 1, 1000, prefill, ("gpu",), args)  # one instance, no PD
     assert alone["tpot_p50"] != fast["tpot_p50"]
     # the API server's response time adds to TTFT, not to TPOT
