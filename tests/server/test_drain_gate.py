@@ -146,18 +146,12 @@ def test_a_router_failure_reaches_the_client_as_a_json_error(monkeypatch):
         }
 
 
-class FailingAttempt:
-    """A try whose decode stream sends one event, then fails inside the router (a bug: not an
-    httpx error, which would be the instance's failure)."""
+class FakeTry:
+    """A try of a request as the router's relay and open_request use it, recording its close."""
 
     kv_arrived = True
 
     def __init__(self) -> None:
-        async def events():
-            yield b'data: {"id": "cmpl-1", "choices": []}\n\n'
-            raise RuntimeError("boom")
-
-        self.response = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
         self.closed = False
 
     async def wait(self, work) -> None:
@@ -165,6 +159,20 @@ class FailingAttempt:
 
     async def close(self) -> None:
         self.closed = True
+
+
+class FailingAttempt(FakeTry):
+    """A try whose decode stream sends one event, then fails inside the router (a bug: not an
+    httpx error, which would be the instance's failure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        async def events():
+            yield b'data: {"id": "cmpl-1", "choices": []}\n\n'
+            raise RuntimeError("boom")
+
+        self.response = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
 
 
 def test_a_router_failure_mid_stream_ends_the_stream_with_an_error_event(monkeypatch, caplog):
@@ -194,17 +202,11 @@ def test_a_router_failure_mid_stream_ends_the_stream_with_an_error_event(monkeyp
     assert "RuntimeError: boom" in caplog.text and "the router failed a stream of /v1/chat/completions" in caplog.text
 
 
-class BrokenTry:
+class BrokenTry(FakeTry):
     """A try the router fails on while it waits for the decode instance's answer."""
-
-    def __init__(self) -> None:
-        self.closed = False
 
     async def wait(self, work) -> None:
         raise RuntimeError("boom")
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 def test_a_router_failure_before_the_answer_closes_the_try(monkeypatch):
